@@ -1,0 +1,57 @@
+#pragma once
+// Exact CPU attention over an AttentionCall, forward (O, LSE) and backward (dQ, dK, dV), in two arithmetics:
+//  - the oracle: float64 throughout, on inputs as stored (bf16/fp16 values are exact in float64);
+//  - the peer: rounds where a flash kernel rounds and nowhere else (docs/design.md): float32 accumulation,
+//    inputs in the dtype, P rounded to the dtype before P.V and P^T.dO, dS rounded before dS.K and dS^T.Q,
+//    O/dQ/dK/dV rounded to the dtype, LSE float32.
+// Shapes: q [t_q, h_q, d_qk], k [t_kv, h_kv, d_qk], v [t_kv, h_kv, d_v], o/dout [t_q, h_q, d_v],
+// lse [h_q, t_q]; h_q = g * h_kv with contiguous groups (query head h reads kv head h / g).
+// Rows outside the call's Q segments: O, dQ = 0 and LSE = -inf; K/V rows outside its KV segments: dK, dV = 0.
+// Rows outside the segments are never read, so NaN/Inf there cannot reach a valid output.
+// Work is split with OpenMP over (sequence, head, row block); each output element is produced by one task in a
+// fixed order, so results are bitwise identical for any thread count.
+#include "reference/attention_call.hpp"
+#include "reference/dtype.hpp"
+#include "reference/tensor.hpp"
+
+namespace cpgold {
+
+// Order-of-operations knobs of a run. Defaults define the reference; `cpgold check --self` varies them to get an
+// independent but equally legitimate low-precision path.
+struct KernelOptions {
+  int row_block = 64;       // query rows per task and per tile (also key rows per backward dK/dV task)
+  bool scale_on_k = false;  // peer only: multiply K by the scale (rounded to the dtype) instead of the scores
+};
+
+template <class T>
+struct ForwardResult {
+  Tensor3<T> o;     // [t_q, h_q, d_v]
+  LseTensor<T> lse; // [h_q, t_q]
+};
+
+template <class T>
+struct BackwardResult {
+  Tensor3<T> dq, dk, dv;
+};
+
+// Oracle (float64).
+ForwardResult<double> attention_forward(const AttentionCall& call, const Tensor3<double>& q, const Tensor3<double>& k,
+                                        const Tensor3<double>& v, const KernelOptions& options = {});
+BackwardResult<double> attention_backward(const AttentionCall& call, const Tensor3<double>& q,
+                                          const Tensor3<double>& k, const Tensor3<double>& v,
+                                          const Tensor3<double>& o, const LseTensor<double>& lse,
+                                          const Tensor3<double>& dout, const KernelOptions& options = {});
+
+// Peer (float32 accumulation, rounding to `dtype`). Inputs must already hold values of the dtype.
+ForwardResult<float> attention_forward(const AttentionCall& call, const Tensor3<float>& q, const Tensor3<float>& k,
+                                       const Tensor3<float>& v, DType dtype, const KernelOptions& options = {});
+BackwardResult<float> attention_backward(const AttentionCall& call, const Tensor3<float>& q, const Tensor3<float>& k,
+                                         const Tensor3<float>& v, const Tensor3<float>& o,
+                                         const LseTensor<float>& lse, const Tensor3<float>& dout, DType dtype,
+                                         const KernelOptions& options = {});
+
+// Pins Eigen's cache-size assumptions (its GEMM blocking) and disables Eigen's own threading so that results do not
+// depend on the host. Called by every entry point above; idempotent.
+void pin_eigen_blocking();
+
+}  // namespace cpgold
