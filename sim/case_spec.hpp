@@ -4,7 +4,10 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
+
+#include <nlohmann/json.hpp>
 
 #include "reference/dtype.hpp"
 #include "reference/mask.hpp"
@@ -38,5 +41,41 @@ struct CaseSpec {
 
   bool operator==(const CaseSpec&) const = default;
 };
+
+}  // namespace cpgold::sim
+
+namespace cpgold::sim {
+
+std::string_view comm_name(CommType comm);          // "p2p", "a2a", "all_gather", "a2a+p2p"
+CommType parse_comm(std::string_view text);         // InputError naming "comm"
+std::string_view pad_fill_name(PadFill fill);       // "zero", "random", "nan", "inf"
+PadFill parse_pad_fill(std::string_view text);      // InputError naming "pad_fill"
+
+// Parses a case object. Unknown keys, wrong types and bad values are InputErrors naming the key and the value.
+// The result is validated (validate_case) and its window normalised.
+CaseSpec parse_case(const nlohmann::json& object);
+CaseSpec parse_case_text(std::string_view json_text);
+
+// Every key with its default filled in, in the documented order (docs/case-spec.md). Fixtures store this.
+nlohmann::ordered_json case_to_json(const CaseSpec& spec);
+std::string normalized_json(const CaseSpec& spec);  // case_to_json(spec).dump() on one line
+
+// Checks the case as a whole (layout, heads, dims, CP constraints: padded lengths multiples of 2W, W >= 1,
+// heads divisible for a2a / a2a+p2p, L_q == L_kv per sequence for causal or windowed CP). InputError otherwise.
+void validate_case(const CaseSpec& spec);
+
+// Resolved values (defaults applied).
+std::vector<int32_t> seqlens_kv(const CaseSpec& spec);
+std::vector<int32_t> padded_q(const CaseSpec& spec);
+std::vector<int32_t> padded_kv(const CaseSpec& spec);
+int heads_kv(const CaseSpec& spec);
+int dim_v(const CaseSpec& spec);
+int a2a_size(const CaseSpec& spec);
+double softmax_scale(const CaseSpec& spec);
+Window mask_window(const CaseSpec& spec);  // normalised (causal -> right = 0); (-1,-1) for mask none
+ThdLayout layout(const CaseSpec& spec);    // validated global THD layout
+
+// Each length rounded up to a multiple of 2 * cp_size (the CP padding rule); InputError if cp_size < 1.
+std::vector<int32_t> pad_lengths_for_cp(const std::vector<int32_t>& lengths, int cp_size);
 
 }  // namespace cpgold::sim

@@ -1,0 +1,55 @@
+#pragma once
+// CPU executor of a Plan: W simulated ranks, each holding only its own shards; every message of the Plan is copied
+// between rank buffers, so a wrong send/receive schedule shows up in the results. Two arithmetics:
+//  - oracle: float64 tiles (reference/attention.hpp), merges and accumulations in float64;
+//  - CP peer: the reference peer per tile (partials rounded to the dtype, LSE float32), merges and accumulations in
+//    float32, final O / dQ / dK / dV rounded once to the dtype (docs/cp-plan.md, "Precision").
+#include <vector>
+
+#include "reference/dtype.hpp"
+#include "reference/tensor.hpp"
+#include "sim/case_inputs.hpp"
+#include "sim/plan.hpp"
+#include "sim/trace.hpp"
+
+namespace cpgold::sim {
+
+// Per-rank results in the rank-local layout (SidePartition::local_rows rows).
+template <class T>
+struct RankOutputs {
+  Tensor3<T> o;      // [local_rows_q, heads_q, d_v]
+  LseTensor<T> lse;  // [heads_q, local_rows_q]; -inf at pad rows and at valid rows with no visible key
+  Tensor3<T> dq;     // [local_rows_q, heads_q, d_qk]
+  Tensor3<T> dk;     // [local_rows_kv, heads_kv, d_qk]
+  Tensor3<T> dv;     // [local_rows_kv, heads_kv, d_v]
+};
+
+template <class T>
+struct CpRun {
+  std::vector<RankOutputs<T>> ranks;  // [W]
+  Trace<T> trace;
+};
+
+struct ExecutorOptions {
+  bool backward = true;
+  bool record_trace = true;
+};
+
+// Global inputs are sharded with the partition's gather indices; each rank then sees only its shards.
+CpRun<double> run_cp_oracle(const Plan& plan, const CaseInputs& inputs, const ExecutorOptions& options = {});
+CpRun<float> run_cp_peer(const Plan& plan, const CaseInputs& inputs, DType dtype, const ExecutorOptions& options = {});
+
+// Gathered back to the global layout (rows of the global tensors; tail and pad rows 0, LSE -inf there).
+template <class T>
+struct GlobalOutputs {
+  Tensor3<T> o, dq, dk, dv;
+  LseTensor<T> lse;
+};
+template <class T>
+GlobalOutputs<T> gather_outputs(const Plan& plan, const std::vector<RankOutputs<T>>& ranks);
+
+// local: [local_rows, h, d] of rank `rank` from a global [total_rows, h, d] (thd_get_partitioned_indices).
+template <class T>
+Tensor3<T> shard_rows(const SidePartition& side, int rank, const Tensor3<T>& global);
+
+}  // namespace cpgold::sim
