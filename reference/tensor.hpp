@@ -1,5 +1,6 @@
 #pragma once
 // Dense row-major tensors of the reference: THD tensors [t, h, d] and LSE [h, t].
+#include <cstddef>
 #include <cstdint>
 #include <vector>
 
@@ -13,7 +14,7 @@ struct Tensor3 {
 
   Tensor3() = default;
   Tensor3(int64_t rows_, int64_t heads_, int64_t dim_, T fill = T(0))
-      : rows(rows_), heads(heads_), dim(dim_), values(static_cast<size_t>(rows_ * heads_ * dim_), fill) {}
+      : rows(rows_), heads(heads_), dim(dim_), values(static_cast<std::size_t>(rows_ * heads_ * dim_), fill) {}
 
   int64_t row_stride() const { return heads * dim; }
   T* at(int64_t row, int64_t head) { return values.data() + (row * heads + head) * dim; }
@@ -32,22 +33,22 @@ struct LseTensor {
   std::vector<T> values;
 
   LseTensor() = default;
-  LseTensor(int64_t heads_, int64_t rows_, T fill) : heads(heads_), rows(rows_), values(static_cast<size_t>(heads_ * rows_), fill) {}
-  T& operator()(int64_t head, int64_t row) { return values[static_cast<size_t>(head * rows + row)]; }
-  const T& operator()(int64_t head, int64_t row) const { return values[static_cast<size_t>(head * rows + row)]; }
+  LseTensor(int64_t heads_, int64_t rows_, T fill) : heads(heads_), rows(rows_), values(static_cast<std::size_t>(heads_ * rows_), fill) {}
+  T& operator()(int64_t head, int64_t row) { return values[static_cast<std::size_t>(head * rows + row)]; }
+  const T& operator()(int64_t head, int64_t row) const { return values[static_cast<std::size_t>(head * rows + row)]; }
 };
 
 template <class To, class From>
 Tensor3<To> tensor_cast(const Tensor3<From>& x) {
   Tensor3<To> y(x.rows, x.heads, x.dim);
-  for (size_t i = 0; i < x.values.size(); ++i) y.values[i] = static_cast<To>(x.values[i]);
+  for (std::size_t i = 0; i < x.values.size(); ++i) y.values[i] = static_cast<To>(x.values[i]);
   return y;
 }
 
 template <class To, class From>
 LseTensor<To> lse_cast(const LseTensor<From>& x) {
   LseTensor<To> y(x.heads, x.rows, To(0));
-  for (size_t i = 0; i < x.values.size(); ++i) y.values[i] = static_cast<To>(x.values[i]);
+  for (std::size_t i = 0; i < x.values.size(); ++i) y.values[i] = static_cast<To>(x.values[i]);
   return y;
 }
 
