@@ -3,6 +3,7 @@
 // Valid rows are uniform in [-1, 1] (as TransformerEngine's tests clamp randn to [-1, 1]) rounded to the dtype;
 // pad and tail rows hold what pad_fill says. The values depend only on (seed, tensor, row, head, x), never on the
 // thread count or the standard library: counter-based splitmix64 with cpgold's own mapping to floats.
+#include <cstddef>  // size_t, used by reference/tensor.hpp
 #include <cstdint>
 
 #include "reference/tensor.hpp"

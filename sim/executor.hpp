@@ -4,6 +4,7 @@
 //  - oracle: float64 tiles (reference/attention.hpp), merges and accumulations in float64;
 //  - CP peer: the reference peer per tile (partials rounded to the dtype, LSE float32), merges and accumulations in
 //    float32, final O / dQ / dK / dV rounded once to the dtype (docs/cp-plan.md, "Precision").
+#include <cstddef>  // size_t, used by reference/tensor.hpp
 #include <vector>
 
 #include "reference/dtype.hpp"

@@ -3,6 +3,7 @@
 // partials dQ_i, dK_i, dV_i, each in the row space of its tile's tensors (Tile::call.q_rows / kv_rows), plus the dKV
 // a p2p ring rank holds after adding its contribution at that step (the partial sum in flight to the next rank).
 // Filled by the CPU executor, stored by fixtures, compared step by step with GPU executors.
+#include <cstddef>  // size_t, used by reference/tensor.hpp
 #include <vector>
 
 #include "reference/tensor.hpp"

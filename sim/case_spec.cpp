@@ -1,0 +1,274 @@
+#include "sim/case_spec.hpp"
+
+#include <cmath>
+#include <set>
+
+#include "reference/input_error.hpp"
+
+namespace cpgold::sim {
+
+namespace {
+
+using json = nlohmann::json;
+
+// Documented key order (docs/case-spec.md); also the set of accepted keys.
+const std::vector<std::string>& case_keys() {
+  static const std::vector<std::string> keys = {
+      "seqlens_q", "seqlens_kv", "padded_q", "padded_kv", "total_tokens_q", "total_tokens_kv",
+      "heads_q",   "heads_kv",   "dim_qk",   "dim_v",     "dtype",          "mask",
+      "window",    "cp_size",    "comm",     "a2a_size",  "seed",           "pad_fill",
+      "softmax_scale"};
+  return keys;
+}
+
+std::string show(const json& value) { return value.dump(); }
+
+int64_t get_int(const json& value, const std::string& field, int64_t lo, int64_t hi) {
+  if (!value.is_number_integer())
+    fail_input(field, "must be an integer, got ", show(value));
+  const int64_t x = value.is_number_unsigned() && value.get<uint64_t>() > static_cast<uint64_t>(INT64_MAX)
+                        ? INT64_MAX
+                        : value.get<int64_t>();
+  if (x < lo || x > hi) fail_input(field, "value ", show(value), " outside [", lo, ", ", hi, "]");
+  return x;
+}
+
+std::vector<int32_t> get_lengths(const json& value, const std::string& field) {
+  if (!value.is_array()) fail_input(field, "must be a list of integers, got ", show(value));
+  std::vector<int32_t> out;
+  for (size_t i = 0; i < value.size(); ++i)
+    out.push_back(static_cast<int32_t>(get_int(value[i], field + "[" + std::to_string(i) + "]", 0, INT32_MAX)));
+  return out;
+}
+
+std::string get_string(const json& value, const std::string& field) {
+  if (!value.is_string()) fail_input(field, "must be a string, got ", show(value));
+  return value.get<std::string>();
+}
+
+json lengths_json(const std::vector<int32_t>& v) { return json(v); }
+
+}  // namespace
+
+std::string_view comm_name(CommType comm) {
+  switch (comm) {
+    case CommType::p2p: return "p2p";
+    case CommType::a2a: return "a2a";
+    case CommType::all_gather: return "all_gather";
+    case CommType::a2a_p2p: return "a2a+p2p";
+  }
+  return "?";
+}
+
+CommType parse_comm(std::string_view text) {
+  for (CommType c : {CommType::p2p, CommType::a2a, CommType::all_gather, CommType::a2a_p2p})
+    if (comm_name(c) == text) return c;
+  fail_input("comm", "value \"", text, "\" is not one of p2p, a2a, all_gather, a2a+p2p");
+}
+
+std::string_view pad_fill_name(PadFill fill) {
+  switch (fill) {
+    case PadFill::zero: return "zero";
+    case PadFill::random: return "random";
+    case PadFill::nan: return "nan";
+    case PadFill::inf: return "inf";
+  }
+  return "?";
+}
+
+PadFill parse_pad_fill(std::string_view text) {
+  for (PadFill f : {PadFill::zero, PadFill::random, PadFill::nan, PadFill::inf})
+    if (pad_fill_name(f) == text) return f;
+  fail_input("pad_fill", "value \"", text, "\" is not one of zero, random, nan, inf");
+}
+
+std::vector<int32_t> pad_lengths_for_cp(const std::vector<int32_t>& lengths, int cp_size) {
+  if (cp_size < 1) fail_input("cp_size", "must be >= 1, got ", cp_size);
+  const int64_t m = 2 * static_cast<int64_t>(cp_size);
+  std::vector<int32_t> out;
+  out.reserve(lengths.size());
+  for (size_t b = 0; b < lengths.size(); ++b) {
+    if (lengths[b] < 0) fail_input("seqlens[" + std::to_string(b) + "]", "must be >= 0, got ", lengths[b]);
+    const int64_t p = (lengths[b] + m - 1) / m * m;
+    if (p > INT32_MAX) fail_input("seqlens[" + std::to_string(b) + "]", "value ", lengths[b], " padded to ", p, " exceeds int32");
+    out.push_back(static_cast<int32_t>(p));
+  }
+  return out;
+}
+
+std::vector<int32_t> seqlens_kv(const CaseSpec& s) { return s.seqlens_kv.empty() ? s.seqlens_q : s.seqlens_kv; }
+std::vector<int32_t> padded_q(const CaseSpec& s) {
+  return s.padded_q.empty() ? pad_lengths_for_cp(s.seqlens_q, s.cp_size) : s.padded_q;
+}
+std::vector<int32_t> padded_kv(const CaseSpec& s) {
+  return s.padded_kv.empty() ? pad_lengths_for_cp(seqlens_kv(s), s.cp_size) : s.padded_kv;
+}
+int heads_kv(const CaseSpec& s) { return s.heads_kv < 0 ? s.heads_q : s.heads_kv; }
+int dim_v(const CaseSpec& s) { return s.dim_v < 0 ? s.dim_qk : s.dim_v; }
+int a2a_size(const CaseSpec& s) { return s.a2a_size < 0 ? 2 : s.a2a_size; }
+double softmax_scale(const CaseSpec& s) {
+  return s.softmax_scale ? *s.softmax_scale : 1.0 / std::sqrt(static_cast<double>(s.dim_qk));
+}
+Window mask_window(const CaseSpec& s) { return normalize_window(s.causal, s.window); }
+
+ThdLayout layout(const CaseSpec& s) {
+  ThdLayout l;
+  l.q = make_packed_sequences(s.seqlens_q, padded_q(s), s.total_tokens_q, "q");
+  l.kv = make_packed_sequences(seqlens_kv(s), padded_kv(s), s.total_tokens_kv, "kv");
+  l.validate();
+  return l;
+}
+
+void validate_case(const CaseSpec& s) {
+  if (s.cp_size < 1) fail_input("cp_size", "must be >= 1, got ", s.cp_size);
+  if (s.heads_q < 1) fail_input("heads_q", "must be >= 1, got ", s.heads_q);
+  const int hkv = heads_kv(s);
+  if (hkv < 1) fail_input("heads_kv", "must be >= 1, got ", hkv);
+  if (s.heads_q % hkv != 0)
+    fail_input("heads_kv", "value ", hkv, " does not divide heads_q = ", s.heads_q, " (GQA needs heads_q = g * heads_kv)");
+  if (s.dim_qk < 1) fail_input("dim_qk", "must be >= 1, got ", s.dim_qk);
+  if (dim_v(s) < 1) fail_input("dim_v", "must be >= 1, got ", dim_v(s));
+  if (s.softmax_scale && !(std::isfinite(*s.softmax_scale) && *s.softmax_scale > 0))
+    fail_input("softmax_scale", "must be a finite positive number, got ", *s.softmax_scale);
+  if (!s.seqlens_kv.empty() && s.seqlens_kv.size() != s.seqlens_q.size())
+    fail_input("seqlens_kv", "has ", s.seqlens_kv.size(), " entries but seqlens_q has ", s.seqlens_q.size());
+  const Window w = mask_window(s);
+  const ThdLayout l = layout(s);
+  const int W = s.cp_size;
+  for (int side = 0; side < 2; ++side) {
+    const PackedSequences& p = side == 0 ? l.q : l.kv;
+    const std::string name = side == 0 ? "padded_q" : "padded_kv";
+    for (int b = 0; b < p.batch(); ++b)
+      if (p.padded_length(b) % (2 * W) != 0)
+        fail_input(name + "[" + std::to_string(b) + "]", "value ", p.padded_length(b), " is not a multiple of 2 * cp_size = ",
+                   2 * W, " (dual-chunk CP split)");
+  }
+  if (W > 1 && (s.causal || has_window(w))) {
+    for (int b = 0; b < l.batch(); ++b)
+      if (l.q.length(b) != l.kv.length(b))
+        fail_input("seqlens_kv[" + std::to_string(b) + "]", "value ", l.kv.length(b), " differs from seqlens_q[", b,
+                   "] = ", l.q.length(b), ": causal or windowed CP (cp_size = ", W, ") needs L_q == L_kv per sequence");
+  }
+  if (W > 1 && (s.comm == CommType::a2a || s.comm == CommType::a2a_p2p)) {
+    const int a = s.comm == CommType::a2a ? W : a2a_size(s);
+    const std::string who = s.comm == CommType::a2a ? "cp_size" : "a2a_size";
+    if (s.comm == CommType::a2a_p2p) {
+      if (a < 1) fail_input("a2a_size", "must be >= 1, got ", a);
+      if (W % a != 0) fail_input("a2a_size", "value ", a, " does not divide cp_size = ", W);
+    }
+    if (s.heads_q % a != 0)
+      fail_input("heads_q", "value ", s.heads_q, " is not divisible by ", who, " = ", a, " (", comm_name(s.comm),
+                 " splits heads over the a2a group)");
+    if (hkv % a != 0)
+      fail_input("heads_kv", "value ", hkv, " is not divisible by ", who, " = ", a, " (", comm_name(s.comm),
+                 " splits heads over the a2a group)");
+  }
+  if (W > 1 && s.comm != CommType::p2p) {
+    if (l.q.total_rows != l.q.cu_seqlens_padded.back())
+      fail_input("total_tokens_q", "value ", l.q.total_rows, " leaves tail rows past the last sequence (",
+                 l.q.cu_seqlens_padded.back(), "); only comm p2p supports tail rows under CP");
+    if (l.kv.total_rows != l.kv.cu_seqlens_padded.back())
+      fail_input("total_tokens_kv", "value ", l.kv.total_rows, " leaves tail rows past the last sequence (",
+                 l.kv.cu_seqlens_padded.back(), "); only comm p2p supports tail rows under CP");
+  }
+  for (int side = 0; side < 2; ++side) {
+    const PackedSequences& p = side == 0 ? l.q : l.kv;
+    const int64_t tail = p.total_rows - p.cu_seqlens_padded.back();
+    if (tail % W != 0)
+      fail_input(side == 0 ? "total_tokens_q" : "total_tokens_kv", "value ", p.total_rows, " leaves ", tail,
+                 " tail rows, not a multiple of cp_size = ", W);
+  }
+}
+
+CaseSpec parse_case(const json& object) {
+  if (!object.is_object()) fail_input("case", "must be a JSON object, got ", show(object));
+  const auto& keys = case_keys();
+  for (auto it = object.begin(); it != object.end(); ++it)
+    if (std::find(keys.begin(), keys.end(), it.key()) == keys.end())
+      fail_input(it.key(), "unknown case key (value ", show(it.value()), "); known keys: seqlens_q, seqlens_kv, padded_q, "
+                 "padded_kv, total_tokens_q, total_tokens_kv, heads_q, heads_kv, dim_qk, dim_v, dtype, mask, window, "
+                 "cp_size, comm, a2a_size, seed, pad_fill, softmax_scale");
+  CaseSpec s;
+  if (!object.contains("seqlens_q")) fail_input("seqlens_q", "is required");
+  s.seqlens_q = get_lengths(object["seqlens_q"], "seqlens_q");
+  if (object.contains("seqlens_kv")) s.seqlens_kv = get_lengths(object["seqlens_kv"], "seqlens_kv");
+  if (object.contains("padded_q")) s.padded_q = get_lengths(object["padded_q"], "padded_q");
+  if (object.contains("padded_kv")) s.padded_kv = get_lengths(object["padded_kv"], "padded_kv");
+  if (object.contains("total_tokens_q")) s.total_tokens_q = get_int(object["total_tokens_q"], "total_tokens_q", 0, INT32_MAX);
+  if (object.contains("total_tokens_kv")) s.total_tokens_kv = get_int(object["total_tokens_kv"], "total_tokens_kv", 0, INT32_MAX);
+  if (object.contains("heads_q")) s.heads_q = static_cast<int>(get_int(object["heads_q"], "heads_q", 1, 1 << 16));
+  if (object.contains("heads_kv")) s.heads_kv = static_cast<int>(get_int(object["heads_kv"], "heads_kv", 1, 1 << 16));
+  if (object.contains("dim_qk")) s.dim_qk = static_cast<int>(get_int(object["dim_qk"], "dim_qk", 1, 1 << 16));
+  if (object.contains("dim_v")) s.dim_v = static_cast<int>(get_int(object["dim_v"], "dim_v", 1, 1 << 16));
+  if (object.contains("dtype")) s.dtype = parse_dtype(get_string(object["dtype"], "dtype"), "dtype");
+  if (object.contains("mask")) {
+    const std::string m = get_string(object["mask"], "mask");
+    if (m == "causal") s.causal = true;
+    else if (m == "none") s.causal = false;
+    else fail_input("mask", "value \"", m, "\" is not one of none, causal");
+  }
+  if (object.contains("window")) {
+    const json& w = object["window"];
+    if (!w.is_array() || w.size() != 2) fail_input("window", "must be [wl, wr], got ", show(w));
+    s.window.left = static_cast<int32_t>(get_int(w[0], "window[0]", -1, INT32_MAX));
+    s.window.right = static_cast<int32_t>(get_int(w[1], "window[1]", -1, INT32_MAX));
+  }
+  s.window = normalize_window(s.causal, s.window);
+  if (object.contains("cp_size")) s.cp_size = static_cast<int>(get_int(object["cp_size"], "cp_size", INT32_MIN, 4096));
+  if (object.contains("comm")) s.comm = parse_comm(get_string(object["comm"], "comm"));
+  if (object.contains("a2a_size")) s.a2a_size = static_cast<int>(get_int(object["a2a_size"], "a2a_size", INT32_MIN, 4096));
+  if (object.contains("seed")) {
+    const json& v = object["seed"];
+    if (!v.is_number_unsigned() && !(v.is_number_integer() && v.get<int64_t>() >= 0))
+      fail_input("seed", "must be a non-negative integer, got ", show(v));
+    s.seed = v.get<uint64_t>();
+  }
+  if (object.contains("pad_fill")) s.pad_fill = parse_pad_fill(get_string(object["pad_fill"], "pad_fill"));
+  if (object.contains("softmax_scale")) {
+    const json& v = object["softmax_scale"];
+    if (!v.is_number()) fail_input("softmax_scale", "must be a number, got ", show(v));
+    s.softmax_scale = v.get<double>();
+  }
+  validate_case(s);
+  return s;
+}
+
+CaseSpec parse_case_text(std::string_view text) {
+  json object;
+  try {
+    object = json::parse(text);
+  } catch (const json::parse_error& e) {
+    fail_input("case", "is not valid JSON (", e.what(), "): ", text);
+  }
+  return parse_case(object);
+}
+
+nlohmann::ordered_json case_to_json(const CaseSpec& s) {
+  const ThdLayout l = layout(s);
+  const Window w = mask_window(s);
+  nlohmann::ordered_json j;
+  j["seqlens_q"] = lengths_json(s.seqlens_q);
+  j["seqlens_kv"] = lengths_json(seqlens_kv(s));
+  j["padded_q"] = lengths_json(padded_q(s));
+  j["padded_kv"] = lengths_json(padded_kv(s));
+  j["total_tokens_q"] = l.q.total_rows;
+  j["total_tokens_kv"] = l.kv.total_rows;
+  j["heads_q"] = s.heads_q;
+  j["heads_kv"] = heads_kv(s);
+  j["dim_qk"] = s.dim_qk;
+  j["dim_v"] = dim_v(s);
+  j["dtype"] = std::string(dtype_name(s.dtype));
+  j["mask"] = s.causal ? "causal" : "none";
+  j["window"] = {w.left, w.right};
+  j["cp_size"] = s.cp_size;
+  j["comm"] = std::string(comm_name(s.comm));
+  j["a2a_size"] = s.comm == CommType::a2a_p2p ? a2a_size(s) : (s.comm == CommType::a2a ? s.cp_size : 1);
+  j["seed"] = s.seed;
+  j["pad_fill"] = std::string(pad_fill_name(s.pad_fill));
+  j["softmax_scale"] = softmax_scale(s);
+  return j;
+}
+
+std::string normalized_json(const CaseSpec& spec) { return case_to_json(spec).dump(); }
+
+}  // namespace cpgold::sim
