@@ -121,8 +121,13 @@ Tile ring_tile(const Ring& ring, int p, int j, int o, int step) {
   t.kv_head_begin = j * hk;
   t.kv_head_end = (j + 1) * hk;
   const bool windowed = has_window(ring.window);
+  // TE's structural sections assume Q and KV share the chunk geometry (same padded lengths); otherwise, as for
+  // windows, chunks are selected from the pairs they can see.
+  bool same_geometry = true;
+  for (int b = 0; b < qs.batch(); ++b) same_geometry = same_geometry && qs.chunk_size(b) == ks.chunk_size(b);
+  const bool select_by_visibility = windowed || (ring.causal && !same_geometry);
   bool q_first = true, q_second = true, kv_first = true, kv_second = true;
-  if (ring.causal && !windowed) {
+  if (ring.causal && !select_by_visibility) {
     // TransformerEngine's sections (cp-semantics.md §3.2).
     if (o == p) {
       t.section = StepSection::diagonal;
@@ -136,7 +141,7 @@ Tile ring_tile(const Ring& ring, int p, int j, int o, int step) {
   } else {
     t.section = ring.causal ? (o == p ? StepSection::diagonal : (o < p ? StepSection::lower : StepSection::upper))
                             : StepSection::all;
-    if (windowed) {
+    if (select_by_visibility) {
       // Beyond TE: keep only the chunks that see some visible pair in some sequence; skip the tile if none does.
       q_first = q_second = kv_first = kv_second = false;
       const int qc[2] = {p, 2 * P - 1 - p}, kc[2] = {o, 2 * P - 1 - o};
@@ -173,9 +178,7 @@ Tile ring_tile(const Ring& ring, int p, int j, int o, int step) {
   te.max_seqlen_q_exact = max_count(te.cu_seqlens_q);
   te.max_seqlen_kv_exact = max_count(te.cu_seqlens_kv);
   te.mask = ring.causal && t.section == StepSection::diagonal ? "padding_causal" : "padding";
-  te.window = ring.causal && t.section == StepSection::diagonal ? ring.window
-              : windowed                                        ? ring.window
-                                                                : Window{-1, -1};
+  te.window = (ring.causal && t.section == StepSection::diagonal) || windowed ? ring.window : Window{-1, -1};
 
   // The position-aware call.
   AttentionCall& call = t.call;

@@ -1,0 +1,46 @@
+#pragma once
+// Row reorders of THD tensors between the layouts of the partition (cp-semantics.md §7), on any row type.
+#include <cstddef>  // size_t, used by reference/tensor.hpp
+#include <algorithm>
+
+#include "reference/tensor.hpp"
+#include "sim/partition.hpp"
+
+namespace cpgold::sim {
+
+// thd_sequence_order_to_cp_rank_order: x [cuP[B], h, d] in sequence order -> [cuP[B], h, d] as the concatenation of
+// every rank's local tensor (rank 0 first).
+template <class T>
+Tensor3<T> sequence_to_rank_order(const Tensor3<T>& x, const SidePartition& side) {
+  const std::vector<int64_t> map = side.rank_order_to_sequence_order();
+  Tensor3<T> out(static_cast<int64_t>(map.size()), x.heads, x.dim);
+  const int64_t s = x.row_stride();
+  for (size_t gi = 0; gi < map.size(); ++gi)
+    std::copy_n(x.values.begin() + map[gi] * s, s, out.values.begin() + static_cast<int64_t>(gi) * s);
+  return out;
+}
+
+// thd_cp_rank_order_to_sequence_order: the inverse of sequence_to_rank_order.
+template <class T>
+Tensor3<T> rank_to_sequence_order(const Tensor3<T>& x, const SidePartition& side) {
+  const std::vector<int64_t> map = side.rank_order_to_sequence_order();
+  Tensor3<T> out(static_cast<int64_t>(map.size()), x.heads, x.dim);
+  const int64_t s = x.row_stride();
+  for (size_t gi = 0; gi < map.size(); ++gi)
+    std::copy_n(x.values.begin() + static_cast<int64_t>(gi) * s, s, out.values.begin() + map[gi] * s);
+  return out;
+}
+
+// thd_read_half_tensor: x [local_rows, h, d] of a rank -> [cuP[B] / (2W), h, d] holding chunk r (half 0) or
+// chunk 2W-1-r (half 1) of every sequence at the half offsets cuP / (2W).
+template <class T>
+Tensor3<T> read_half(const Tensor3<T>& x, const SidePartition& side, int half) {
+  const std::vector<int64_t> rows = side.read_half_rows(half);
+  Tensor3<T> out(static_cast<int64_t>(rows.size()), x.heads, x.dim);
+  const int64_t s = x.row_stride();
+  for (size_t i = 0; i < rows.size(); ++i)
+    std::copy_n(x.values.begin() + rows[i] * s, s, out.values.begin() + static_cast<int64_t>(i) * s);
+  return out;
+}
+
+}  // namespace cpgold::sim
