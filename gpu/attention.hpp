@@ -1,0 +1,96 @@
+#pragma once
+// Varlen attention on the GPU over an AttentionCall (reference/attention_call.hpp): forward (O, LSE) and backward
+// (dQ, dK, dV), bf16/fp16 storage with float32 accumulation, for the capability table of docs/design.md.
+// Shapes: q [q_rows, h_q, d_qk], k [kv_rows, h_kv, d_qk], v [kv_rows, h_kv, d_v], o/dout [q_rows, h_q, d_v],
+// lse [h_q, q_rows] float32; rows are contiguous (row stride h * d); h_q = g * h_kv, query head h reads kv head h/g.
+// Contract (the kernels themselves, no clearing by the caller): rows outside the call's Q segments get O = 0,
+// dQ = 0 and LSE = -inf; K/V rows outside its KV segments get dK = dV = 0; a valid row with no visible key gets
+// O = 0 and LSE = -inf; rows outside the segments are never read into arithmetic, so NaN/Inf there stay there.
+// Outside the capability table every entry point returns Status::unsupported with the reason; nothing falls back.
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+
+#include "reference/attention_call.hpp"
+#include "reference/dtype.hpp"
+
+namespace cpgold::gpu {
+
+enum class Status {
+  ok,
+  unsupported,       // outside the capability table (dtype, head dims)
+  invalid_argument,  // the call or the buffers do not fit together (heads, rows, overlapping KV rows)
+  cuda_error,        // a CUDA call failed; the message names it
+};
+std::string_view status_name(Status status);  // "ok", "unsupported", "invalid_argument", "cuda_error"
+
+struct Outcome {
+  Status status = Status::ok;
+  std::string message;  // empty when ok
+  bool ok() const { return status == Status::ok; }
+};
+
+struct AttentionShape {
+  DType dtype = DType::bf16;
+  int heads_q = 0, heads_kv = 0;
+  int dim_qk = 0, dim_v = 0;
+};
+
+// The capability table: bf16/fp16; (d_qk, d_v) in {(64,64), (128,128), (192,128)}; h_q = g * h_kv.
+Outcome check_capability(const AttentionShape& shape);
+
+// Device-side form of one AttentionCall (sequence descriptors and tile lists), built once, reused by every launch.
+class AttentionPlan {
+ public:
+  AttentionPlan();
+  ~AttentionPlan();
+  AttentionPlan(AttentionPlan&&) noexcept;
+  AttentionPlan& operator=(AttentionPlan&&) noexcept;
+
+  // Checks the shape against the capability table and the call (AttentionCall::check, KV rows of different
+  // sequences disjoint), then uploads. On failure the plan stays empty.
+  Outcome build(const AttentionCall& call, const AttentionShape& shape);
+
+  struct Impl;
+  const Impl* impl() const { return impl_.get(); }
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+struct ForwardBuffers {  // device pointers; 16-bit elements of the shape's dtype
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  void* o = nullptr;
+  float* lse = nullptr;
+};
+
+struct BackwardBuffers {
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  const void* o = nullptr;
+  const void* dout = nullptr;
+  const float* lse = nullptr;
+  void* dq = nullptr;
+  void* dk = nullptr;
+  void* dv = nullptr;
+};
+
+enum class BackwardMode {
+  atomic,         // dQ accumulated with float32 atomics (fast; dQ may differ in the last bits run to run)
+  deterministic,  // dQ by a separate query-stationary pass: bitwise reproducible (dK, dV are in both modes)
+};
+
+// Launches on `stream` (a cudaStream_t; nullptr = default stream). Returns after the launch (no synchronisation);
+// launch errors are reported, errors inside the kernels surface at the caller's next synchronisation.
+Outcome attention_forward(const AttentionPlan& plan, const ForwardBuffers& buffers, void* stream = nullptr);
+Outcome attention_backward(const AttentionPlan& plan, const BackwardBuffers& buffers,
+                           BackwardMode mode = BackwardMode::atomic, void* stream = nullptr);
+
+// Number of CUDA devices visible (0 without a driver or GPU; never throws).
+int cuda_device_count();
+
+}  // namespace cpgold::gpu

@@ -1,0 +1,50 @@
+// Entry points of the GPU attention: argument checks and dispatch on the dtype.
+#include <cmath>
+
+#include "gpu/attention_launch.hpp"
+
+namespace cpgold::gpu {
+
+namespace detail {
+AttentionParams base_params(const AttentionPlan::Impl& plan) {
+  AttentionParams p{};
+  p.q_rows = plan.q_rows;
+  p.kv_rows = plan.kv_rows;
+  p.heads_q = plan.shape.heads_q;
+  p.heads_kv = plan.shape.heads_kv;
+  p.group = plan.shape.heads_q / plan.shape.heads_kv;
+  p.window_left = plan.window.left;
+  p.window_right = plan.window.right;
+  p.softmax_scale = static_cast<float>(plan.softmax_scale);
+  p.scale_log2 = static_cast<float>(plan.softmax_scale * 1.4426950408889634);
+  p.sequences = plan.sequences;
+  return p;
+}
+}  // namespace detail
+
+Outcome attention_forward(const AttentionPlan& plan, const ForwardBuffers& b, void* stream) {
+  const AttentionPlan::Impl* impl = plan.impl();
+  if (impl == nullptr) return {Status::invalid_argument, "attention_forward: the plan was not built"};
+  if ((impl->q_rows > 0 && (b.q == nullptr || b.o == nullptr || b.lse == nullptr)) ||
+      (impl->kv_rows > 0 && (b.k == nullptr || b.v == nullptr)))
+    return {Status::invalid_argument, "attention_forward: a buffer is null"};
+  auto s = static_cast<cudaStream_t>(stream);
+  if (impl->shape.dtype == DType::bf16) return detail::launch_forward_bf16(*impl, b, s);
+  if (impl->shape.dtype == DType::fp16) return detail::launch_forward_fp16(*impl, b, s);
+  return {Status::unsupported, "attention_forward: dtype outside the capability table"};
+}
+
+Outcome attention_backward(const AttentionPlan& plan, const BackwardBuffers& b, BackwardMode mode, void* stream) {
+  const AttentionPlan::Impl* impl = plan.impl();
+  if (impl == nullptr) return {Status::invalid_argument, "attention_backward: the plan was not built"};
+  if ((impl->q_rows > 0 && (b.q == nullptr || b.o == nullptr || b.lse == nullptr || b.dout == nullptr ||
+                            b.dq == nullptr)) ||
+      (impl->kv_rows > 0 && (b.k == nullptr || b.v == nullptr || b.dk == nullptr || b.dv == nullptr)))
+    return {Status::invalid_argument, "attention_backward: a buffer is null"};
+  auto s = static_cast<cudaStream_t>(stream);
+  if (impl->shape.dtype == DType::bf16) return detail::launch_backward_bf16(*impl, b, mode, s);
+  if (impl->shape.dtype == DType::fp16) return detail::launch_backward_fp16(*impl, b, mode, s);
+  return {Status::unsupported, "attention_backward: dtype outside the capability table"};
+}
+
+}  // namespace cpgold::gpu

@@ -1,0 +1,131 @@
+#pragma once
+// Launch templates shared by the per-dtype translation units.
+#include <algorithm>
+#include <string>
+
+#include "gpu/attention_kernels.cuh"
+#include "gpu/attention_launch.hpp"
+
+namespace cpgold::gpu::detail {
+
+inline Outcome cuda_failure(const char* what, cudaError_t e) {
+  return {Status::cuda_error, std::string(what) + ": " + cudaGetErrorString(e)};
+}
+
+template <class Kernel>
+Outcome launch(Kernel kernel, dim3 grid, int threads, int smem, cudaStream_t stream, const AttentionParams& p,
+               const char* name) {
+  if (grid.x == 0 || grid.y == 0) return {};
+  if (smem > 48 * 1024) {
+    if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+        e != cudaSuccess)
+      return cuda_failure(name, e);
+  }
+  kernel<<<grid, threads, smem, stream>>>(p);
+  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return cuda_failure(name, e);
+  return {};
+}
+
+// Forward Q tiles are 16 rows per warp; 4 warps use the small tile list.
+inline constexpr int kForwardWarps = 4;
+
+template <class T, int D, int DV>
+Outcome forward_dims(AttentionParams p, cudaStream_t stream, const AttentionPlan::Impl& plan) {
+  using Cfg = ForwardConfig<T, D, DV, kForwardWarps>;
+  static_assert(Cfg::kBlockM == kSmallTileRows || Cfg::kBlockM == kLargeTileRows, "tile list");
+  p.q_tiles = Cfg::kBlockM == kSmallTileRows ? plan.q_tiles_small : plan.q_tiles_large;
+  p.q_tile_count = Cfg::kBlockM == kSmallTileRows ? plan.q_tile_small_count : plan.q_tile_large_count;
+  return launch(attention_forward_kernel<T, D, DV, kForwardWarps>, dim3(p.q_tile_count, p.heads_q), Cfg::kThreads,
+                Cfg::kSmemBytes, stream, p, "attention_forward_kernel");
+}
+
+template <class T>
+Outcome forward_typed(const AttentionPlan::Impl& plan, const ForwardBuffers& b, cudaStream_t stream) {
+  AttentionParams p = base_params(plan);
+  p.q = b.q;
+  p.k = b.k;
+  p.v = b.v;
+  p.o = b.o;
+  p.lse = b.lse;
+  const int d = plan.shape.dim_qk, dv = plan.shape.dim_v;
+  if (d == 64 && dv == 64) return forward_dims<T, 64, 64>(p, stream, plan);
+  if (d == 128 && dv == 128) return forward_dims<T, 128, 128>(p, stream, plan);
+  if (d == 192 && dv == 128) return forward_dims<T, 192, 128>(p, stream, plan);
+  return {Status::unsupported, "head dims outside the capability table"};
+}
+
+template <class T, int D, int DV>
+Outcome backward_dims(AttentionParams p, BackwardMode mode, cudaStream_t stream, const AttentionPlan::Impl& plan) {
+  p.q_tiles = plan.q_tiles_small;
+  p.q_tile_count = plan.q_tile_small_count;
+  p.kv_tiles = plan.kv_tiles;
+  p.kv_tile_count = plan.kv_tile_count;
+  const bool atomic = mode == BackwardMode::atomic;
+  const size_t delta_elems = static_cast<size_t>(p.heads_q) * p.q_rows;
+  const size_t accum_elems = atomic ? static_cast<size_t>(p.q_rows) * p.heads_q * D : 0;
+  const size_t bytes = (delta_elems + accum_elems) * sizeof(float);
+  void* workspace = nullptr;
+  if (bytes > 0) {
+    if (cudaError_t e = cudaMallocAsync(&workspace, bytes, stream); e != cudaSuccess)
+      return cuda_failure("cudaMallocAsync of the backward workspace", e);
+  }
+  p.dq_accum = static_cast<float*>(workspace);
+  p.delta = static_cast<float*>(workspace) + accum_elems;
+  Outcome out;
+  auto step = [&](Outcome o) {
+    if (out.ok() && !o.ok()) out = std::move(o);
+  };
+  step(launch(attention_backward_delta_kernel<T, DV>, dim3(p.q_tile_count, p.heads_q), 128, 0, stream, p,
+              "attention_backward_delta_kernel"));
+  using Cfg = BackwardConfig<T, D, DV>;
+  if (atomic) {
+    if (accum_elems > 0 && out.ok())
+      if (cudaError_t e = cudaMemsetAsync(p.dq_accum, 0, accum_elems * sizeof(float), stream); e != cudaSuccess)
+        step(cuda_failure("cudaMemsetAsync of dq_accum", e));
+    if (out.ok())
+      step(launch(attention_backward_dkdv_kernel<T, D, DV, true>, dim3(p.kv_tile_count, p.heads_kv), Cfg::kThreads,
+                  Cfg::kSmemBytes, stream, p, "attention_backward_dkdv_kernel"));
+    const int64_t elems = static_cast<int64_t>(accum_elems);
+    const int blocks = static_cast<int>(std::min<int64_t>((elems + 255) / 256, 132 * 16));
+    if (out.ok() && elems > 0) {
+      attention_backward_convert_dq_kernel<T><<<blocks, 256, 0, stream>>>(p, elems);
+      if (cudaError_t e = cudaGetLastError(); e != cudaSuccess)
+        step(cuda_failure("attention_backward_convert_dq_kernel", e));
+    }
+  } else {
+    if (out.ok())
+      step(launch(attention_backward_dkdv_kernel<T, D, DV, false>, dim3(p.kv_tile_count, p.heads_kv),
+                  Cfg::kThreads, Cfg::kSmemBytes, stream, p, "attention_backward_dkdv_kernel"));
+    using Dq = DqConfig<T, D, DV>;
+    if (out.ok())
+      step(launch(attention_backward_dq_kernel<T, D, DV>, dim3(p.q_tile_count, p.heads_q), Dq::kThreads,
+                  Dq::kSmemBytes, stream, p, "attention_backward_dq_kernel"));
+  }
+  if (workspace != nullptr) {
+    if (cudaError_t e = cudaFreeAsync(workspace, stream); e != cudaSuccess)
+      step(cuda_failure("cudaFreeAsync of the backward workspace", e));
+  }
+  return out;
+}
+
+template <class T>
+Outcome backward_typed(const AttentionPlan::Impl& plan, const BackwardBuffers& b, BackwardMode mode,
+                       cudaStream_t stream) {
+  AttentionParams p = base_params(plan);
+  p.q = b.q;
+  p.k = b.k;
+  p.v = b.v;
+  p.o = const_cast<void*>(b.o);
+  p.lse = const_cast<float*>(b.lse);
+  p.dout = b.dout;
+  p.dq = b.dq;
+  p.dk = b.dk;
+  p.dv = b.dv;
+  const int d = plan.shape.dim_qk, dv = plan.shape.dim_v;
+  if (d == 64 && dv == 64) return backward_dims<T, 64, 64>(p, mode, stream, plan);
+  if (d == 128 && dv == 128) return backward_dims<T, 128, 128>(p, mode, stream, plan);
+  if (d == 192 && dv == 128) return backward_dims<T, 192, 128>(p, mode, stream, plan);
+  return {Status::unsupported, "head dims outside the capability table"};
+}
+
+}  // namespace cpgold::gpu::detail

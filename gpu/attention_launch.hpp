@@ -1,0 +1,18 @@
+#pragma once
+// Per-dtype launchers (gpu/attention_bf16.cu, gpu/attention_fp16.cu) behind attention_forward/backward.
+#include <cuda_runtime_api.h>
+
+#include "gpu/attention_plan_impl.hpp"
+
+namespace cpgold::gpu::detail {
+
+AttentionParams base_params(const AttentionPlan::Impl& plan);
+
+Outcome launch_forward_bf16(const AttentionPlan::Impl& plan, const ForwardBuffers& buffers, cudaStream_t stream);
+Outcome launch_forward_fp16(const AttentionPlan::Impl& plan, const ForwardBuffers& buffers, cudaStream_t stream);
+Outcome launch_backward_bf16(const AttentionPlan::Impl& plan, const BackwardBuffers& buffers, BackwardMode mode,
+                             cudaStream_t stream);
+Outcome launch_backward_fp16(const AttentionPlan::Impl& plan, const BackwardBuffers& buffers, BackwardMode mode,
+                             cudaStream_t stream);
+
+}  // namespace cpgold::gpu::detail

@@ -1,0 +1,162 @@
+// Host-tensor wrappers: 16-bit conversion, upload, launch, download (synchronous).
+#include "gpu/host_attention.hpp"
+
+#include <cuda_runtime_api.h>
+
+#include <Eigen/Core>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+namespace cpgold::gpu {
+
+namespace {
+
+uint16_t to_bits(DType dtype, float x) {
+  if (dtype == DType::bf16) return Eigen::numext::bit_cast<uint16_t>(Eigen::bfloat16(x));
+  return Eigen::numext::bit_cast<uint16_t>(Eigen::half(x));
+}
+float from_bits(DType dtype, uint16_t bits) {
+  if (dtype == DType::bf16) return static_cast<float>(Eigen::numext::bit_cast<Eigen::bfloat16>(bits));
+  return static_cast<float>(Eigen::numext::bit_cast<Eigen::half>(bits));
+}
+
+// Owns one device allocation.
+class DeviceArray {
+ public:
+  DeviceArray() = default;
+  DeviceArray(const DeviceArray&) = delete;
+  DeviceArray& operator=(const DeviceArray&) = delete;
+  ~DeviceArray() {
+    if (ptr_ != nullptr) cudaFree(ptr_);
+  }
+  cudaError_t allocate(size_t bytes) {
+    bytes_ = bytes;
+    return cudaMalloc(&ptr_, bytes == 0 ? 16 : bytes);
+  }
+  void* get() const { return ptr_; }
+  size_t bytes() const { return bytes_; }
+
+ private:
+  void* ptr_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+struct Failure {
+  Outcome outcome;
+};
+
+void check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw Failure{{Status::cuda_error, std::string(what) + ": " + cudaGetErrorString(e)}};
+}
+
+void upload(DeviceArray& dst, DType dtype, const Tensor3<float>& x) {
+  std::vector<uint16_t> bits(x.values.size());
+  for (size_t i = 0; i < bits.size(); ++i) bits[i] = to_bits(dtype, x.values[i]);
+  check(dst.allocate(bits.size() * 2), "cudaMalloc");
+  check(cudaMemcpy(dst.get(), bits.data(), bits.size() * 2, cudaMemcpyHostToDevice), "cudaMemcpy to device");
+}
+
+void upload_lse(DeviceArray& dst, const LseTensor<float>& x) {
+  check(dst.allocate(x.values.size() * 4), "cudaMalloc");
+  check(cudaMemcpy(dst.get(), x.values.data(), x.values.size() * 4, cudaMemcpyHostToDevice), "cudaMemcpy to device");
+}
+
+// An output buffer pre-filled with 0xFF bytes (NaN in bf16, fp16 and float32).
+void allocate_poisoned(DeviceArray& dst, size_t bytes) {
+  check(dst.allocate(bytes), "cudaMalloc");
+  check(cudaMemset(dst.get(), 0xFF, bytes == 0 ? 16 : bytes), "cudaMemset");
+}
+
+Tensor3<float> download(const DeviceArray& src, DType dtype, int64_t rows, int64_t heads, int64_t dim) {
+  Tensor3<float> x(rows, heads, dim);
+  std::vector<uint16_t> bits(x.values.size());
+  check(cudaMemcpy(bits.data(), src.get(), bits.size() * 2, cudaMemcpyDeviceToHost), "cudaMemcpy to host");
+  for (size_t i = 0; i < bits.size(); ++i) x.values[i] = from_bits(dtype, bits[i]);
+  return x;
+}
+
+}  // namespace
+
+AttentionShape shape_of(DType dtype, const Tensor3<float>& q, const Tensor3<float>& k, const Tensor3<float>& v) {
+  AttentionShape shape;
+  shape.dtype = dtype;
+  shape.heads_q = static_cast<int>(q.heads);
+  shape.heads_kv = static_cast<int>(k.heads);
+  shape.dim_qk = static_cast<int>(q.dim);
+  shape.dim_v = static_cast<int>(v.dim);
+  return shape;
+}
+
+Outcome forward_on_device(const AttentionCall& call, DType dtype, const Tensor3<float>& q, const Tensor3<float>& k,
+                          const Tensor3<float>& v, HostForward& out) {
+  const AttentionShape shape = shape_of(dtype, q, k, v);
+  if (q.rows != call.q_rows || k.rows != call.kv_rows || v.rows != call.kv_rows || k.dim != q.dim ||
+      v.heads != k.heads)
+    return {Status::invalid_argument, "forward_on_device: tensor shapes do not match the call"};
+  AttentionPlan plan;
+  if (Outcome o = plan.build(call, shape); !o.ok()) return o;
+  try {
+    DeviceArray dq, dk, dv, d_o, d_lse;
+    upload(dq, dtype, q);
+    upload(dk, dtype, k);
+    upload(dv, dtype, v);
+    allocate_poisoned(d_o, static_cast<size_t>(q.rows * q.heads * v.dim) * 2);
+    allocate_poisoned(d_lse, static_cast<size_t>(q.heads * q.rows) * 4);
+    ForwardBuffers b{dq.get(), dk.get(), dv.get(), d_o.get(), static_cast<float*>(d_lse.get())};
+    if (Outcome o = attention_forward(plan, b); !o.ok()) return o;
+    check(cudaDeviceSynchronize(), "attention forward");
+    out.o = download(d_o, dtype, q.rows, q.heads, v.dim);
+    out.lse = LseTensor<float>(q.heads, q.rows, 0.f);
+    check(cudaMemcpy(out.lse.values.data(), d_lse.get(), out.lse.values.size() * 4, cudaMemcpyDeviceToHost),
+          "cudaMemcpy to host");
+  } catch (const Failure& f) {
+    return f.outcome;
+  }
+  return {};
+}
+
+Outcome backward_on_device(const AttentionCall& call, DType dtype, const Tensor3<float>& q, const Tensor3<float>& k,
+                           const Tensor3<float>& v, const Tensor3<float>& o, const LseTensor<float>& lse,
+                           const Tensor3<float>& dout, BackwardMode mode, HostBackward& out) {
+  const AttentionShape shape = shape_of(dtype, q, k, v);
+  if (q.rows != call.q_rows || k.rows != call.kv_rows || v.rows != call.kv_rows || k.dim != q.dim ||
+      v.heads != k.heads || !o.same_shape(dout) || o.rows != q.rows || o.heads != q.heads || o.dim != v.dim ||
+      lse.rows != q.rows || lse.heads != q.heads)
+    return {Status::invalid_argument, "backward_on_device: tensor shapes do not match the call"};
+  AttentionPlan plan;
+  if (Outcome r = plan.build(call, shape); !r.ok()) return r;
+  try {
+    DeviceArray d_q, d_k, d_v, d_o, d_do, d_lse, d_dq, d_dk, d_dv;
+    upload(d_q, dtype, q);
+    upload(d_k, dtype, k);
+    upload(d_v, dtype, v);
+    upload(d_o, dtype, o);
+    upload(d_do, dtype, dout);
+    upload_lse(d_lse, lse);
+    allocate_poisoned(d_dq, q.values.size() * 2);
+    allocate_poisoned(d_dk, k.values.size() * 2);
+    allocate_poisoned(d_dv, v.values.size() * 2);
+    BackwardBuffers b;
+    b.q = d_q.get();
+    b.k = d_k.get();
+    b.v = d_v.get();
+    b.o = d_o.get();
+    b.dout = d_do.get();
+    b.lse = static_cast<const float*>(d_lse.get());
+    b.dq = d_dq.get();
+    b.dk = d_dk.get();
+    b.dv = d_dv.get();
+    if (Outcome r = attention_backward(plan, b, mode); !r.ok()) return r;
+    check(cudaDeviceSynchronize(), "attention backward");
+    out.dq = download(d_dq, dtype, q.rows, q.heads, q.dim);
+    out.dk = download(d_dk, dtype, k.rows, k.heads, k.dim);
+    out.dv = download(d_dv, dtype, v.rows, v.heads, v.dim);
+  } catch (const Failure& f) {
+    return f.outcome;
+  }
+  return {};
+}
+
+}  // namespace cpgold::gpu

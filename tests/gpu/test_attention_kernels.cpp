@@ -1,0 +1,313 @@
+// GPU attention kernels in-process against the CPU reference with the budget rule of docs/design.md:
+// max|gpu - oracle| <= rtol * max|peer - oracle| + atol and the mean rule, plus the exact classes (pad rows of
+// O/dQ/dK/dV exactly zero, everything finite, the set of -inf LSE rows equal to the oracle's).
+// Pad and tail rows of q, k, v, dout hold NaN in every case, so a pad value reaching a valid output fails.
+// Without a GPU every case prints "SKIPPED: no CUDA device" (CTest reports it as skipped).
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "fixtures/tolerance.hpp"
+#include "gpu/attention.hpp"
+#include "gpu/host_attention.hpp"
+#include "reference/attention.hpp"
+#include "reference/attention_call.hpp"
+#include "reference/thd_layout.hpp"
+
+using namespace cpgold;
+namespace fx = cpgold::fx;
+
+namespace {
+
+bool have_device() {
+  static const int count = gpu::cuda_device_count();
+  return count > 0;
+}
+
+#define CPGOLD_REQUIRE_DEVICE()                 \
+  do {                                          \
+    if (!have_device()) {                       \
+      std::printf("SKIPPED: no CUDA device\n"); \
+      return;                                   \
+    }                                           \
+  } while (0)
+
+struct Case {
+  std::string name;
+  DType dtype = DType::bf16;
+  int heads_q = 2, heads_kv = 2, dim_qk = 128, dim_v = 128;
+  AttentionCall call;
+  std::vector<uint8_t> q_valid, kv_valid;
+  Tensor3<float> q, k, v, dout;
+};
+
+std::vector<uint8_t> rows_in_segments(const AttentionCall& call, bool q_side) {
+  std::vector<uint8_t> valid(static_cast<size_t>(q_side ? call.q_rows : call.kv_rows), 0);
+  for (const SequenceTile& seq : call.sequences)
+    for (const RowSegment& s : (q_side ? seq.q : seq.kv))
+      for (int64_t r = s.first_row; r < s.first_row + s.count; ++r) valid[static_cast<size_t>(r)] = 1;
+  return valid;
+}
+
+// Valid rows uniform in [-1, 1] rounded to the dtype; pad and tail rows NaN.
+Tensor3<float> random_tensor(int64_t rows, int heads, int dim, DType dtype, const std::vector<uint8_t>& valid,
+                             std::mt19937_64& rng) {
+  std::uniform_real_distribution<float> uniform(-1.f, 1.f);
+  Tensor3<float> x(rows, heads, dim, std::numeric_limits<float>::quiet_NaN());
+  for (int64_t r = 0; r < rows; ++r)
+    if (valid[static_cast<size_t>(r)])
+      for (int h = 0; h < heads; ++h)
+        for (int i = 0; i < dim; ++i) x(r, h, i) = round_to(dtype, uniform(rng));
+  return x;
+}
+
+void fill_inputs(Case& c, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  c.q_valid = rows_in_segments(c.call, true);
+  c.kv_valid = rows_in_segments(c.call, false);
+  c.q = random_tensor(c.call.q_rows, c.heads_q, c.dim_qk, c.dtype, c.q_valid, rng);
+  c.k = random_tensor(c.call.kv_rows, c.heads_kv, c.dim_qk, c.dtype, c.kv_valid, rng);
+  c.v = random_tensor(c.call.kv_rows, c.heads_kv, c.dim_v, c.dtype, c.kv_valid, rng);
+  c.dout = random_tensor(c.call.q_rows, c.heads_q, c.dim_v, c.dtype, c.q_valid, rng);
+}
+
+// A non-CP case: each sequence padded by 0..7 rows (seeded), 5 tail rows after the last.
+Case make_case(std::string name, DType dtype, int hq, int hkv, int d, int dv, Window window,
+               const std::vector<int32_t>& lens_q, const std::vector<int32_t>& lens_kv, uint64_t seed) {
+  Case c;
+  c.name = std::move(name);
+  c.dtype = dtype;
+  c.heads_q = hq;
+  c.heads_kv = hkv;
+  c.dim_qk = d;
+  c.dim_v = dv;
+  std::mt19937_64 rng(seed * 7919 + 17);
+  std::vector<int32_t> pad_q, pad_kv;
+  for (int32_t len : lens_q) pad_q.push_back(len + static_cast<int32_t>(rng() % 8));
+  for (int32_t len : lens_kv) pad_kv.push_back(len + static_cast<int32_t>(rng() % 8));
+  int64_t total_q = 5, total_kv = 5;
+  for (int32_t p : pad_q) total_q += p;
+  for (int32_t p : pad_kv) total_kv += p;
+  ThdLayout layout{make_packed_sequences(lens_q, pad_q, total_q, "q"),
+                   make_packed_sequences(lens_kv, pad_kv, total_kv, "kv")};
+  c.call = non_cp_call(layout, window, 1.0 / std::sqrt(static_cast<double>(d)));
+  fill_inputs(c, seed);
+  return c;
+}
+
+std::string describe_case(const Case& c) {
+  return c.name + " [" + std::string(dtype_name(c.dtype)) + " h" + std::to_string(c.heads_q) + "/" +
+         std::to_string(c.heads_kv) + " d" + std::to_string(c.dim_qk) + "/" + std::to_string(c.dim_v) + " " +
+         describe(c.call.window) + "]";
+}
+
+// Checks one tensor with the budget rule and the exact classes; prints one verdict line.
+bool check_tensor(const std::string& label, fx::Quantity quantity, DType dtype, const fx::TensorView<double>& oracle,
+                  const fx::TensorView<float>& peer, const fx::TensorView<float>& candidate,
+                  const std::vector<uint8_t>& valid) {
+  const fx::Budget budget = fx::compute_budget(quantity, dtype, oracle, peer, valid);
+  const fx::Limits limits = fx::limits_of(budget);
+  const fx::Evaluation e = fx::evaluate(quantity, oracle, candidate, valid, limits, limits);
+  std::printf("VERDICT %-58s %-3s compared=%-8lld max_err=%.3e (limit %.3e, peer %.3e) mean_err=%.3e (limit %.3e) "
+              "exact_violations=%lld %s\n",
+              label.c_str(), std::string(fx::quantity_name(quantity)).c_str(), static_cast<long long>(e.compared),
+              e.max_err, e.limits.max, budget.peer_max_err, e.mean_err, e.limits.mean,
+              static_cast<long long>(e.exact_violation_count), e.pass() ? "PASS" : "FAIL");
+  INFO(label, " ", fx::quantity_name(quantity));
+  if (!e.exact_ok()) {
+    const fx::ExactViolation& v = e.exact_violations.front();
+    INFO("first exact violation: ", fx::exact_rule_name(v.rule), " at row ", v.index.row, " head ", v.index.head,
+         " dim ", v.index.dim, " candidate ", v.candidate, " oracle ", v.oracle);
+    CHECK(e.exact_ok());
+  }
+  if (e.worst) INFO("worst at row ", e.worst->row, " head ", e.worst->head, " dim ", e.worst->dim);
+  CHECK(e.max_ok);
+  CHECK(e.mean_ok);
+  return e.pass();
+}
+
+int count_empty_rows(const LseTensor<double>& lse, const std::vector<uint8_t>& valid) {
+  int n = 0;
+  for (int64_t h = 0; h < lse.heads; ++h)
+    for (int64_t r = 0; r < lse.rows; ++r)
+      if (valid[static_cast<size_t>(r)] && lse(h, r) == -std::numeric_limits<double>::infinity()) ++n;
+  return n;
+}
+
+struct CaseRun {
+  ForwardResult<double> oracle_fwd;
+  gpu::HostForward gpu_fwd;
+};
+
+// Forward and both backward modes of one case against oracle and peer.
+CaseRun run_case(const Case& c) {
+  const std::string label = describe_case(c);
+  const Tensor3<double> qd = tensor_cast<double>(c.q), kd = tensor_cast<double>(c.k), vd = tensor_cast<double>(c.v),
+                        dod = tensor_cast<double>(c.dout);
+  CaseRun run;
+  run.oracle_fwd = attention_forward(c.call, qd, kd, vd);
+  const ForwardResult<float> peer_fwd = attention_forward(c.call, c.q, c.k, c.v, c.dtype);
+  const gpu::Outcome fwd = gpu::forward_on_device(c.call, c.dtype, c.q, c.k, c.v, run.gpu_fwd);
+  INFO(label, ": ", gpu::status_name(fwd.status), " ", fwd.message);
+  REQUIRE(fwd.ok());
+  check_tensor(label, fx::Quantity::o, c.dtype, fx::view_of(run.oracle_fwd.o), fx::view_of(peer_fwd.o),
+               fx::view_of(run.gpu_fwd.o), c.q_valid);
+  check_tensor(label, fx::Quantity::lse, c.dtype, fx::view_of(run.oracle_fwd.lse), fx::view_of(peer_fwd.lse),
+               fx::view_of(run.gpu_fwd.lse), c.q_valid);
+
+  // Backward: each arithmetic from its own forward (the GPU from the GPU's O and LSE, as a training step does).
+  const BackwardResult<double> oracle_bwd =
+      attention_backward(c.call, qd, kd, vd, run.oracle_fwd.o, run.oracle_fwd.lse, dod);
+  const BackwardResult<float> peer_bwd =
+      attention_backward(c.call, c.q, c.k, c.v, peer_fwd.o, peer_fwd.lse, c.dout, c.dtype);
+  for (gpu::BackwardMode mode : {gpu::BackwardMode::atomic, gpu::BackwardMode::deterministic}) {
+    const std::string mode_label = label + (mode == gpu::BackwardMode::atomic ? " atomic" : " determ");
+    gpu::HostBackward bwd;
+    const gpu::Outcome r =
+        gpu::backward_on_device(c.call, c.dtype, c.q, c.k, c.v, run.gpu_fwd.o, run.gpu_fwd.lse, c.dout, mode, bwd);
+    INFO(mode_label, ": ", gpu::status_name(r.status), " ", r.message);
+    REQUIRE(r.ok());
+    check_tensor(mode_label, fx::Quantity::dq, c.dtype, fx::view_of(oracle_bwd.dq), fx::view_of(peer_bwd.dq),
+                 fx::view_of(bwd.dq), c.q_valid);
+    check_tensor(mode_label, fx::Quantity::dk, c.dtype, fx::view_of(oracle_bwd.dk), fx::view_of(peer_bwd.dk),
+                 fx::view_of(bwd.dk), c.kv_valid);
+    check_tensor(mode_label, fx::Quantity::dv, c.dtype, fx::view_of(oracle_bwd.dv), fx::view_of(peer_bwd.dv),
+                 fx::view_of(bwd.dv), c.kv_valid);
+  }
+  return run;
+}
+
+const std::vector<int32_t> kTileEdgeLengths = {1, 63, 64, 65, 113, 203, 0, 1023, 1024, 1025};
+
+std::vector<int32_t> random_lengths(std::mt19937_64& rng, int count, int max_len) {
+  std::vector<int32_t> lens;
+  for (int i = 0; i < count; ++i) lens.push_back(rng() % 5 == 0 ? 0 : static_cast<int32_t>(rng() % (max_len + 1)));
+  return lens;
+}
+
+}  // namespace
+
+TEST_CASE("gpu attention: lengths around tile sizes, GQA, causal, bf16, d128") {
+  CPGOLD_REQUIRE_DEVICE();
+  run_case(make_case("tile-edge lengths", DType::bf16, 4, 2, 128, 128, {-1, 0}, kTileEdgeLengths, kTileEdgeLengths, 1));
+}
+
+TEST_CASE("gpu attention: lengths around tile sizes, no mask, fp16, d64") {
+  CPGOLD_REQUIRE_DEVICE();
+  run_case(make_case("tile-edge lengths", DType::fp16, 2, 2, 64, 64, {-1, -1}, kTileEdgeLengths, kTileEdgeLengths, 2));
+}
+
+TEST_CASE("gpu attention: window crossing tile edges, MQA, fp16, d64") {
+  CPGOLD_REQUIRE_DEVICE();
+  std::mt19937_64 rng(3);
+  const std::vector<int32_t> lens = random_lengths(rng, 12, 300);
+  run_case(make_case("window(37,5) random lengths", DType::fp16, 4, 1, 64, 64, {37, 5}, lens, lens, 3));
+  run_case(make_case("window(64,64) tile-edge lengths", DType::bf16, 4, 1, 64, 64, {64, 64}, kTileEdgeLengths,
+                     kTileEdgeLengths, 4));
+}
+
+TEST_CASE("gpu attention: MLA 192/128, sliding causal window, GQA") {
+  CPGOLD_REQUIRE_DEVICE();
+  run_case(make_case("MLA window(100,0)", DType::bf16, 4, 2, 192, 128, {100, 0}, {65, 203, 0, 130, 1025},
+                     {65, 203, 0, 130, 1025}, 5));
+  run_case(make_case("MLA causal", DType::fp16, 2, 1, 192, 128, {-1, 0}, {64, 1, 500}, {64, 1, 500}, 6));
+}
+
+TEST_CASE("gpu attention: rows with no visible key give O = 0 and LSE = -inf") {
+  CPGOLD_REQUIRE_DEVICE();
+  // Bottom-right causal with L_q > L_kv hides the first L_q - L_kv rows; L_kv = 0 hides every row.
+  const Case c = make_case("empty rows (L_q > L_kv, L_kv = 0)", DType::bf16, 2, 2, 128, 128, {-1, 0}, {113, 203, 50},
+                           {50, 113, 0}, 7);
+  const CaseRun run = run_case(c);
+  const int empty = count_empty_rows(run.oracle_fwd.lse, c.q_valid);
+  CHECK(empty == 2 * (63 + 90 + 50));
+  int gpu_empty = 0, gpu_zero_rows = 0;
+  for (int64_t h = 0; h < 2; ++h)
+    for (int64_t r = 0; r < c.call.q_rows; ++r)
+      if (c.q_valid[static_cast<size_t>(r)] && run.gpu_fwd.lse(h, r) == -std::numeric_limits<float>::infinity()) {
+        ++gpu_empty;
+        bool zero = true;
+        for (int x = 0; x < c.dim_v; ++x) zero = zero && run.gpu_fwd.o(r, h, x) == 0.f;
+        gpu_zero_rows += zero ? 1 : 0;
+      }
+  CHECK(gpu_empty == empty);
+  CHECK(gpu_zero_rows == empty);
+  // Window (-1, 3) with L_q = 100 > L_kv = 20 (delta = -80): rows 0..76 see no key.
+  run_case(make_case("window(-1,3) with L_q > L_kv", DType::fp16, 2, 2, 64, 64, {-1, 3}, {100}, {20}, 8));
+}
+
+TEST_CASE("gpu attention: every mask kind x dtype x head dims on random layouts with zero-length sequences") {
+  CPGOLD_REQUIRE_DEVICE();
+  const Window masks[] = {{-1, -1}, {-1, 0}, {45, 13}, {0, 0}, {-1, 70}};
+  const int dims[][2] = {{64, 64}, {128, 128}, {192, 128}};
+  uint64_t seed = 100;
+  for (DType dtype : {DType::bf16, DType::fp16})
+    for (const auto& d : dims)
+      for (const Window& w : masks) {
+        std::mt19937_64 rng(seed);
+        const std::vector<int32_t> lens = random_lengths(rng, 6, 150);
+        run_case(make_case("matrix", dtype, 3, 1, d[0], d[1], w, lens, lens, seed++));
+      }
+}
+
+TEST_CASE("gpu attention: a CP-step call (two Q segments mid-sequence, two KV segments) matches the reference") {
+  CPGOLD_REQUIRE_DEVICE();
+  for (Window w : {Window{-1, 0}, Window{-1, -1}, Window{40, 0}}) {
+    Case c;
+    c.name = "cp-step segments";
+    c.dtype = DType::bf16;
+    c.heads_q = 4;
+    c.heads_kv = 2;
+    c.call.window = w;
+    c.call.softmax_scale = 1.0 / std::sqrt(128.0);
+    c.call.q_rows = 200;
+    c.call.kv_rows = 400;
+    SequenceTile a;  // rank 0 of W = 2 on a 300-token sequence: chunks 0 and 3 of 75
+    a.length_q = a.length_kv = 300;
+    a.q = {{0, 75, 0}, {80, 75, 225}};
+    a.kv = {{0, 150, 0}, {152, 150, 150}};
+    SequenceTile b;  // an all-gather-like step: Q starts mid-sequence, KV is a prefix
+    b.length_q = b.length_kv = 90;
+    b.q = {{160, 30, 60}};
+    b.kv = {{310, 90, 0}};
+    c.call.sequences = {a, b};
+    fill_inputs(c, 11);
+    run_case(c);
+  }
+}
+
+TEST_CASE("gpu attention: deterministic backward is bitwise identical over 10 runs") {
+  CPGOLD_REQUIRE_DEVICE();
+  const Case c = make_case("determinism", DType::bf16, 4, 1, 128, 128, {-1, 0}, {1025, 333, 0, 64}, {1025, 333, 0, 64}, 9);
+  gpu::HostForward fwd;
+  REQUIRE(gpu::forward_on_device(c.call, c.dtype, c.q, c.k, c.v, fwd).ok());
+  auto same_bits = [](const Tensor3<float>& a, const Tensor3<float>& b) {
+    return a.values.size() == b.values.size() &&
+           std::memcmp(a.values.data(), b.values.data(), a.values.size() * sizeof(float)) == 0;
+  };
+  gpu::HostBackward first;
+  REQUIRE(gpu::backward_on_device(c.call, c.dtype, c.q, c.k, c.v, fwd.o, fwd.lse, c.dout,
+                                  gpu::BackwardMode::deterministic, first)
+              .ok());
+  int identical = 0;
+  for (int run = 1; run < 10; ++run) {
+    gpu::HostBackward again;
+    REQUIRE(gpu::backward_on_device(c.call, c.dtype, c.q, c.k, c.v, fwd.o, fwd.lse, c.dout,
+                                    gpu::BackwardMode::deterministic, again)
+                .ok());
+    const bool same = same_bits(first.dq, again.dq) && same_bits(first.dk, again.dk) && same_bits(first.dv, again.dv);
+    CHECK(same);
+    identical += same ? 1 : 0;
+  }
+  std::printf("VERDICT deterministic backward: %d of 9 reruns bitwise identical to the first\n", identical);
+  // The forward is deterministic too.
+  gpu::HostForward fwd2;
+  REQUIRE(gpu::forward_on_device(c.call, c.dtype, c.q, c.k, c.v, fwd2).ok());
+  CHECK(same_bits(fwd.o, fwd2.o));
+}
