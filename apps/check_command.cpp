@@ -1,0 +1,72 @@
+// `cpgold check`: candidate files against a golden fixture (exit 0 pass, 1 fail, 2 unusable input);
+// `--identical A B` compares two candidates bit for bit; `--self GOLDEN` checks an independent CPU path.
+#include <cstdio>
+#include <iostream>
+#include <sstream>
+
+#include "apps/command_registry.hpp"
+#include "fixtures/check.hpp"
+#include "reference/input_error.hpp"
+
+namespace cpgold::app {
+namespace {
+
+struct CheckArgs {
+  std::vector<std::string> files;
+  bool identical = false, self = false;
+  std::string format = "text";
+  std::string tensors;
+};
+
+int run_check(const CheckArgs& args) {
+  if (args.format != "text" && args.format != "json") fail_input("--format", "expected text or json, got \"", args.format, "\"");
+  if (args.identical) {
+    if (args.files.size() != 2) fail_input("--identical", "expects exactly two candidate files, got ", args.files.size());
+    const fx::IdenticalReport report = fx::identical(args.files[0], args.files[1]);
+    if (args.format == "json") {
+      nlohmann::ordered_json j;
+      j["datasets"] = report.datasets;
+      j["differences"] = report.differences;
+      j["identical"] = report.pass();
+      std::cout << j.dump(2) << "\n";
+    } else {
+      std::cout << fx::render_text(report);
+    }
+    return report.pass() ? kExitPass : kExitFail;
+  }
+  fx::CheckOptions options;
+  if (!args.tensors.empty()) {
+    std::stringstream in(args.tensors);
+    std::string name;
+    while (std::getline(in, name, ',')) {
+      const auto quantity = fx::parse_quantity(name);
+      if (!quantity) fail_input("--tensors", "unknown tensor \"", name, "\" (expected o, lse, dq, dk, dv)");
+      options.tensors.push_back(*quantity);
+    }
+  }
+  fx::CheckReport report;
+  if (args.self) {
+    if (args.files.size() != 1) fail_input("--self", "expects exactly one golden file, got ", args.files.size());
+    report = fx::self_check(args.files[0], options);
+  } else {
+    if (args.files.size() < 2) fail_input("check", "expects GOLDEN CANDIDATE... (one merged file or one file per rank)");
+    report = fx::check(args.files[0], {args.files.begin() + 1, args.files.end()}, options);
+  }
+  if (args.format == "json") std::cout << fx::to_json(report).dump(2) << "\n";
+  else std::cout << fx::render_text(report);
+  return report.pass() ? kExitPass : kExitFail;
+}
+
+const RegisterCommand registered("check", [](CLI::App& app) -> std::function<int()> {
+  auto* sub = app.add_subcommand("check", "check candidate outputs against a golden fixture");
+  auto args = std::make_shared<CheckArgs>();
+  sub->add_option("files", args->files, "GOLDEN CANDIDATE... | --identical RUN1 RUN2 | --self GOLDEN")->required();
+  sub->add_flag("--identical", args->identical, "compare two candidate files bit for bit");
+  sub->add_flag("--self", args->self, "check an independent CPU path (peer, scale on K, other tile size)");
+  sub->add_option("--format", args->format, "text or json");
+  sub->add_option("--tensors", args->tensors, "comma-separated subset of o,lse,dq,dk,dv (e.g. o,lse for forward only)");
+  return [=] { return run_check(*args); };
+});
+
+}  // namespace
+}  // namespace cpgold::app
