@@ -311,3 +311,11 @@ TEST_CASE("gpu attention: deterministic backward is bitwise identical over 10 ru
   REQUIRE(gpu::forward_on_device(c.call, c.dtype, c.q, c.k, c.v, fwd2).ok());
   CHECK(same_bits(fwd.o, fwd2.o));
 }
+
+// Small enough for compute-sanitizer (memcheck, racecheck): every kernel of the forward and both backward modes,
+// with pad rows, a zero-length sequence, a partial tile and GQA.
+TEST_CASE("gpu attention: small case for the sanitizers") {
+  CPGOLD_REQUIRE_DEVICE();
+  run_case(make_case("sanitizer case", DType::bf16, 2, 1, 64, 64, {-1, 0}, {1, 70, 0, 130}, {1, 70, 0, 130}, 12));
+  run_case(make_case("sanitizer case", DType::fp16, 2, 2, 192, 128, {30, 0}, {65, 3}, {65, 3}, 13));
+}

@@ -1,0 +1,151 @@
+// Forward/backward TFLOP/s of the cpgold GPU attention on varlen batches (bench/gpu/varlen_batches.md).
+// Usage: bench_gpu_attention [--reps N]   prints one table row per (mask, d, total tokens).
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "gpu/attention.hpp"
+#include "reference/attention_call.hpp"
+#include "reference/thd_layout.hpp"
+
+using namespace cpgold;
+
+namespace {
+
+void check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) {
+    std::fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(e));
+    std::exit(2);
+  }
+}
+void check(const gpu::Outcome& o, const char* what) {
+  if (!o.ok()) {
+    std::fprintf(stderr, "%s: %s %s\n", what, std::string(gpu::status_name(o.status)).c_str(), o.message.c_str());
+    std::exit(2);
+  }
+}
+
+std::vector<int32_t> varlen_lengths(int64_t total) {
+  static const int32_t cycle[] = {512, 1536, 2560, 3584, 1024, 3072, 2048, 4096};
+  std::vector<int32_t> lens;
+  int64_t sum = 0;
+  for (int i = 0; sum < total; ++i) {
+    const int32_t len = static_cast<int32_t>(std::min<int64_t>(cycle[i % 8], total - sum));
+    lens.push_back(len);
+    sum += len;
+  }
+  return lens;
+}
+
+double forward_flops(const std::vector<int32_t>& lens, int heads, int d, int dv, bool causal) {
+  double flops = 0;
+  for (int32_t s : lens) flops += 2.0 * s * (causal ? s / 2.0 : s) * (d + dv) * heads;
+  return flops;
+}
+
+void* device_random(size_t elems, std::mt19937& rng) {
+  std::vector<uint16_t> host(elems);
+  std::uniform_real_distribution<float> u(-1.f, 1.f);
+  for (auto& x : host) {
+    const float f = u(rng);
+    uint32_t bits;
+    std::memcpy(&bits, &f, 4);
+    x = static_cast<uint16_t>(bits >> 16);  // bf16 by truncation: any bf16 value will do for timing
+  }
+  void* d = nullptr;
+  check(cudaMalloc(&d, elems * 2), "cudaMalloc");
+  check(cudaMemcpy(d, host.data(), elems * 2, cudaMemcpyHostToDevice), "cudaMemcpy");
+  return d;
+}
+
+template <class F>
+float median_ms(F&& f, int reps) {
+  cudaEvent_t a, b;
+  cudaEventCreate(&a);
+  cudaEventCreate(&b);
+  for (int i = 0; i < 3; ++i) f();
+  std::vector<float> times;
+  for (int i = 0; i < reps; ++i) {
+    cudaEventRecord(a);
+    f();
+    cudaEventRecord(b);
+    check(cudaEventSynchronize(b), "timed run");
+    float ms = 0;
+    cudaEventElapsedTime(&ms, a, b);
+    times.push_back(ms);
+  }
+  std::sort(times.begin(), times.end());
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  return times[times.size() / 2];
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int reps = 20;
+  for (int i = 1; i + 1 < argc; ++i)
+    if (std::string(argv[i]) == "--reps") reps = std::atoi(argv[i + 1]);
+  if (gpu::cuda_device_count() == 0) {
+    std::printf("SKIPPED: no CUDA device\n");
+    return 0;
+  }
+  cudaDeviceProp prop{};
+  check(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
+  std::printf("device: %s, %d SMs\n", prop.name, prop.multiProcessorCount);
+  std::printf("%-8s %-5s %-7s %-6s %10s %10s %10s %10s %10s\n", "impl", "mask", "d", "tokens", "fwd_ms", "fwd_TF",
+              "bwd_ms", "bwd_TF", "bwd_det_TF");
+  std::mt19937 rng(1);
+  for (int d : {128, 64})
+    for (bool causal : {true, false})
+      for (int64_t total : {16384, 32768, 65536}) {
+        const int heads = 2048 / d;
+        const std::vector<int32_t> lens = varlen_lengths(total);
+        ThdLayout layout{make_packed_sequences(lens, {}, -1, "q"), make_packed_sequences(lens, {}, -1, "kv")};
+        const AttentionCall call =
+            non_cp_call(layout, causal ? Window{-1, 0} : Window{-1, -1}, 1.0 / std::sqrt(static_cast<double>(d)));
+        gpu::AttentionPlan plan;
+        check(plan.build(call, {DType::bf16, heads, heads, d, d}), "plan");
+        const size_t elems = static_cast<size_t>(total) * heads * d;
+        void* q = device_random(elems, rng);
+        void* k = device_random(elems, rng);
+        void* v = device_random(elems, rng);
+        void* dout = device_random(elems, rng);
+        void *o, *dq, *dk, *dv;
+        float* lse;
+        check(cudaMalloc(&o, elems * 2), "cudaMalloc");
+        check(cudaMalloc(&dq, elems * 2), "cudaMalloc");
+        check(cudaMalloc(&dk, elems * 2), "cudaMalloc");
+        check(cudaMalloc(&dv, elems * 2), "cudaMalloc");
+        check(cudaMalloc(reinterpret_cast<void**>(&lse), static_cast<size_t>(total) * heads * 4), "cudaMalloc");
+        gpu::ForwardBuffers fb{q, k, v, o, lse};
+        gpu::BackwardBuffers bb;
+        bb.q = q;
+        bb.k = k;
+        bb.v = v;
+        bb.o = o;
+        bb.dout = dout;
+        bb.lse = lse;
+        bb.dq = dq;
+        bb.dk = dk;
+        bb.dv = dv;
+        const float fwd = median_ms([&] { check(gpu::attention_forward(plan, fb), "forward"); }, reps);
+        const float bwd = median_ms(
+            [&] { check(gpu::attention_backward(plan, bb, gpu::BackwardMode::atomic), "backward"); }, reps);
+        const float bwd_det = median_ms(
+            [&] { check(gpu::attention_backward(plan, bb, gpu::BackwardMode::deterministic), "backward"); }, reps);
+        const double flops = forward_flops(lens, heads, d, d, causal);
+        std::printf("%-8s %-5s %-7d %-6lld %10.3f %10.1f %10.3f %10.1f %10.1f\n", "cpgold", causal ? "causal" : "full",
+                    d, static_cast<long long>(total), fwd, flops / fwd * 1e-9, bwd, 2.5 * flops / bwd * 1e-9,
+                    2.5 * flops / bwd_det * 1e-9);
+        for (void* p : {q, k, v, dout, o, dq, dk, dv, static_cast<void*>(lse)}) cudaFree(p);
+      }
+  return 0;
+}
