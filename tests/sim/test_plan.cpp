@@ -190,3 +190,35 @@ TEST_CASE("windowed p2p skips empty tiles") {
   CHECK(t.kv_half == HalfSelect::first);
   CHECK(t.q_half == HalfSelect::first);
 }
+
+#include "sim/coverage.hpp"
+#include "sim/explain.hpp"
+
+TEST_CASE("explain: stable JSON keys, work equals the allowed pairs, shortcut warnings") {
+  const CaseSpec s = worked_example(CommType::p2p);
+  const Plan plan = make_plan(s);
+  const auto j = explain_json(s, plan);
+  for (const char* key : {"case", "comm", "cp_size", "a2a_size", "p2p_size", "window", "chunk_map", "passes", "work", "warnings"})
+    CHECK(j.contains(key));
+  const auto& tile = j["passes"]["forward"]["tiles"][1];  // rank 0, step 1
+  CHECK(tile["section"] == "upper");
+  CHECK(tile["cu_seqlens_q"] == nlohmann::json::array({0, 0, 2}));
+  CHECK(tile["cu_seqlens_q_padded"] == nlohmann::json::array({0, 2, 4}));
+  CHECK(tile["q_input"] == "second_half");
+  CHECK(j["chunk_map"]["q"][0]["chunks"][1]["valid"] == 0);  // sequence 0, chunk 3 of rank 0 is all padding
+  // Total work equals the pairs the causal mask allows (5*6/2 + 8*9/2 = 51) times the 2 heads.
+  int64_t total = 0;
+  for (const auto& x : j["work"]["per_rank"]) total += x.get<int64_t>();
+  CHECK(total == 102);
+  CHECK(total == check_coverage(plan, PassKind::forward).allowed_pairs);
+  // cu // W gives [0,2,6] for rank 1 but the exact counts are [0,3,7]: warned.
+  bool found = false;
+  for (const std::string& w : shortcut_count_warnings(plan))
+    found = found || (w.find("rank 1") != std::string::npos && w.find("[0,3,7]") != std::string::npos);
+  CHECK(found);
+  // No padding: no warnings.
+  CaseSpec even = s;
+  even.seqlens_q = {8, 8};
+  CHECK(shortcut_count_warnings(make_plan(even)).empty());
+  CHECK(explain_svg(s, plan).find("<svg") == 0);
+}

@@ -1,0 +1,127 @@
+#pragma once
+// CLI glue for a case: `--case JSON` and one flag per case key (seqlens_q is --seqlens-q), usable by every subcommand.
+// Flags given next to --case override its keys; the merged object goes through sim::parse_case, so every error names
+// the key and the value.
+#include <CLI/CLI.hpp>
+#include <map>
+#include <memory>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "reference/input_error.hpp"
+#include "sim/case_spec.hpp"
+
+namespace cpgold::app {
+
+struct CaseFlags {
+  std::string case_json;                     // --case
+  std::map<std::string, std::string> values;  // case key -> flag text, only flags given
+};
+
+namespace case_flags_detail {
+enum class Kind { int_list, integer, number, text, pair };
+struct Key {
+  const char* name;
+  Kind kind;
+  const char* help;
+};
+inline const Key kKeys[] = {
+    {"seqlens_q", Kind::int_list, "actual lengths, e.g. 5,8"},
+    {"seqlens_kv", Kind::int_list, "actual kv lengths (default: seqlens_q)"},
+    {"padded_q", Kind::int_list, "padded lengths (default: padded to a multiple of 2*cp_size)"},
+    {"padded_kv", Kind::int_list, "padded kv lengths"},
+    {"total_tokens_q", Kind::integer, "rows of the q tensor (default: sum of padded_q)"},
+    {"total_tokens_kv", Kind::integer, "rows of the kv tensors"},
+    {"heads_q", Kind::integer, "query heads"},
+    {"heads_kv", Kind::integer, "kv heads (default: heads_q)"},
+    {"dim_qk", Kind::integer, "head dim of q and k"},
+    {"dim_v", Kind::integer, "head dim of v (default: dim_qk)"},
+    {"dtype", Kind::text, "bf16 | fp16 | fp32"},
+    {"mask", Kind::text, "none | causal"},
+    {"window", Kind::pair, "wl,wr (-1 unbounded)"},
+    {"cp_size", Kind::integer, "CP ranks W"},
+    {"comm", Kind::text, "p2p | a2a | all_gather | a2a+p2p"},
+    {"a2a_size", Kind::integer, "a2a group size for a2a+p2p"},
+    {"seed", Kind::integer, "seed of the inputs"},
+    {"pad_fill", Kind::text, "zero | random | nan | inf"},
+    {"softmax_scale", Kind::number, "default 1/sqrt(dim_qk)"},
+};
+
+inline std::string flag_name(const std::string& key) {
+  std::string f = "--" + key;
+  for (char& c : f)
+    if (c == '_') c = '-';
+  return f;
+}
+
+inline nlohmann::json parse_integer(const std::string& key, const std::string& text) {
+  try {
+    size_t used = 0;
+    const long long v = std::stoll(text, &used);
+    if (used != text.size()) throw std::invalid_argument(text);
+    return v;
+  } catch (const std::exception&) {
+    fail_input(key, "value \"", text, "\" is not an integer");
+  }
+}
+
+inline nlohmann::json to_json(const Key& key, const std::string& text) {
+  switch (key.kind) {
+    case Kind::integer: return parse_integer(key.name, text);
+    case Kind::number:
+      try {
+        size_t used = 0;
+        const double v = std::stod(text, &used);
+        if (used != text.size()) throw std::invalid_argument(text);
+        return v;
+      } catch (const std::exception&) {
+        fail_input(key.name, "value \"", text, "\" is not a number");
+      }
+    case Kind::text: return text;
+    case Kind::int_list:
+    case Kind::pair: {
+      nlohmann::json list = nlohmann::json::array();
+      std::string item;
+      std::stringstream ss(text);
+      int i = 0;
+      if (!text.empty())
+        while (std::getline(ss, item, ','))
+          list.push_back(parse_integer(std::string(key.name) + "[" + std::to_string(i++) + "]", item));
+      return list;
+    }
+  }
+  return text;
+}
+}  // namespace case_flags_detail
+
+// Adds --case and one flag per case key to `sub`.
+inline void add_case_flags(CLI::App& sub, const std::shared_ptr<CaseFlags>& flags) {
+  sub.add_option("--case", flags->case_json, "the case as one JSON object (docs/case-spec.md); flags override its keys");
+  for (const auto& key : case_flags_detail::kKeys) {
+    const std::string name = key.name;
+    sub.add_option_function<std::string>(
+        case_flags_detail::flag_name(name), [flags, name](const std::string& v) { flags->values[name] = v; }, key.help);
+  }
+}
+
+// The case from --case and the flags; InputError (exit code 2) naming the key and value on bad input.
+inline sim::CaseSpec case_from_flags(const CaseFlags& flags) {
+  nlohmann::json object = nlohmann::json::object();
+  if (!flags.case_json.empty()) {
+    try {
+      object = nlohmann::json::parse(flags.case_json);
+    } catch (const nlohmann::json::parse_error& e) {
+      fail_input("--case", "is not valid JSON (", e.what(), "): ", flags.case_json);
+    }
+    if (!object.is_object()) fail_input("--case", "must be a JSON object, got ", flags.case_json);
+  }
+  for (const auto& key : case_flags_detail::kKeys) {
+    auto it = flags.values.find(key.name);
+    if (it != flags.values.end()) object[key.name] = case_flags_detail::to_json(key, it->second);
+  }
+  if (!object.contains("seqlens_q")) fail_input("seqlens_q", "is required (give --seqlens-q or --case)");
+  return sim::parse_case(object);
+}
+
+}  // namespace cpgold::app
