@@ -15,6 +15,8 @@
 #include <cmath>
 #include <limits>
 #include <mutex>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "reference/input_error.hpp"
@@ -128,15 +130,45 @@ void check_shapes(const AttentionCall& call, const auto& q, const auto& k, const
   call.check();
 }
 
-// Scores of a query block against the visible key runs: s = scale * q.k (or q.(round(scale*k)) with scale_on_k),
-// masked entries -inf. Returns the tile [rows, keys] and fills key positions.
+// Visible columns of one tile row: for each key run, the half-open column range the window leaves visible.
+// Key positions inside a run are consecutive, so a window cuts each run into at most one visible range.
+std::vector<std::pair<int64_t, int64_t>> visible_columns(Window w, int64_t delta, int64_t q_pos,
+                                                         const std::vector<RowRun>& key_runs) {
+  std::vector<std::pair<int64_t, int64_t>> ranges;
+  int64_t col = 0;
+  for (const RowRun& r : key_runs) {
+    int64_t lo = r.position, hi = r.position + r.count;  // positions [lo, hi)
+    if (w.left >= 0) lo = std::max(lo, q_pos + delta - w.left);
+    if (w.right >= 0) hi = std::min(hi, q_pos + delta + w.right + 1);
+    if (lo < hi) ranges.emplace_back(col + lo - r.position, col + hi - r.position);
+    else ranges.emplace_back(col, col);
+    col += r.count;
+  }
+  return ranges;
+}
+
+// Sets every column outside the visible ranges of row i to `value` (begin <= end always; empty = [col, col)).
+template <class Acc>
+void fill_masked(Matrix<Acc>& tile, int64_t i, const std::vector<std::pair<int64_t, int64_t>>& visible,
+                 const std::vector<RowRun>& key_runs, Acc value) {
+  int64_t col = 0;
+  for (size_t r = 0; r < key_runs.size(); ++r) {
+    const auto [begin, end] = visible[r];
+    const int64_t run_end = col + key_runs[r].count;
+    if (begin > col) tile.row(i).segment(col, begin - col).setConstant(value);
+    if (run_end > end) tile.row(i).segment(end, run_end - end).setConstant(value);
+    col = run_end;
+  }
+}
+
+// Scores of a query block against the key runs: s = scale * q.k (or q.(round(scale*k)) with scale_on_k), before
+// masking. Returns the tile [rows, keys].
 template <class Acc, class Round>
-Matrix<Acc> score_tile(const Arithmetic<Acc, Round>& arith, const AttentionCall& call, const SequenceTile& seq,
-                       const Tensor3<Acc>& q, const Tensor3<Acc>& k, int64_t q_head, int64_t kv_head,
-                       const RowRun& rows, const std::vector<RowRun>& key_runs, std::vector<int64_t>& key_pos) {
+Matrix<Acc> score_tile(const Arithmetic<Acc, Round>& arith, const AttentionCall& call, const Tensor3<Acc>& q,
+                       const Tensor3<Acc>& k, int64_t q_head, int64_t kv_head, const RowRun& rows,
+                       const std::vector<RowRun>& key_runs) {
   int64_t keys = 0;
   for (const RowRun& r : key_runs) keys += r.count;
-  key_pos.resize(keys);
   Matrix<Acc> s(rows.count, keys);
   const auto q_rows = head_rows(q, rows.first_row, rows.count, q_head);
   const Acc scale = static_cast<Acc>(call.softmax_scale);
@@ -150,13 +182,8 @@ Matrix<Acc> score_tile(const Arithmetic<Acc, Round>& arith, const AttentionCall&
       s.middleCols(col, r.count).noalias() = q_rows * k_rows.transpose();
       s.middleCols(col, r.count) *= scale;
     }
-    for (int64_t j = 0; j < r.count; ++j) key_pos[col + j] = r.position + j;
     col += r.count;
   }
-  const int64_t delta = seq.delta();
-  for (int64_t i = 0; i < rows.count; ++i)
-    for (int64_t j = 0; j < keys; ++j)
-      if (!visible(call.window, rows.position + i, key_pos[j], delta)) s(i, j) = -std::numeric_limits<Acc>::infinity();
   return s;
 }
 
@@ -177,22 +204,22 @@ ForwardResult<Acc> forward_impl(const AttentionCall& call, const Tensor3<Acc>& q
     const auto [lo, hi] = visible_key_range(seq, call.window, task.rows.position,
                                             task.rows.position + task.rows.count - 1);
     const auto key_runs = runs_in_range(seq.kv, lo, hi);
-    std::vector<int64_t> key_pos;
-    Matrix<Acc> s = score_tile(arith, call, seq, q, k, task.head, kv_head, task.rows, key_runs, key_pos);
-    const int64_t keys = s.cols();
+    Matrix<Acc> s = score_tile(arith, call, q, k, task.head, kv_head, task.rows, key_runs);
     std::vector<Acc> row_sum(task.rows.count, Acc(0));
     std::vector<Acc> row_max(task.rows.count, -std::numeric_limits<Acc>::infinity());
     for (int64_t i = 0; i < task.rows.count; ++i) {
-      for (int64_t j = 0; j < keys; ++j) row_max[i] = std::max(row_max[i], s(i, j));
+      const auto visible = visible_columns(call.window, seq.delta(), task.rows.position + i, key_runs);
+      for (const auto& [begin, end] : visible)
+        if (end > begin) row_max[i] = std::max(row_max[i], s.row(i).segment(begin, end - begin).maxCoeff());
       if (row_max[i] == -std::numeric_limits<Acc>::infinity()) {
         s.row(i).setZero();  // no visible key: O = 0, LSE = -inf
         continue;
       }
-      for (int64_t j = 0; j < keys; ++j) {
-        const Acc p = std::exp(s(i, j) - row_max[i]);
-        row_sum[i] += p;
-        s(i, j) = arith.round(p);  // P rounded to the dtype before P.V (identity for the oracle)
-      }
+      s.row(i).array() = (s.row(i).array() - row_max[i]).exp();
+      fill_masked(s, i, visible, key_runs, Acc(0));  // masked scores may have overflowed: overwrite, never scale
+      row_sum[i] = s.row(i).sum();
+      if constexpr (!std::is_same_v<Round, OracleRounding>)
+        s.row(i) = s.row(i).unaryExpr(arith.round);  // P rounded to the dtype before P.V
     }
     Matrix<Acc> o_acc = Matrix<Acc>::Zero(task.rows.count, v.dim);
     int64_t col = 0;
@@ -220,17 +247,20 @@ Acc row_delta(const Tensor3<Acc>& o, const Tensor3<Acc>& dout, int64_t row, int6
   return sum;
 }
 
-// P = exp(s - lse) and dS = P * (dP - D) over one tile; masked entries (s = -inf) give 0. On return `s` holds P
-// and `dp` holds dS.
+// P = exp(s - lse) and dS = P * (dP - D) over one tile whose rows start at position q_pos0; masked entries give 0.
+// On return `s` holds P and `dp` holds dS.
 template <class Acc>
-void softmax_gradient_tile(Matrix<Acc>& s, Matrix<Acc>& dp, const std::vector<Acc>& lse, const std::vector<Acc>& d) {
+void softmax_gradient_tile(Matrix<Acc>& s, Matrix<Acc>& dp, const std::vector<Acc>& lse, const std::vector<Acc>& d,
+                           Window window, int64_t delta, int64_t q_pos0, const std::vector<RowRun>& key_runs) {
   for (int64_t i = 0; i < s.rows(); ++i) {
-    const bool empty = lse[i] == -std::numeric_limits<Acc>::infinity();
-    for (int64_t j = 0; j < s.cols(); ++j) {
-      const Acc p = (empty || s(i, j) == -std::numeric_limits<Acc>::infinity()) ? Acc(0) : std::exp(s(i, j) - lse[i]);
-      s(i, j) = p;
-      dp(i, j) = p * (dp(i, j) - d[i]);
+    if (lse[i] == -std::numeric_limits<Acc>::infinity()) {
+      s.row(i).setZero();
+      dp.row(i).setZero();
+      continue;
     }
+    s.row(i).array() = (s.row(i).array() - lse[i]).exp();
+    fill_masked(s, i, visible_columns(window, delta, q_pos0 + i, key_runs), key_runs, Acc(0));
+    dp.row(i).array() = s.row(i).array() * (dp.row(i).array() - d[i]);
   }
 }
 
@@ -265,8 +295,7 @@ BackwardResult<Acc> backward_impl(const AttentionCall& call, const Tensor3<Acc>&
     const auto [lo, hi] = visible_key_range(seq, call.window, task.rows.position,
                                             task.rows.position + task.rows.count - 1);
     const auto key_runs = runs_in_range(seq.kv, lo, hi);
-    std::vector<int64_t> key_pos;
-    Matrix<Acc> s = score_tile(arith, call, seq, q, k, task.head, kv_head, task.rows, key_runs, key_pos);
+    Matrix<Acc> s = score_tile(arith, call, q, k, task.head, kv_head, task.rows, key_runs);
     Matrix<Acc> dp(s.rows(), s.cols());
     const auto do_rows = head_rows(dout, task.rows.first_row, task.rows.count, task.head);
     int64_t col = 0;
@@ -279,8 +308,8 @@ BackwardResult<Acc> backward_impl(const AttentionCall& call, const Tensor3<Acc>&
       row_lse[i] = lse(task.head, task.rows.first_row + i);
       d[i] = row_delta(o, dout, task.rows.first_row + i, task.head);
     }
-    softmax_gradient_tile(s, dp, row_lse, d);
-    dp = dp.unaryExpr(arith.round);  // dS rounded to the dtype before dS.K
+    softmax_gradient_tile(s, dp, row_lse, d, call.window, seq.delta(), task.rows.position, key_runs);
+    if constexpr (!std::is_same_v<Round, OracleRounding>) dp = dp.unaryExpr(arith.round);  // dS rounded before dS.K
     Matrix<Acc> dq_acc = Matrix<Acc>::Zero(task.rows.count, q.dim);
     col = 0;
     for (const RowRun& r : key_runs) {
@@ -313,12 +342,11 @@ BackwardResult<Acc> backward_impl(const AttentionCall& call, const Tensor3<Acc>&
     Matrix<Acc> dk_acc = Matrix<Acc>::Zero(key_run.count, k.dim);
     Matrix<Acc> dv_acc = Matrix<Acc>::Zero(key_run.count, v.dim);
     const auto v_rows = head_rows(v, key_run.first_row, key_run.count, kv_head);
-    std::vector<int64_t> key_pos;
     for (int64_t q_head = kv_head * group; q_head < (kv_head + 1) * group; ++q_head) {
       for (const RowRun& run : query_runs) {
         for (int64_t i0 = 0; i0 < run.count; i0 += block) {
           const RowRun rows{run.first_row + i0, std::min<int64_t>(block, run.count - i0), run.position + i0};
-          Matrix<Acc> s = score_tile(arith, call, seq, q, k, q_head, kv_head, rows, key_runs, key_pos);
+          Matrix<Acc> s = score_tile(arith, call, q, k, q_head, kv_head, rows, key_runs);
           const auto do_rows = head_rows(dout, rows.first_row, rows.count, q_head);
           Matrix<Acc> dp = do_rows * v_rows.transpose();
           std::vector<Acc> row_lse(rows.count), d(rows.count);
@@ -326,9 +354,11 @@ BackwardResult<Acc> backward_impl(const AttentionCall& call, const Tensor3<Acc>&
             row_lse[i] = lse(q_head, rows.first_row + i);
             d[i] = row_delta(o, dout, rows.first_row + i, q_head);
           }
-          softmax_gradient_tile(s, dp, row_lse, d);
-          s = s.unaryExpr(arith.round);    // P rounded before P^T.dO
-          dp = dp.unaryExpr(arith.round);  // dS rounded before dS^T.Q
+          softmax_gradient_tile(s, dp, row_lse, d, call.window, seq.delta(), rows.position, key_runs);
+          if constexpr (!std::is_same_v<Round, OracleRounding>) {
+            s = s.unaryExpr(arith.round);    // P rounded before P^T.dO
+            dp = dp.unaryExpr(arith.round);  // dS rounded before dS^T.Q
+          }
           dv_acc.noalias() += s.transpose() * do_rows;
           dk_acc.noalias() += dp.transpose() * head_rows(q, rows.first_row, rows.count, q_head);
         }
