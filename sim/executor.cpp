@@ -7,8 +7,10 @@
 #include "sim/executor.hpp"
 
 #include <algorithm>
+#include <exception>
 #include <limits>
 #include <map>
+#include <omp.h>
 #include <stdexcept>
 #include <string>
 #include <tuple>
@@ -81,6 +83,25 @@ std::vector<int64_t> identity_rows(int64_t n) {
 std::vector<int64_t> half_rows(const SidePartition& side, HalfSelect half) {
   if (half == HalfSelect::full) return identity_rows(side.local_rows());
   return side.read_half_rows(half == HalfSelect::first ? 0 : 1);
+}
+
+// Runs f(rank) for every rank, ranks spread over OpenMP threads (the attention inside then runs on one thread;
+// results are independent of the split). The first exception is rethrown after the loop.
+template <class F>
+void parallel_over_ranks(int W, F&& f) {
+  std::exception_ptr error;
+  // With fewer ranks than threads, ranks run one after another and each tile uses the threads itself.
+  const bool by_rank = W > 1 && W >= omp_get_max_threads();
+#pragma omp parallel for schedule(dynamic, 1) if (by_rank)
+  for (int g = 0; g < W; ++g) {
+    try {
+      f(g);
+    } catch (...) {
+#pragma omp critical(cpgold_sim_error)
+      if (!error) error = std::current_exception();
+    }
+  }
+  if (error) std::rethrow_exception(error);
 }
 
 // Arithmetic policies: the oracle (float64) and the CP peer (reference peer per tile, float32 merges).
@@ -303,19 +324,30 @@ CpRun<typename Arith::T> run_ring_family(const Plan& plan, const CaseInputs& inp
   std::vector<std::vector<ForwardPart<T>>> parts(W);
   for (int g = 0; g < W; ++g) results[g].reserve(fwd.steps);
   for (int i = 0; i < fwd.steps; ++i) {
-    for (int g = 0; g < W; ++g) {
+    for (int g = 0; g < W; ++g)
+      if (fwd.tile(g, i).computed) check_owner(fwd.tile(g, i));
+    // The ranks of one step are independent: simulated concurrently (each tile's result does not depend on the
+    // thread count), recorded in rank order afterwards.
+    std::vector<ForwardResult<T>> step_results(static_cast<size_t>(W));
+    std::vector<std::vector<int64_t>> step_rows(static_cast<size_t>(W));
+    parallel_over_ranks(W, [&](int g) {
       const Tile& t = fwd.tile(g, i);
-      if (!t.computed) continue;
-      check_owner(t);
+      if (!t.computed) return;
       const RingRank<T>& rk = ranks[g];
-      const std::vector<int64_t> qrows = t.q_half == HalfSelect::full ? identity_rows(rk.q.rows) : half_rows(gq, t.q_half);
-      const std::vector<int64_t> krows = t.kv_half == HalfSelect::full ? identity_rows(rk.k.rows) : half_rows(gk, t.kv_half);
-      const Tensor3<T> q_in = t.q_half == HalfSelect::full ? rk.q : take_rows(rk.q, qrows);
-      const Tensor3<T> k_in = t.kv_half == HalfSelect::full ? rk.k : take_rows(rk.k, krows);
-      const Tensor3<T> v_in = t.kv_half == HalfSelect::full ? rk.v : take_rows(rk.v, krows);
-      results[g].push_back(arith.forward(t.call, q_in, k_in, v_in));
-      if (options.record_trace) run.trace.forward.push_back({g, i, results[g].back().o, results[g].back().lse});
-      parts[g].push_back({nullptr, nullptr, qrows});
+      const bool qfull = t.q_half == HalfSelect::full, kfull = t.kv_half == HalfSelect::full;
+      std::vector<int64_t> qrows = qfull ? identity_rows(rk.q.rows) : half_rows(gq, t.q_half);
+      const std::vector<int64_t> krows = kfull ? std::vector<int64_t>{} : half_rows(gk, t.kv_half);
+      step_results[g] = qfull && kfull ? arith.forward(t.call, rk.q, rk.k, rk.v)
+                                       : arith.forward(t.call, qfull ? rk.q : take_rows(rk.q, qrows),
+                                                       kfull ? rk.k : take_rows(rk.k, krows),
+                                                       kfull ? rk.v : take_rows(rk.v, krows));
+      step_rows[g] = std::move(qrows);
+    });
+    for (int g = 0; g < W; ++g) {
+      if (!fwd.tile(g, i).computed) continue;
+      if (options.record_trace) run.trace.forward.push_back({g, i, step_results[g].o, step_results[g].lse});
+      results[g].push_back(std::move(step_results[g]));
+      parts[g].push_back({nullptr, nullptr, std::move(step_rows[g])});
     }
     deliver_ring(fwd, i);
   }
@@ -416,6 +448,12 @@ CpRun<typename Arith::T> run_ring_family(const Plan& plan, const CaseInputs& inp
       if (t.kv_owner >= 0 && rk.dkv_owner != t.kv_owner)
         plan_error("rank " + std::to_string(g) + " step " + std::to_string(i) + " holds dKV of " +
                    std::to_string(rk.dkv_owner) + " but computes for " + std::to_string(t.kv_owner));
+    }
+    std::vector<BackwardStepTrace<T>> step_trace(static_cast<size_t>(W));
+    parallel_over_ranks(W, [&](int g) {
+      const Tile& t = bwd.tile(g, i);
+      if (!t.computed) return;
+      RingRank<T>& rk = ranks[g];
       const bool qfull = t.q_half == HalfSelect::full, kfull = t.kv_half == HalfSelect::full;
       const std::vector<int64_t> qrows = qfull ? identity_rows(rk.q.rows) : half_rows(gq, t.q_half);
       const std::vector<int64_t> krows = kfull ? identity_rows(rk.k.rows) : half_rows(gk, t.kv_half);
@@ -432,9 +470,12 @@ CpRun<typename Arith::T> run_ring_family(const Plan& plan, const CaseInputs& inp
           rec.dk_in_flight = rk.dk;
           rec.dv_in_flight = rk.dv;
         }
-        run.trace.backward.push_back(std::move(rec));
+        step_trace[g] = std::move(rec);
       }
-    }
+    });
+    if (options.record_trace)
+      for (int g = 0; g < W; ++g)
+        if (bwd.tile(g, i).computed) run.trace.backward.push_back(std::move(step_trace[g]));
     deliver_ring(bwd, i);
   }
   for (int g = 0; g < W; ++g) {
