@@ -268,13 +268,20 @@ std::string explain_svg(const CaseSpec& spec, const Plan& plan) {
   for (int r = 0; r < plan.cp_size; ++r) {
     const double y = 44 + 22.0 * r;
     os << "<text x=\"10\" y=\"" << y + 12 << "\">rank " << r << "</text>\n";
-    const auto idx = q.gather_indices(r);
-    for (int64_t row : idx) {
-      if (row >= T) continue;
-      const bool valid = q.global().is_valid_row(row);
-      os << "<rect x=\"" << 70 + cell_w * static_cast<double>(row) << "\" y=\"" << y << "\" width=\"" << cell_w << "\" height=\"16\" fill=\""
-         << colour(r) << "\" fill-opacity=\"" << (valid ? 1.0 : 0.25) << "\"/>\n";
-    }
+    // Each chunk the rank holds: its valid rows solid, its pad rows light.
+    for (int b = 0; b < q.batch(); ++b)
+      for (int c : {r, 2 * plan.cp_size - 1 - r}) {
+        const int64_t first = q.global().cu_seqlens_padded[b] + static_cast<int64_t>(c) * q.chunk_size(b);
+        const int64_t valid = q.valid_in_chunk(b, c), size = q.chunk_size(b);
+        if (valid > 0)
+          os << "<rect x=\"" << 70 + cell_w * static_cast<double>(first) << "\" y=\"" << y << "\" width=\"" << cell_w * valid
+             << "\" height=\"16\" fill=\"" << colour(r) << "\"><title>rank " << r << " sequence " << b << " chunk " << c
+             << ": " << valid << " valid rows</title></rect>\n";
+        if (size > valid)
+          os << "<rect x=\"" << 70 + cell_w * static_cast<double>(first + valid) << "\" y=\"" << y << "\" width=\""
+             << cell_w * (size - valid) << "\" height=\"16\" fill=\"" << colour(r) << "\" fill-opacity=\"0.25\"><title>rank " << r
+             << " sequence " << b << " chunk " << c << ": " << size - valid << " pad rows</title></rect>\n";
+      }
   }
   for (int b = 0; b <= q.batch(); ++b) {
     const double x = 70 + cell_w * q.global().cu_seqlens_padded[b];
@@ -310,8 +317,13 @@ std::string explain_svg(const CaseSpec& spec, const Plan& plan) {
             const int64_t cq = tp.q.chunk_size(b), ck = tp.kv.chunk_size(b);
             const int64_t nq = tp.q.valid_in_chunk(b, qc), nk = tp.kv.valid_in_chunk(b, kc);
             const int64_t delta = static_cast<int64_t>(tp.kv.global().length(b)) - tp.q.global().length(b);
-            for (int64_t i = 0; i < nq && !any; ++i)
-              for (int64_t j = 0; j < nk && !any; ++j) any = visible(plan.window, qc * cq + i, kc * ck + j, delta);
+            if (nq == 0 || nk == 0) continue;
+            // Some i in [q0, q0 + nq), j in [k0, k0 + nk) with j - i inside the window's [delta - wl, delta + wr].
+            const int64_t q0 = qc * cq, k0 = kc * ck;
+            const int64_t lo = k0 - (q0 + nq - 1), hi = (k0 + nk - 1) - q0;
+            const int64_t wlo = plan.window.left >= 0 ? delta - plan.window.left : lo;
+            const int64_t whi = plan.window.right >= 0 ? delta + plan.window.right : hi;
+            any = std::max(lo, wlo) <= std::min(hi, whi);
           }
           if (!any) continue;
           os << "<rect x=\"" << x0 + g * kc + 1 << "\" y=\"" << gy + 17 + g * qc << "\" width=\"" << g - 2 << "\" height=\"" << g - 2

@@ -93,3 +93,32 @@ TEST_CASE("inputs: deterministic, in [-1, 1], dtype values, pad fill") {
   CHECK(uniform_value(0, InputTensor::q, 0) == uniform_value(0, InputTensor::q, 0));
   CHECK(uniform_value(0, InputTensor::q, 0) != uniform_value(0, InputTensor::q, 1));
 }
+
+#include "apps/case_options.hpp"
+
+TEST_CASE("CLI flags map one to one to case keys; flags override --case") {
+  cpgold::app::CaseFlags flags;
+  flags.case_json = R"({"seqlens_q": [4, 4], "cp_size": 2, "heads_q": 8})";
+  flags.values["seqlens_q"] = "5,8";
+  flags.values["padded_q"] = "8,8";
+  flags.values["window"] = "3,0";
+  flags.values["mask"] = "causal";
+  flags.values["comm"] = "a2a+p2p";
+  flags.values["softmax_scale"] = "0.5";
+  const CaseSpec s = cpgold::app::case_from_flags(flags);
+  CHECK(s.seqlens_q == std::vector<int32_t>{5, 8});
+  CHECK(s.heads_q == 8);
+  CHECK(s.cp_size == 2);
+  CHECK(s.comm == CommType::a2a_p2p);
+  CHECK(mask_window(s) == Window{3, 0});
+  CHECK(softmax_scale(s) == 0.5);
+  flags.values["heads_q"] = "eight";
+  try {
+    cpgold::app::case_from_flags(flags);
+    FAIL("no error");
+  } catch (const InputError& e) {
+    CHECK(e.field() == "heads_q");
+    CHECK(std::string(e.what()).find("eight") != std::string::npos);
+  }
+  CHECK(cpgold::app::case_flags_detail::flag_name("seqlens_q") == "--seqlens-q");
+}
