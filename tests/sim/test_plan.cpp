@@ -222,3 +222,36 @@ TEST_CASE("explain: stable JSON keys, work equals the allowed pairs, shortcut wa
   CHECK(shortcut_count_warnings(make_plan(even)).empty());
   CHECK(explain_svg(s, plan).find("<svg") == 0);
 }
+
+TEST_CASE("every tile's AttentionCall agrees with its TransformerEngine metadata") {
+  // seqused = per-step counts; a segment's first row = the padded offset of its sequence in the step tensor.
+  for (CommType comm : {CommType::p2p, CommType::a2a, CommType::all_gather, CommType::a2a_p2p})
+    for (bool causal : {true, false}) {
+      CaseSpec s;
+      s.seqlens_q = {5, 13, 0, 9, 1};
+      s.cp_size = 4;
+      s.comm = comm;
+      s.causal = causal;
+      s.window = normalize_window(causal, {});
+      s.heads_q = 4;
+      s.a2a_size = 2;
+      const Plan plan = make_plan(s);
+      for (const PassPlan* pass : {&plan.forward, &plan.backward})
+        for (const Tile& t : pass->tiles)
+          for (size_t b = 0; b < t.call.sequences.size(); ++b) {
+            CAPTURE(std::string(comm_name(comm)));
+            CAPTURE(t.rank);
+            CAPTURE(t.step);
+            CAPTURE(b);
+            const SequenceTile& seq = t.call.sequences[b];
+            int32_t nq = 0, nk = 0;
+            for (const RowSegment& x : seq.q) nq += x.count;
+            for (const RowSegment& x : seq.kv) nk += x.count;
+            CHECK(nq == t.te.cu_seqlens_q[b + 1] - t.te.cu_seqlens_q[b]);
+            if (!seq.q.empty()) CHECK(seq.q[0].first_row == t.te.cu_seqlens_q_padded[b]);
+            if (!seq.kv.empty()) CHECK(seq.kv[0].first_row == t.te.cu_seqlens_kv_padded[b]);
+            if (comm != CommType::all_gather) CHECK(nk == t.te.cu_seqlens_kv[b + 1] - t.te.cu_seqlens_kv[b]);
+            else if (nq > 0) CHECK(nk == t.te.cu_seqlens_kv[b + 1] - t.te.cu_seqlens_kv[b]);  // TE's count is exact here
+          }
+    }
+}
