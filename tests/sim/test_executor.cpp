@@ -2,6 +2,7 @@
 #include <doctest/doctest.h>
 
 #include "cp_check.hpp"
+#include "reference/input_error.hpp"
 
 using namespace cpgold;
 using namespace cpgold::sim;
@@ -182,5 +183,28 @@ TEST_CASE("CP peer: every comm type close to the oracle, bitwise identical for 1
       worst = std::max(worst, std::abs(static_cast<double>(peer.dk.values[i]) - oracle.dk.values[i]));
     CHECK(worst < 0.02);
     for (float x : peer.dv.values) CHECK(std::isfinite(x));
+  }
+}
+
+TEST_CASE("W = 1 with tail rows, every comm type") {
+  for (CommType comm : {CommType::p2p, CommType::a2a, CommType::all_gather, CommType::a2a_p2p}) {
+    CAPTURE(std::string(comm_name(comm)));
+    CaseSpec s = base_case(comm, 1, kMasks[0], 4);
+    s.seqlens_q = {3, 0, 6};
+    s.total_tokens_q = s.total_tokens_kv = 16;  // padded 4 + 0 + 6 = 10, then 6 tail rows
+    check_case(s);
+  }
+}
+
+TEST_CASE("tail rows under CP are p2p only") {
+  CaseSpec s = base_case(CommType::all_gather, 2, kMasks[0], 4);
+  s.seqlens_q = {3, 6};
+  s.total_tokens_q = 16;
+  try {
+    make_plan(s);
+    FAIL("no error");
+  } catch (const InputError& e) {
+    CHECK(e.field() == "total_tokens_q");
+    CHECK(std::string(e.what()).find("16") != std::string::npos);
   }
 }
