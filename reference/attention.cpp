@@ -161,8 +161,8 @@ void fill_masked(Matrix<Acc>& tile, int64_t i, const std::vector<std::pair<int64
   }
 }
 
-// Scores of a query block against the key runs: s = scale * q.k (or q.(round(scale*k)) with scale_on_k), before
-// masking. Returns the tile [rows, keys].
+// Scores of a query block against the key runs: s = scale * q.k (or q.(scale*k) with scale_on_k, the product
+// kept in Acc), before masking. Returns the tile [rows, keys].
 template <class Acc, class Round>
 Matrix<Acc> score_tile(const Arithmetic<Acc, Round>& arith, const AttentionCall& call, const Tensor3<Acc>& q,
                        const Tensor3<Acc>& k, int64_t q_head, int64_t kv_head, const RowRun& rows,
@@ -176,7 +176,7 @@ Matrix<Acc> score_tile(const Arithmetic<Acc, Round>& arith, const AttentionCall&
   for (const RowRun& r : key_runs) {
     const auto k_rows = head_rows(k, r.first_row, r.count, kv_head);
     if (arith.options.scale_on_k) {
-      Matrix<Acc> k_scaled = (k_rows * scale).unaryExpr(arith.round);
+      const Matrix<Acc> k_scaled = k_rows * scale;
       s.middleCols(col, r.count).noalias() = q_rows * k_scaled.transpose();
     } else {
       s.middleCols(col, r.count).noalias() = q_rows * k_rows.transpose();
@@ -315,7 +315,7 @@ BackwardResult<Acc> backward_impl(const AttentionCall& call, const Tensor3<Acc>&
     for (const RowRun& r : key_runs) {
       const auto k_rows = head_rows(k, r.first_row, r.count, kv_head);
       if (arith.options.scale_on_k) {
-        const Matrix<Acc> k_scaled = (k_rows * static_cast<Acc>(call.softmax_scale)).unaryExpr(arith.round);
+        const Matrix<Acc> k_scaled = k_rows * static_cast<Acc>(call.softmax_scale);
         dq_acc.noalias() += dp.middleCols(col, r.count) * k_scaled;
       } else {
         dq_acc.noalias() += dp.middleCols(col, r.count) * k_rows;

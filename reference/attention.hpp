@@ -20,7 +20,7 @@ namespace cpgold {
 // independent but equally legitimate low-precision path.
 struct KernelOptions {
   int row_block = 64;       // query rows per task and per tile (also key rows per backward dK/dV task)
-  bool scale_on_k = false;  // peer only: multiply K by the scale (rounded to the dtype) instead of the scores
+  bool scale_on_k = false;  // multiply K by the scale (in the accumulation type) instead of the scores
 };
 
 template <class T>
