@@ -9,7 +9,15 @@
 //       the A operand of P.V. Backward: KV-stationary CTA per (64-key tile, kv head) looping over the query
 //       heads of its group and the Q tiles the mask lets through; dK/dV in registers (bitwise reproducible);
 //       dQ by float32 atomics (atomic mode) or by a separate Q-stationary pass (deterministic mode).
-//       Measured effect: see docs/PERF.md "## gpu" (first measurement of this design).
+//       Measured (H100, commit 179694b): forward 201 TFLOP/s (0.78x PyTorch varlen_attn's 258), backward atomic
+//       117 (0.53x of 221), deterministic 161 (0.73x); causal d=128 16k tokens.
+//   v2  Backward atomic dQ: each warp stages its 16 x 32 float32 dQ chunk in shared memory and adds it with
+//       float4 atomics (a quarter of the atomics, coalesced). Prediction: the atomic path was slower than the
+//       deterministic one (117 vs 161), so atomics dominate; expect about 150-180.
+//       Measured (commit 91fd1c2 + v2): backward atomic 161 TFLOP/s at 16k, 183 at 64k (was 117 / 125): hit.
+//   v2b (tried, reverted) Forward K/V pipelining in one buffer: K of tile i+1 loading during P.V of tile i, V during
+//       Q.K^T and softmax. Predicted +10-20%; measured 192 vs 201 (d=128, 16k) and 163 vs 185 (d=64): no gain, a
+//       loss at d=64 (a third barrier per tile; three CTAs per SM already hide the loads). Forward stays v1.
 //
 // Conventions. Accumulator fragment of mma.m16n8k16 for lane = 4 * g + t: c[0], c[1] -> row g, columns 2t, 2t+1;
 // c[2], c[3] -> row g + 8. A fragment a[0..3] -> (row g, k 2t..), (row g+8, k 2t..), (row g, k 2t+8..),
@@ -73,6 +81,8 @@ __device__ __forceinline__ void mma16816<__half>(float (&c)[4], const uint32_t (
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
+
+__device__ __forceinline__ int warp_index() { return static_cast<int>(threadIdx.x / 32); }
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -497,10 +507,11 @@ struct BackwardConfig {
   static constexpr int kBlockN = 64;  // keys per CTA
   static constexpr int kLdQ = Pitch<D>::value, kLdK = Pitch<D>::value, kLdV = Pitch<DV>::value;
   static constexpr int kLdO = Pitch<DV>::value, kLdP = Pitch<kBlockN>::value;
+  static constexpr int kLdDq = 36;  // float32 staging of a warp's 16 x 32 dQ chunk (rows 16-byte aligned)
   static constexpr int kSmemBytes =
       (kBlockN * kLdK + kBlockN * kLdV + kBlockM * kLdQ + kBlockM * kLdO + 2 * kBlockM * kLdP) *
           static_cast<int>(sizeof(T)) +
-      2 * kBlockM * static_cast<int>(sizeof(float));
+      2 * kBlockM * static_cast<int>(sizeof(float)) + 4 * 16 * kLdDq * static_cast<int>(sizeof(float));
 };
 
 // LSE in the exp2 domain for one row; a row with no visible key (LSE -inf) or outside the tile gets +inf, so that
@@ -526,6 +537,7 @@ __global__ void __launch_bounds__(128) attention_backward_dkdv_kernel(AttentionP
   T* sdS = sP + Cfg::kBlockM * Cfg::kLdP;
   float* sLse = reinterpret_cast<float*>(sdS + Cfg::kBlockM * Cfg::kLdP);
   float* sDelta = sLse + Cfg::kBlockM;
+  float* sDq = sDelta + Cfg::kBlockM + warp_index() * 16 * Cfg::kLdDq;  // this warp's dQ staging
 
   const RowTile kv_tile = p.kv_tiles[blockIdx.x];
   const int kv_head = blockIdx.y;
@@ -631,25 +643,30 @@ __global__ void __launch_bounds__(128) attention_backward_dkdv_kernel(AttentionP
 
         if constexpr (ATOMIC_DQ) {
           // dQ (unscaled) += dS K for this warp's 16 query rows, 32 columns at a time.
+          // Each 16 x 32 chunk is staged in shared memory and added with 16-byte float4 atomics (sm_90), a
+          // quarter of the scalar atomics and coalesced along the row.
           float* dq_rows = p.dq_accum + (first_row + warp * 16) * q_stride + static_cast<int64_t>(head) * D;
-          const int r0 = warp * 16 + g, r1 = r0 + 8;
-#pragma unroll
+          const int warp_rows = min(16, valid - warp * 16);
+#pragma unroll 1
           for (int c0 = 0; c0 < D; c0 += 32) {
             float acc_dq[4][4];
             zero_acc(acc_dq);
             warp_gemm_a_b<Cfg::kBlockN, 4>(acc_dq, sdS + warp * 16 * Cfg::kLdP, Cfg::kLdP, sK + c0, Cfg::kLdK);
 #pragma unroll
             for (int nt = 0; nt < 4; ++nt) {
-              const int col = c0 + nt * 8 + 2 * t;
-              if (r0 < valid) {
-                atomicAdd(dq_rows + g * q_stride + col, acc_dq[nt][0]);
-                atomicAdd(dq_rows + g * q_stride + col + 1, acc_dq[nt][1]);
-              }
-              if (r1 < valid) {
-                atomicAdd(dq_rows + (g + 8) * q_stride + col, acc_dq[nt][2]);
-                atomicAdd(dq_rows + (g + 8) * q_stride + col + 1, acc_dq[nt][3]);
-              }
+              *reinterpret_cast<float2*>(sDq + g * Cfg::kLdDq + nt * 8 + 2 * t) = make_float2(acc_dq[nt][0], acc_dq[nt][1]);
+              *reinterpret_cast<float2*>(sDq + (g + 8) * Cfg::kLdDq + nt * 8 + 2 * t) =
+                  make_float2(acc_dq[nt][2], acc_dq[nt][3]);
             }
+            __syncwarp();
+#pragma unroll
+            for (int i = lane; i < 16 * 8; i += 32) {
+              const int r = i / 8, c4 = (i % 8) * 4;
+              if (r < warp_rows)
+                atomicAdd(reinterpret_cast<float4*>(dq_rows + r * q_stride + c0 + c4),
+                          *reinterpret_cast<const float4*>(sDq + r * Cfg::kLdDq + c4));
+            }
+            __syncwarp();
           }
         }
       }
