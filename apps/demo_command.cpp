@@ -6,13 +6,22 @@
 #include <cstdio>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <string>
 #include <vector>
 
+#include <filesystem>
+#include <unistd.h>
+
 #include "apps/command_registry.hpp"
+#include "fixtures/check.hpp"
+#include "fixtures/fixture_writer.hpp"
+#include "fixtures/golden_run.hpp"
+#include "fixtures/suites.hpp"
 #include "reference/attention.hpp"
 #include "sim/case_inputs.hpp"
 #include "sim/case_spec.hpp"
+#include "sim/executor.hpp"
 
 namespace cpgold::app {
 namespace {
@@ -152,10 +161,73 @@ std::vector<Row> reference_checks(const sim::CaseSpec& spec) {
   return rows;
 }
 
-int run_demo() {
+// Largest relative error of the float64 CP simulation (gathered) against the non-CP float64 oracle, over the five
+// outputs; LSE rows at -inf must agree exactly (else +inf is returned).
+double cp_oracle_error(const fx::GoldenRun& run, const sim::CaseInputs& inputs) {
+  const sim::CpRun<double> cp = sim::run_cp_oracle(run.plan, inputs, sim::ExecutorOptions{true, false});
+  const sim::GlobalOutputs<double> global = sim::gather_outputs(run.plan, cp.ranks);
+  auto rel = [](const std::vector<double>& a, const std::vector<double>& b) {
+    double err = 0, scale = 0;
+    for (size_t i = 0; i < b.size(); ++i) {
+      if (!std::isfinite(b[i])) {
+        if (a[i] != b[i]) return std::numeric_limits<double>::infinity();
+        continue;
+      }
+      err = std::max(err, std::fabs(a[i] - b[i]));
+      scale = std::max(scale, std::fabs(b[i]));
+    }
+    return scale == 0 ? err : err / scale;
+  };
+  return std::max({rel(global.o.values, run.o.oracle), rel(global.lse.values, run.lse.oracle),
+                   rel(global.dq.values, run.dq.oracle), rel(global.dk.values, run.dk.oracle),
+                   rel(global.dv.values, run.dv.oracle)});
+}
+
+struct SuiteRow {
+  std::string name;
+  std::string comm;
+  bool cp_ok;
+  double cp_error;
+  bool self_ok;
+  double worst_ratio;       // max over tensors and ranks of error / deciding limit (max or mean)
+  std::string worst_where;  // which tensor/rank decided it
+};
+
+// Generates the quick suite into `folder`, checks the float64 CP simulation of every case against the oracle and
+// runs `check --self` on every fixture.
+std::vector<SuiteRow> suite_checks(const std::filesystem::path& folder) {
+  std::vector<SuiteRow> rows;
+  const auto cases = fx::suite_cases("quick");
+  int index = 0;
+  for (const fx::SuiteCase& c : cases) {
+    std::fprintf(stderr, "  [%d/%zu] %s\n", ++index, cases.size(), c.name.c_str());
+    const fx::GoldenRun run = fx::generate(c.spec);
+    const std::string path = (folder / (c.name + ".h5")).string();
+    fx::write_fixture(run, path, fx::WriteOptions{true, -1});
+    SuiteRow row;
+    row.name = c.name;
+    row.comm = std::string(sim::comm_name(c.spec.comm)) + " W=" + std::to_string(c.spec.cp_size);
+    row.cp_error = cp_oracle_error(run, sim::make_case_inputs(c.spec));
+    row.cp_ok = row.cp_error <= 1e-12;
+    const fx::CheckReport report = fx::self_check(path);
+    row.self_ok = report.pass();
+    row.worst_ratio = 0;
+    for (const fx::TensorResult& r : report.results) {
+      const double ratio = std::max(r.evaluation.max_ratio, r.evaluation.mean_ratio);
+      if (ratio >= row.worst_ratio) {
+        row.worst_ratio = ratio;
+        row.worst_where = r.tensor + (r.rank >= 0 ? " rank " + std::to_string(r.rank) : " global");
+      }
+    }
+    rows.push_back(row);
+  }
+  return rows;
+}
+
+int run_demo(const std::string& keep_folder) {
   const auto start = std::chrono::steady_clock::now();
   int failures = 0, total = 0;
-  std::printf("cpgold %s demo: exact CPU reference on %zu built-in THD cases\n", CPGOLD_VERSION,
+  std::printf("cpgold %s demo\n\n1. Exact CPU reference on %zu built-in THD cases\n", CPGOLD_VERSION,
               sizeof kDemoCases / sizeof kDemoCases[0]);
   int index = 0;
   for (const char* text : kDemoCases) {
@@ -167,17 +239,44 @@ int run_demo() {
       failures += row.pass ? 0 : 1;
     }
   }
+
+  std::filesystem::path folder;
+  if (!keep_folder.empty()) {
+    folder = keep_folder;
+    std::filesystem::create_directories(folder);
+  } else {
+    folder = std::filesystem::temp_directory_path() / ("cpgold-demo-" + std::to_string(::getpid()));
+    std::filesystem::create_directories(folder);
+  }
+  std::printf("\n2. The quick suite: fixtures in %s, the float64 CP simulation against the non-CP oracle "
+              "(limit 1e-12 relative),\n   and `cpgold check --self` (an independent low-precision path checked "
+              "as a candidate; ratio = error / deciding budget, pass <= 1)\n\n",
+              folder.string().c_str());
+  const std::vector<SuiteRow> rows = suite_checks(folder);
+  std::printf("| case | comm | CP f64 vs oracle | verdict | self-check worst ratio (where) | verdict |\n");
+  std::printf("|---|---|---|---|---|---|\n");
+  for (const SuiteRow& row : rows) {
+    std::printf("| %s | %s | %s | %s | %.3f (%s) | %s |\n", row.name.c_str(), row.comm.c_str(),
+                fmt(row.cp_error).c_str(), row.cp_ok ? "PASS" : "FAIL", row.worst_ratio, row.worst_where.c_str(),
+                row.self_ok ? "PASS" : "FAIL");
+    total += 2;
+    failures += (row.cp_ok ? 0 : 1) + (row.self_ok ? 0 : 1);
+  }
+  if (keep_folder.empty()) std::filesystem::remove_all(folder);
+
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   std::printf("\ndemo: %d passed, %d failed (%.1f s)\n", total - failures, failures, seconds);
   return failures == 0 ? kExitPass : kExitFail;
 }
 
 const RegisterCommand registration{"demo", [](CLI::App& app) {
-                                     app.add_subcommand("demo",
-                                                        "Run the reference and its self-checks on built-in cases and "
-                                                        "print the verdicts");
-                                     return std::function<int()>(run_demo);
-                                   }};
+  auto* sub = app.add_subcommand("demo",
+                                 "Run what the build has on built-in cases (reference self-checks, the quick suite: "
+                                 "CP simulation vs oracle and check --self) and print the verdicts");
+  auto keep = std::make_shared<std::string>();
+  sub->add_option("--keep", *keep, "Write the quick suite's fixtures to this folder and keep them");
+  return std::function<int()>([keep] { return run_demo(*keep); });
+}};
 
 }  // namespace
 }  // namespace cpgold::app
