@@ -67,12 +67,17 @@ bool all_finite(const std::vector<T>& v) {
   return true;
 }
 
-// Relative max error of a peer tensor against the oracle over finite oracle entries.
-double relative_error(const std::vector<float>& peer, const std::vector<double>& oracle) {
+// max|x - oracle| / max|oracle| over finite oracle entries; where the oracle is infinite (LSE of a row with no
+// visible key) x must be equal, else the error is +inf.
+template <class T>
+double relative_error(const std::vector<T>& x, const std::vector<double>& oracle) {
   double err = 0, scale = 0;
   for (size_t i = 0; i < oracle.size(); ++i) {
-    if (!std::isfinite(oracle[i])) continue;
-    err = std::max(err, std::fabs(peer[i] - oracle[i]));
+    if (!std::isfinite(oracle[i])) {
+      if (static_cast<double>(x[i]) != oracle[i]) return std::numeric_limits<double>::infinity();
+      continue;
+    }
+    err = std::max(err, std::fabs(x[i] - oracle[i]));
     scale = std::max(scale, std::fabs(oracle[i]));
   }
   return scale == 0 ? err : err / scale;
@@ -166,21 +171,9 @@ std::vector<Row> reference_checks(const sim::CaseSpec& spec) {
 double cp_oracle_error(const fx::GoldenRun& run, const sim::CaseInputs& inputs) {
   const sim::CpRun<double> cp = sim::run_cp_oracle(run.plan, inputs, sim::ExecutorOptions{true, false});
   const sim::GlobalOutputs<double> global = sim::gather_outputs(run.plan, cp.ranks);
-  auto rel = [](const std::vector<double>& a, const std::vector<double>& b) {
-    double err = 0, scale = 0;
-    for (size_t i = 0; i < b.size(); ++i) {
-      if (!std::isfinite(b[i])) {
-        if (a[i] != b[i]) return std::numeric_limits<double>::infinity();
-        continue;
-      }
-      err = std::max(err, std::fabs(a[i] - b[i]));
-      scale = std::max(scale, std::fabs(b[i]));
-    }
-    return scale == 0 ? err : err / scale;
-  };
-  return std::max({rel(global.o.values, run.o.oracle), rel(global.lse.values, run.lse.oracle),
-                   rel(global.dq.values, run.dq.oracle), rel(global.dk.values, run.dk.oracle),
-                   rel(global.dv.values, run.dv.oracle)});
+  return std::max({relative_error(global.o.values, run.o.oracle), relative_error(global.lse.values, run.lse.oracle),
+                   relative_error(global.dq.values, run.dq.oracle), relative_error(global.dk.values, run.dk.oracle),
+                   relative_error(global.dv.values, run.dv.oracle)});
 }
 
 struct SuiteRow {

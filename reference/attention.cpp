@@ -91,28 +91,20 @@ std::pair<int64_t, int64_t> visible_query_range(const SequenceTile& seq, Window 
   return {std::max<int64_t>(lo, 0), std::min<int64_t>(hi, seq.length_q - 1)};
 }
 
-struct QueryBlockTask {
+struct BlockTask {
   int seq;
   int head;
   RowRun rows;
 };
 
-std::vector<QueryBlockTask> query_block_tasks(const AttentionCall& call, int64_t heads, int row_block) {
-  std::vector<QueryBlockTask> tasks;
+// Blocks of row_block rows inside the Q segments (side = &SequenceTile::q) or the KV segments (&SequenceTile::kv)
+// of every sequence, for each of `heads` heads.
+std::vector<BlockTask> block_tasks(const AttentionCall& call, std::vector<RowSegment> SequenceTile::*side,
+                                        int64_t heads, int row_block) {
+  std::vector<BlockTask> tasks;
   for (int b = 0; b < static_cast<int>(call.sequences.size()); ++b)
     for (int64_t h = 0; h < heads; ++h)
-      for (const RowSegment& s : call.sequences[b].q)
-        for (int64_t i = 0; i < s.count; i += row_block)
-          tasks.push_back({b, static_cast<int>(h),
-                           {s.first_row + i, std::min<int64_t>(row_block, s.count - i), s.position + i}});
-  return tasks;
-}
-
-std::vector<QueryBlockTask> key_block_tasks(const AttentionCall& call, int64_t kv_heads, int row_block) {
-  std::vector<QueryBlockTask> tasks;
-  for (int b = 0; b < static_cast<int>(call.sequences.size()); ++b)
-    for (int64_t h = 0; h < kv_heads; ++h)
-      for (const RowSegment& s : call.sequences[b].kv)
+      for (const RowSegment& s : call.sequences[b].*side)
         for (int64_t i = 0; i < s.count; i += row_block)
           tasks.push_back({b, static_cast<int>(h),
                            {s.first_row + i, std::min<int64_t>(row_block, s.count - i), s.position + i}});
@@ -195,10 +187,10 @@ ForwardResult<Acc> forward_impl(const AttentionCall& call, const Tensor3<Acc>& q
   const int64_t group = q.heads / k.heads;
   ForwardResult<Acc> out{Tensor3<Acc>(q.rows, q.heads, v.dim),
                          LseTensor<Acc>(q.heads, q.rows, -std::numeric_limits<Acc>::infinity())};
-  const auto tasks = query_block_tasks(call, q.heads, arith.options.row_block);
+  const auto tasks = block_tasks(call, &SequenceTile::q, q.heads, arith.options.row_block);
 #pragma omp parallel for schedule(dynamic, 1)
   for (int64_t t = 0; t < static_cast<int64_t>(tasks.size()); ++t) {
-    const QueryBlockTask& task = tasks[t];
+    const BlockTask& task = tasks[t];
     const SequenceTile& seq = call.sequences[task.seq];
     const int64_t kv_head = task.head / group;
     const auto [lo, hi] = visible_key_range(seq, call.window, task.rows.position,
@@ -286,10 +278,10 @@ BackwardResult<Acc> backward_impl(const AttentionCall& call, const Tensor3<Acc>&
                           Tensor3<Acc>(v.rows, v.heads, v.dim)};
 
   // dQ: one task per query block, over all keys the block sees.
-  const auto q_tasks = query_block_tasks(call, q.heads, block);
+  const auto q_tasks = block_tasks(call, &SequenceTile::q, q.heads, block);
 #pragma omp parallel for schedule(dynamic, 1)
   for (int64_t t = 0; t < static_cast<int64_t>(q_tasks.size()); ++t) {
-    const QueryBlockTask& task = q_tasks[t];
+    const BlockTask& task = q_tasks[t];
     const SequenceTile& seq = call.sequences[task.seq];
     const int64_t kv_head = task.head / group;
     const auto [lo, hi] = visible_key_range(seq, call.window, task.rows.position,
@@ -329,10 +321,10 @@ BackwardResult<Acc> backward_impl(const AttentionCall& call, const Tensor3<Acc>&
   }
 
   // dK, dV: one task per key block, summing over the query heads of its group in a fixed order.
-  const auto k_tasks = key_block_tasks(call, k.heads, block);
+  const auto k_tasks = block_tasks(call, &SequenceTile::kv, k.heads, block);
 #pragma omp parallel for schedule(dynamic, 1)
   for (int64_t t = 0; t < static_cast<int64_t>(k_tasks.size()); ++t) {
-    const QueryBlockTask& task = k_tasks[t];
+    const BlockTask& task = k_tasks[t];
     const SequenceTile& seq = call.sequences[task.seq];
     const int64_t kv_head = task.head;
     const RowRun key_run = task.rows;
