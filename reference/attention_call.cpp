@@ -33,14 +33,14 @@ void check_disjoint(std::vector<std::pair<int64_t, int64_t>>& used, const char* 
 }  // namespace
 
 void AttentionCall::check() const {
-  std::vector<std::pair<int64_t, int64_t>> q_used;
+  // No row is read by two segments, within a sequence or across sequences (each sequence owns its rows).
+  std::vector<std::pair<int64_t, int64_t>> q_used, kv_used;
   for (size_t b = 0; b < sequences.size(); ++b) {
-    std::vector<std::pair<int64_t, int64_t>> kv_used;  // KV rows may be shared by no two sequences either
     check_side(sequences[b].q, q_rows, sequences[b].length_q, b, "q", q_used);
     check_side(sequences[b].kv, kv_rows, sequences[b].length_kv, b, "kv", kv_used);
-    check_disjoint(kv_used, "kv");
   }
   check_disjoint(q_used, "q");
+  check_disjoint(kv_used, "kv");
 }
 
 AttentionCall non_cp_call(const ThdLayout& layout, Window window, double softmax_scale) {
