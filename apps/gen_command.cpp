@@ -12,6 +12,7 @@
 
 #include "apps/command_registry.hpp"
 #include "fixtures/fixture_writer.hpp"
+#include "fixtures/golden_manifest.hpp"
 #include "fixtures/suites.hpp"
 #include "reference/input_error.hpp"
 #include "sim/case_spec.hpp"
@@ -138,6 +139,7 @@ struct Job {
   std::string name, path;
   sim::CaseSpec spec;
   bool cpu_only = false;
+  bool trace = false;  // the suite asks for step partials (golden)
 };
 
 struct Done {
@@ -149,8 +151,10 @@ struct Done {
 };
 
 int run_gen(const CaseFlags& flags, const std::string& suite, const std::string& output, bool force, bool trace,
-            const std::vector<std::string>& only) {
+            const std::vector<std::string>& only, bool manifest) {
   if (flags.given() == !suite.empty()) fail_input("gen", "give either a case (--case or case flags) or --suite, not both");
+  if (manifest && (suite.empty() || !only.empty()))
+    fail_input("--manifest", "needs --suite and the whole suite (no --only)");
   if (output.empty()) fail_input("-o", "an output path is required (a file for a case, a folder for a suite)");
   std::vector<Job> jobs;
   if (!suite.empty()) {
@@ -159,7 +163,7 @@ int run_gen(const CaseFlags& flags, const std::string& suite, const std::string&
     if (!fs::is_directory(output)) fail_input("-o", "cannot create output folder '", output, "'");
     for (const fx::SuiteCase& c : fx::suite_cases(suite)) {
       if (!only.empty() && std::find(only.begin(), only.end(), c.name) == only.end()) continue;
-      jobs.push_back({c.name, (fs::path(output) / (c.name + ".h5")).string(), c.spec, c.cpu_only});
+      jobs.push_back({c.name, (fs::path(output) / (c.name + ".h5")).string(), c.spec, c.cpu_only, c.trace});
     }
     if (jobs.empty()) fail_input("--only", "no case of suite ", suite, " matches");
   } else {
@@ -173,13 +177,13 @@ int run_gen(const CaseFlags& flags, const std::string& suite, const std::string&
   const bool terminal = ::isatty(STDERR_FILENO) != 0;
   double rate = 2.0e9;  // work units per second, refined after every case
   double total_work = 0;
-  for (const Job& job : jobs) total_work += case_work(job.spec, trace);
+  for (const Job& job : jobs) total_work += case_work(job.spec, trace || job.trace);
   double work_done = 0;
   const auto start = std::chrono::steady_clock::now();
   std::vector<Done> done;
   for (size_t i = 0; i < jobs.size(); ++i) {
     const Job& job = jobs[i];
-    const double work = case_work(job.spec, trace);
+    const double work = case_work(job.spec, trace || job.trace);
     const double estimate = work / rate;
     const double eta = (total_work - work_done) / rate;
     if (estimate > 2.0 || !terminal)
@@ -194,7 +198,7 @@ int run_gen(const CaseFlags& flags, const std::string& suite, const std::string&
     }
     const auto t0 = std::chrono::steady_clock::now();
     fx::GenerateOptions options;
-    options.trace = trace;
+    options.trace = trace || job.trace;
     const fx::GoldenRun run = fx::generate(job.spec, options);
     fx::WriteOptions write_options;
     write_options.force = force;
@@ -218,6 +222,11 @@ int run_gen(const CaseFlags& flags, const std::string& suite, const std::string&
   }
   std::printf("%zu fixture(s), %s in %s (%.2f cases/s, %.2f MB/s)\n", done.size(), human_bytes(double(bytes)).c_str(),
               seconds_text(total).c_str(), done.size() / std::max(total, 1e-9), bytes / 1e6 / std::max(total, 1e-9));
+  if (manifest) {
+    std::vector<fx::FixtureDigest> digests;
+    for (const Job& job : jobs) digests.push_back(fx::digest_fixture(job.path));
+    std::printf("manifest: %s\n", fx::write_manifest(output, suite, digests).c_str());
+  }
   return kExitPass;
 }
 
@@ -229,13 +238,16 @@ const RegisterCommand registered("gen", [](CLI::App& app) -> std::function<int()
   auto force = std::make_shared<bool>(false);
   auto trace = std::make_shared<bool>(false);
   auto only = std::make_shared<std::vector<std::string>>();
+  auto manifest = std::make_shared<bool>(false);
   flags->attach(sub);
-  sub->add_option("--suite", *suite, "suite name: quick, edge, te, full");
+  sub->add_option("--suite", *suite, "suite name: quick, edge, te, full, golden");
   sub->add_option("-o,--output", *output, "output file (a case) or folder (a suite)");
   sub->add_flag("--force", *force, "replace existing fixtures");
   sub->add_flag("--trace", *trace, "also store the per-step partials of the forward and backward");
   sub->add_option("--only", *only, "with --suite: generate only these case names")->delimiter(',');
-  return [=] { return run_gen(*flags, *suite, *output, *force, *trace, *only); };
+  sub->add_flag("--manifest", *manifest,
+                "with --suite: also write MANIFEST.json (case JSON and SHA-256 of every dataset) into the folder");
+  return [=] { return run_gen(*flags, *suite, *output, *force, *trace, *only, *manifest); };
 });
 
 }  // namespace

@@ -107,14 +107,15 @@ void parallel_over_ranks(int W, F&& f) {
 // Arithmetic policies: the oracle (float64) and the CP peer (reference peer per tile, float32 merges).
 struct OracleArith {
   using T = double;
+  KernelOptions kernel;
   ForwardResult<double> forward(const AttentionCall& c, const Tensor3<double>& q, const Tensor3<double>& k,
                                 const Tensor3<double>& v) const {
-    return attention_forward(c, q, k, v);
+    return attention_forward(c, q, k, v, kernel);
   }
   BackwardResult<double> backward(const AttentionCall& c, const Tensor3<double>& q, const Tensor3<double>& k,
                                   const Tensor3<double>& v, const Tensor3<double>& o, const LseTensor<double>& lse,
                                   const Tensor3<double>& dout) const {
-    return attention_backward(c, q, k, v, o, lse, dout);
+    return attention_backward(c, q, k, v, o, lse, dout, kernel);
   }
   double round(double x) const { return x; }
 };
@@ -122,14 +123,15 @@ struct OracleArith {
 struct PeerArith {
   using T = float;
   DType dtype;
+  KernelOptions kernel;
   ForwardResult<float> forward(const AttentionCall& c, const Tensor3<float>& q, const Tensor3<float>& k,
                                const Tensor3<float>& v) const {
-    return attention_forward(c, q, k, v, dtype);
+    return attention_forward(c, q, k, v, dtype, kernel);
   }
   BackwardResult<float> backward(const AttentionCall& c, const Tensor3<float>& q, const Tensor3<float>& k,
                                  const Tensor3<float>& v, const Tensor3<float>& o, const LseTensor<float>& lse,
                                  const Tensor3<float>& dout) const {
-    return attention_backward(c, q, k, v, o, lse, dout, dtype);
+    return attention_backward(c, q, k, v, o, lse, dout, dtype, kernel);
   }
   float round(float x) const { return round_to(dtype, x); }
 };
@@ -653,11 +655,11 @@ Tensor3<T> shard_rows(const SidePartition& side, int rank, const Tensor3<T>& glo
 }
 
 CpRun<double> run_cp_oracle(const Plan& plan, const CaseInputs& inputs, const ExecutorOptions& options) {
-  return run_cp(plan, inputs, OracleArith{}, options);
+  return run_cp(plan, inputs, OracleArith{options.kernel}, options);
 }
 
 CpRun<float> run_cp_peer(const Plan& plan, const CaseInputs& inputs, DType dtype, const ExecutorOptions& options) {
-  return run_cp(plan, inputs, PeerArith{dtype}, options);
+  return run_cp(plan, inputs, PeerArith{dtype, options.kernel}, options);
 }
 
 template <class T>

@@ -7,6 +7,7 @@
 #include <cstddef>  // size_t, used by reference/tensor.hpp
 #include <vector>
 
+#include "reference/attention.hpp"
 #include "reference/dtype.hpp"
 #include "reference/tensor.hpp"
 #include "sim/case_inputs.hpp"
@@ -34,6 +35,9 @@ struct CpRun {
 struct ExecutorOptions {
   bool backward = true;
   bool record_trace = true;
+  // Order of operations of every tile's attention call (the defaults are the reference's); `cpgold check --self`
+  // runs the CP peer with another row block and the scale on K as an independent path.
+  KernelOptions kernel{};
 };
 
 // Global inputs are sharded with the partition's gather indices; each rank then sees only its shards.

@@ -1,0 +1,54 @@
+#!/usr/bin/python3
+"""Writes a candidate file for `cpgold check` from an implementation written in numpy: here the float64 oracle of
+check_golden.py, rounded to the case dtype as a low-precision kernel would store its outputs.
+
+    /usr/bin/python3 docs/python/write_candidate.py FIXTURE.h5 CANDIDATE.h5 [--per-rank] [--scale-o FACTOR]
+    cpgold check FIXTURE.h5 CANDIDATE.h5            # exit 0 pass, 1 fail, 2 unusable input
+
+Global outputs go to the root (/o, /lse, /dq, /dk, /dv); with --per-rank they go to /ranks/<r>/ in the rank-local
+layout (rows gathered with /layout/partitioned_indices_*) and the gathered global outputs are marked
+scope = "cp_gathered". --scale-o multiplies O by a factor (to see a failing check).
+"""
+import sys
+
+import h5py
+import numpy as np
+
+from check_golden import oracle, round_to
+
+
+def main(argv):
+    if len(argv) < 2:
+        print(__doc__)
+        return 2
+    fixture, candidate = argv[0], argv[1]
+    per_rank = "--per-rank" in argv
+    scale_o = float(argv[argv.index("--scale-o") + 1]) if "--scale-o" in argv else 1.0
+    with h5py.File(fixture, "r") as f:
+        ref = oracle(f)
+        dtype = f["case"].attrs["dtype"]
+        cp_size = int(f["case"].attrs["cp_size"])
+        idx_q, idx_kv = f["layout/partitioned_indices_q"][()], f["layout/partitioned_indices_kv"][()]
+    # What a kernel stores: O, dQ, dK, dV in the dtype (written here as float32, the plain h5py path), LSE float32.
+    out = {name: round_to(x, dtype).astype(np.float32) for name, x in ref.items() if name != "lse"}
+    out["o"] = (out["o"] * np.float32(scale_o)).astype(np.float32)
+    out["lse"] = ref["lse"].astype(np.float32)
+    with h5py.File(candidate, "w") as c:
+        for name, x in out.items():
+            c[name] = x  # lse as [h, t], the default layout
+        if per_rank:
+            c.attrs["scope"] = "cp_gathered"
+            for r in range(cp_size):
+                g = c.create_group(f"ranks/{r}")
+                for name in ("o", "dq"):
+                    g[name] = out[name][idx_q[r]]
+                for name in ("dk", "dv"):
+                    g[name] = out[name][idx_kv[r]]
+                g["lse"] = out["lse"][:, idx_q[r]].T.copy()  # [t, h] this time, said so in an attribute
+                g["lse"].attrs["lse_layout"] = "th"
+    print(f"wrote {candidate}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
