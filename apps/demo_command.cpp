@@ -23,6 +23,10 @@
 #include "sim/case_spec.hpp"
 #include "sim/executor.hpp"
 
+#if CPGOLD_HAVE_CUDA
+#include "gpu/fixture_verify.hpp"
+#endif
+
 namespace cpgold::app {
 namespace {
 
@@ -169,7 +173,7 @@ std::vector<Row> reference_checks(const sim::CaseSpec& spec) {
 // Largest relative error of the float64 CP simulation (gathered) against the non-CP float64 oracle, over the five
 // outputs; LSE rows at -inf must agree exactly (else +inf is returned).
 double cp_oracle_error(const fx::GoldenRun& run, const sim::CaseInputs& inputs) {
-  const sim::CpRun<double> cp = sim::run_cp_oracle(run.plan, inputs, sim::ExecutorOptions{true, false});
+  const sim::CpRun<double> cp = sim::run_cp_oracle(run.plan, inputs, sim::ExecutorOptions{.backward = true, .record_trace = false});
   const sim::GlobalOutputs<double> global = sim::gather_outputs(run.plan, cp.ranks);
   return std::max({relative_error(global.o.values, run.o.oracle), relative_error(global.lse.values, run.lse.oracle),
                    relative_error(global.dq.values, run.dq.oracle), relative_error(global.dk.values, run.dk.oracle),
@@ -178,6 +182,7 @@ double cp_oracle_error(const fx::GoldenRun& run, const sim::CaseInputs& inputs) 
 
 struct SuiteRow {
   std::string name;
+  std::string path;  // the fixture
   std::string comm;
   bool cp_ok;
   double cp_error;
@@ -199,6 +204,7 @@ std::vector<SuiteRow> suite_checks(const std::filesystem::path& folder) {
     fx::write_fixture(run, path, fx::WriteOptions{true, -1});
     SuiteRow row;
     row.name = c.name;
+    row.path = path;
     row.comm = std::string(sim::comm_name(c.spec.comm)) + " W=" + std::to_string(c.spec.cp_size);
     row.cp_error = cp_oracle_error(run, sim::make_case_inputs(c.spec));
     row.cp_ok = row.cp_error <= 1e-12;
@@ -215,6 +221,45 @@ std::vector<SuiteRow> suite_checks(const std::filesystem::path& folder) {
     rows.push_back(row);
   }
   return rows;
+}
+
+// Section 3: cpgold's CUDA kernels on the quick suite's fixtures, both backward modes, when the build and the machine
+// have them. Unsupported fixtures (outside the GPU capability table) are listed, never counted as passed.
+void gpu_checks(const std::vector<SuiteRow>& rows, const std::filesystem::path& folder, int& total, int& failures,
+                int& unsupported) {
+#if CPGOLD_HAVE_CUDA
+  if (gpu::cuda_device_count() == 0) {
+    std::printf("\n3. cpgold's CUDA kernels on the quick suite: SKIPPED: no CUDA device\n");
+    return;
+  }
+  std::printf("\n3. cpgold's CUDA kernels (non-CP path) on the quick suite, checked like `cpgold verify`\n\n");
+  std::printf("| case | backward | worst ratio (where) | verdict |\n|---|---|---|---|\n");
+  for (const SuiteRow& row : rows) {
+    for (const gpu::BackwardMode mode : {gpu::BackwardMode::atomic, gpu::BackwardMode::deterministic}) {
+      const char* mode_name = mode == gpu::BackwardMode::atomic ? "atomic" : "deterministic";
+      const gpu::FixtureVerification v = gpu::verify_fixture(row.path, mode, (folder / (row.name + ".gpu.h5")).string());
+      if (v.verdict == gpu::FixtureVerdict::unsupported) {
+        std::printf("| %s | %s | %s | UNSUPPORTED |\n", row.name.c_str(), mode_name, v.unsupported_reason.c_str());
+        ++unsupported;
+        continue;
+      }
+      double worst = 0;
+      std::string where;
+      for (const fx::TensorResult& r : v.report->results) {
+        const double ratio = std::max(r.evaluation.max_ratio, r.evaluation.mean_ratio);
+        if (ratio >= worst) worst = ratio, where = r.tensor;
+      }
+      const bool pass = v.verdict == gpu::FixtureVerdict::pass;
+      std::printf("| %s | %s | %.3f (%s) | %s |\n", row.name.c_str(), mode_name, worst, where.c_str(),
+                  pass ? "PASS" : "FAIL");
+      ++total;
+      failures += pass ? 0 : 1;
+    }
+  }
+#else
+  (void)rows, (void)folder, (void)total, (void)failures, (void)unsupported;
+  std::printf("\n3. cpgold's CUDA kernels: not in this build (configured without nvcc)\n");
+#endif
 }
 
 int run_demo(const std::string& keep_folder) {
@@ -242,8 +287,8 @@ int run_demo(const std::string& keep_folder) {
     std::filesystem::create_directories(folder);
   }
   std::printf("\n2. The quick suite: fixtures in %s, the float64 CP simulation against the non-CP oracle "
-              "(limit 1e-12 relative),\n   and `cpgold check --self` (an independent low-precision path checked "
-              "as a candidate; ratio = error / deciding budget, pass <= 1)\n\n",
+              "(limit 1e-12 relative),\n   and `cpgold check --self` (the CP simulator in the case dtype with another "
+              "order of operations, checked per rank and gathered;\n   ratio = error / deciding budget, pass <= 1)\n\n",
               folder.string().c_str());
   const std::vector<SuiteRow> rows = suite_checks(folder);
   std::printf("| case | comm | CP f64 vs oracle | verdict | self-check worst ratio (where) | verdict |\n");
@@ -255,10 +300,14 @@ int run_demo(const std::string& keep_folder) {
     total += 2;
     failures += (row.cp_ok ? 0 : 1) + (row.self_ok ? 0 : 1);
   }
+  int unsupported = 0;
+  gpu_checks(rows, folder, total, failures, unsupported);
   if (keep_folder.empty()) std::filesystem::remove_all(folder);
 
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  std::printf("\ndemo: %d passed, %d failed (%.1f s)\n", total - failures, failures, seconds);
+  std::printf("\ndemo: %d passed, %d failed", total - failures, failures);
+  if (unsupported > 0) std::printf(", %d unsupported on the GPU (outside its capability table)", unsupported);
+  std::printf(" (%.1f s)\n", seconds);
   return failures == 0 ? kExitPass : kExitFail;
 }
 

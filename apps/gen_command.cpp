@@ -8,8 +8,8 @@
 #include <iostream>
 #include <map>
 #include <nlohmann/json.hpp>
-#include <sstream>
 
+#include "apps/case_options.hpp"
 #include "apps/command_registry.hpp"
 #include "fixtures/fixture_writer.hpp"
 #include "fixtures/golden_manifest.hpp"
@@ -21,83 +21,6 @@ namespace cpgold::app {
 namespace {
 
 namespace fs = std::filesystem;
-
-// Case keys that are also flags (seqlens_q is --seqlens-q); list keys take comma-separated integers.
-const char* const kListKeys[] = {"seqlens_q", "seqlens_kv", "padded_q", "padded_kv", "window"};
-const char* const kIntKeys[] = {"total_tokens_q", "total_tokens_kv", "heads_q", "heads_kv", "dim_qk", "dim_v",
-                                "cp_size", "a2a_size", "seed"};
-const char* const kTextKeys[] = {"dtype", "mask", "comm", "pad_fill"};
-
-std::string flag_of(std::string key) {
-  for (char& c : key)
-    if (c == '_') c = '-';
-  return "--" + key;
-}
-
-nlohmann::json parse_list(const std::string& key, const std::string& text) {
-  nlohmann::json list = nlohmann::json::array();
-  std::stringstream in(text);
-  std::string item;
-  while (std::getline(in, item, ',')) {
-    try {
-      size_t used = 0;
-      const long long value = std::stoll(item, &used);
-      if (used != item.size()) throw std::invalid_argument(item);
-      list.push_back(value);
-    } catch (const std::exception&) {
-      fail_input(key, "expected comma-separated integers, got \"", text, "\"");
-    }
-  }
-  return list;
-}
-
-struct CaseFlags {
-  std::string case_json;
-  std::map<std::string, std::string> values;
-  void attach(CLI::App* sub) {
-    sub->add_option("--case", case_json, "the case as one JSON object (docs/case-spec.md)");
-    for (const char* key : kListKeys) sub->add_option(flag_of(key), values[key], std::string("case key ") + key);
-    for (const char* key : kIntKeys) sub->add_option(flag_of(key), values[key], std::string("case key ") + key);
-    for (const char* key : kTextKeys) sub->add_option(flag_of(key), values[key], std::string("case key ") + key);
-    sub->add_option("--softmax-scale", values["softmax_scale"], "case key softmax_scale");
-  }
-  bool given() const {
-    if (!case_json.empty()) return true;
-    for (const auto& [key, value] : values)
-      if (!value.empty()) return true;
-    return false;
-  }
-  // The case object: --case first, then every flag given on top of it.
-  nlohmann::json object() const {
-    nlohmann::json object = nlohmann::json::object();
-    if (!case_json.empty()) {
-      try {
-        object = nlohmann::json::parse(case_json);
-      } catch (const nlohmann::json::parse_error& e) {
-        fail_input("--case", "not valid JSON: ", e.what());
-      }
-      if (!object.is_object()) fail_input("--case", "expected a JSON object, got ", case_json);
-    }
-    for (const auto& [key, value] : values) {
-      if (value.empty()) continue;
-      bool done = false;
-      for (const char* list_key : kListKeys)
-        if (key == list_key) object[key] = parse_list(key, value), done = true;
-      for (const char* int_key : kIntKeys)
-        if (key == int_key) object[key] = parse_list(key, value).at(0), done = true;
-      if (key == "softmax_scale") {
-        try {
-          object[key] = std::stod(value);
-        } catch (const std::exception&) {
-          fail_input("softmax_scale", "expected a number, got \"", value, "\"");
-        }
-        done = true;
-      }
-      if (!done) object[key] = value;
-    }
-    return object;
-  }
-};
 
 std::string human_bytes(double bytes) {
   char buffer[32];
@@ -152,7 +75,8 @@ struct Done {
 
 int run_gen(const CaseFlags& flags, const std::string& suite, const std::string& output, bool force, bool trace,
             const std::vector<std::string>& only, bool manifest) {
-  if (flags.given() == !suite.empty()) fail_input("gen", "give either a case (--case or case flags) or --suite, not both");
+  const bool case_given = !flags.case_json.empty() || !flags.values.empty();
+  if (case_given == !suite.empty()) fail_input("gen", "give either a case (--case or case flags) or --suite, not both");
   if (manifest && (suite.empty() || !only.empty()))
     fail_input("--manifest", "needs --suite and the whole suite (no --only)");
   if (output.empty()) fail_input("-o", "an output path is required (a file for a case, a folder for a suite)");
@@ -167,7 +91,7 @@ int run_gen(const CaseFlags& flags, const std::string& suite, const std::string&
     }
     if (jobs.empty()) fail_input("--only", "no case of suite ", suite, " matches");
   } else {
-    const sim::CaseSpec spec = sim::parse_case(flags.object());
+    const sim::CaseSpec spec = case_from_flags(flags);
     jobs.push_back({fs::path(output).stem().string(), output, spec, !fx::inside_gpu_table(spec)});
   }
   // Refuse before any work if a destination exists without --force.
@@ -239,7 +163,7 @@ const RegisterCommand registered("gen", [](CLI::App& app) -> std::function<int()
   auto trace = std::make_shared<bool>(false);
   auto only = std::make_shared<std::vector<std::string>>();
   auto manifest = std::make_shared<bool>(false);
-  flags->attach(sub);
+  add_case_flags(*sub, flags);
   sub->add_option("--suite", *suite, "suite name: quick, edge, te, full, golden");
   sub->add_option("-o,--output", *output, "output file (a case) or folder (a suite)");
   sub->add_flag("--force", *force, "replace existing fixtures");

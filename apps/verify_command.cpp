@@ -18,11 +18,8 @@
 
 #if CPGOLD_HAVE_CUDA
 #include "fixtures/check.hpp"
-#include "fixtures/fixture_reader.hpp"
-#include "fixtures/hdf5_file.hpp"
 #include "gpu/attention.hpp"
-#include "gpu/host_attention.hpp"
-#include "sim/case_spec.hpp"
+#include "gpu/fixture_verify.hpp"
 #endif
 
 namespace cpgold::app {
@@ -37,67 +34,16 @@ struct VerifyArgs {
 
 #if CPGOLD_HAVE_CUDA
 
-enum class Verdict { pass, fail, unsupported };
-
-// Writes a global candidate file (fixtures candidate layout: /o, /lse [h, t], /dq, /dk, /dv as float32).
-void write_candidate(const std::string& path, const gpu::HostForward& fwd, const gpu::HostBackward& bwd) {
-  fx::h5::Writer writer(path);
-  writer.attribute("/", "scope", std::string("global"));
-  writer.attribute("/", "producer", std::string("cpgold verify (GPU non-CP path)"));
-  auto put = [&](const char* name, const Tensor3<float>& x) {
-    writer.dataset(std::string("/") + name, {x.rows, x.heads, x.dim}, x.values.data(), fx::h5::Element::fp32);
-  };
-  put("o", fwd.o);
-  writer.dataset("/lse", {fwd.lse.heads, fwd.lse.rows}, fwd.lse.values.data(), fx::h5::Element::fp32);
-  put("dq", bwd.dq);
-  put("dk", bwd.dk);
-  put("dv", bwd.dv);
-  writer.close();
-}
-
-Verdict verify_one(const std::string& path, const VerifyArgs& args, const std::string& dump_path) {
-  const fx::h5::Reader reader(path);
-  const fx::FixtureFile fixture = fx::open_fixture(reader, fx::OpenOptions{false});
-  auto input = [&](const char* name) {
-    const std::string dataset = std::string("/inputs/") + name;
-    const fx::h5::DatasetInfo info = reader.info(dataset);
-    if (info.dims.size() != 3) fail_input(reader.where(dataset), "expected a [t, h, d] tensor, found ", fx::h5::dims_text(info.dims));
-    Tensor3<float> t(info.dims[0], info.dims[1], info.dims[2]);
-    t.values = reader.read_float(dataset);
-    return t;
-  };
-  const sim::CaseSpec& spec = fixture.spec;
-  gpu::AttentionShape shape;
-  shape.dtype = spec.dtype;
-  shape.heads_q = spec.heads_q;
-  shape.heads_kv = sim::heads_kv(spec);
-  shape.dim_qk = spec.dim_qk;
-  shape.dim_v = sim::dim_v(spec);
-  if (const gpu::Outcome cap = gpu::check_capability(shape); !cap.ok()) {
-    std::cout << "fixture    " << path << "\nUNSUPPORTED on the GPU (" << gpu::status_name(cap.status)
-              << "): " << cap.message << "\n\n";
-    return Verdict::unsupported;
+gpu::FixtureVerdict verify_one(const std::string& path, const VerifyArgs& args, const std::string& dump_path) {
+  const gpu::FixtureVerification result = gpu::verify_fixture(
+      path, args.deterministic ? gpu::BackwardMode::deterministic : gpu::BackwardMode::atomic, dump_path);
+  if (result.verdict == gpu::FixtureVerdict::unsupported) {
+    std::cout << "fixture    " << path << "\nUNSUPPORTED on the GPU: " << result.unsupported_reason << "\n\n";
+    return result.verdict;
   }
-  const Tensor3<float> q = input("q"), k = input("k"), v = input("v"), dout = input("dout");
-  const AttentionCall call = non_cp_call(fixture.layout, sim::mask_window(spec), sim::softmax_scale(spec));
-  gpu::HostForward fwd;
-  gpu::HostBackward bwd;
-  gpu::Outcome run = gpu::forward_on_device(call, spec.dtype, q, k, v, fwd);
-  if (run.ok())
-    run = gpu::backward_on_device(call, spec.dtype, q, k, v, fwd.o, fwd.lse, dout,
-                                  args.deterministic ? gpu::BackwardMode::deterministic : gpu::BackwardMode::atomic,
-                                  bwd);
-  if (run.status == gpu::Status::unsupported) {
-    std::cout << "fixture    " << path << "\nUNSUPPORTED on the GPU: " << run.message << "\n\n";
-    return Verdict::unsupported;
-  }
-  if (!run.ok()) throw std::runtime_error("GPU run on " + path + ": " + std::string(gpu::status_name(run.status)) + ": " + run.message);
-
-  write_candidate(dump_path, fwd, bwd);
-  const fx::CheckReport report = fx::check(path, {dump_path});
-  if (args.format == "json") std::cout << fx::to_json(report).dump(2) << "\n";
-  else std::cout << fx::render_text(report) << "\n";
-  return report.pass() ? Verdict::pass : Verdict::fail;
+  if (args.format == "json") std::cout << fx::to_json(*result.report).dump(2) << "\n";
+  else std::cout << fx::render_text(*result.report) << "\n";
+  return result.verdict;
 }
 
 int run_verify(const VerifyArgs& args) {
@@ -114,7 +60,7 @@ int run_verify(const VerifyArgs& args) {
       dump = (fs::temp_directory_path() / ("cpgold-verify-" + std::to_string(::getpid()) + ".h5")).string();
       temporary = true;
     }
-    Verdict verdict;
+    gpu::FixtureVerdict verdict;
     try {
       verdict = verify_one(path, args, dump);
     } catch (...) {
@@ -122,7 +68,7 @@ int run_verify(const VerifyArgs& args) {
       throw;
     }
     if (temporary) fs::remove(dump);
-    (verdict == Verdict::pass ? passed : verdict == Verdict::fail ? failed : unsupported) += 1;
+    (verdict == gpu::FixtureVerdict::pass ? passed : verdict == gpu::FixtureVerdict::fail ? failed : unsupported) += 1;
   }
   std::printf("verify: %d passed, %d failed, %d unsupported (of %zu fixtures; backward mode %s)\n", passed, failed,
               unsupported, args.fixtures.size(), args.deterministic ? "deterministic" : "atomic");
