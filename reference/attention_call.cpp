@@ -43,6 +43,14 @@ void AttentionCall::check() const {
   check_disjoint(kv_used, "kv");
 }
 
+std::vector<uint8_t> rows_read(const AttentionCall& call, bool kv_side) {
+  std::vector<uint8_t> read(static_cast<size_t>(kv_side ? call.kv_rows : call.q_rows), 0);
+  for (const SequenceTile& sequence : call.sequences)
+    for (const RowSegment& segment : kv_side ? sequence.kv : sequence.q)
+      for (int64_t r = segment.first_row; r < segment.first_row + segment.count; ++r) read[static_cast<size_t>(r)] = 1;
+  return read;
+}
+
 AttentionCall non_cp_call(const ThdLayout& layout, Window window, double softmax_scale) {
   AttentionCall call;
   call.window = window;

@@ -38,6 +38,10 @@ struct AttentionCall {
   void check() const;
 };
 
+// Per row of the Q tensor (kv_side false) or the K/V tensors (kv_side true): 1 if one of the call's segments reads
+// it. These are the rows whose outputs a kernel computes; every other row of O, dQ, dK, dV is 0.
+std::vector<uint8_t> rows_read(const AttentionCall& call, bool kv_side);
+
 // The non-CP call on a validated layout: one Q and one KV segment per sequence at position 0.
 AttentionCall non_cp_call(const ThdLayout& layout, Window window, double softmax_scale);
 
