@@ -313,8 +313,9 @@ int run_demo(const std::string& keep_folder) {
 
 const RegisterCommand registration{"demo", [](CLI::App& app) {
   auto* sub = app.add_subcommand("demo",
-                                 "Run what the build has on built-in cases (reference self-checks, the quick suite: "
-                                 "CP simulation vs oracle and check --self) and print the verdicts");
+                                 "Run what the build has on built-in cases and print the verdicts: reference self-checks, "
+                                 "the quick suite (CP simulation vs oracle, check --self) and, with a GPU, the CUDA "
+                                 "kernels");
   auto keep = std::make_shared<std::string>();
   sub->add_option("--keep", *keep, "Write the quick suite's fixtures to this folder and keep them");
   return std::function<int()>([keep] { return run_demo(*keep); });
