@@ -143,7 +143,8 @@ void validate_case(const CaseSpec& s) {
         fail_input(name + "[" + std::to_string(b) + "]", "value ", p.padded_length(b), " is not a multiple of 2 * cp_size = ",
                    2 * W, " (dual-chunk CP split)");
   }
-  if (W > 1 && (s.causal || has_window(w))) {
+  // (-1, 0) is causal even under mask none (FlashAttention-3's normalisation): it needs self-attention as well.
+  if (W > 1 && (s.causal || is_causal(w) || has_window(w))) {
     for (int b = 0; b < l.batch(); ++b)
       if (l.q.length(b) != l.kv.length(b))
         fail_input("seqlens_kv[" + std::to_string(b) + "]", "value ", l.kv.length(b), " differs from seqlens_q[", b,

@@ -366,9 +366,12 @@ void make_all_gather(const ThdLayout& l, Plan& plan) {
           const int32_t nq = qs.valid_in_chunk(b, c);
           const int32_t cq = qs.chunk_size(b);
           if (nq > 0) seq.q.push_back({qs.global().cu_seqlens_padded[b] / W + (s == 1 ? cq : 0), nq, c * cq});
-          // Every key a query of chunk c can see: up to its last position plus the right side of the window.
+          // Every key a query of chunk c can see: up to its last position plus delta = L_kv - L_q (bottom-right
+          // alignment; 0 under CP, where a right-bounded mask needs L_q == L_kv, but not for W = 1) plus the right
+          // side of the window.
           int64_t nk = seq.length_kv;
-          if (bounded_right) nk = std::min<int64_t>(nk, static_cast<int64_t>(c + 1) * cq + plan.window.right);
+          if (bounded_right)
+            nk = std::clamp<int64_t>(static_cast<int64_t>(c + 1) * cq + seq.delta() + plan.window.right, 0, nk);
           if (nq > 0 && nk > 0) seq.kv.push_back({ks.global().cu_seqlens_padded[b], static_cast<int32_t>(nk), 0});
           call.sequences.push_back(std::move(seq));
         }
@@ -400,7 +403,7 @@ Plan make_plan(const CaseSpec& spec) {
   plan.softmax_scale = softmax_scale(spec);
   plan.heads_q = spec.heads_q;
   plan.heads_kv = heads_kv(spec);
-  plan.partition = make_partition(l, spec.cp_size, spec.causal || has_window(plan.window));
+  plan.partition = make_partition(l, spec.cp_size, spec.causal || is_causal(plan.window) || has_window(plan.window));
   plan.group_partition = plan.partition;
   const int W = spec.cp_size;
   Ring ring;

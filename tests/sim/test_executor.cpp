@@ -196,6 +196,23 @@ TEST_CASE("W = 1 with tail rows, every comm type") {
   }
 }
 
+TEST_CASE("W = 1, every comm type: causal and windowed cross attention (bottom-right, L_q != L_kv)") {
+  // W = 1 allows L_q != L_kv under any mask. Keys visible to chunk c reach past the chunk's end by delta = L_kv - L_q:
+  // all_gather once cut them at (c + 1) * C + wr, a wrong CP peer and budgets as large as the outputs.
+  for (CommType comm : {CommType::p2p, CommType::a2a, CommType::all_gather, CommType::a2a_p2p})
+    for (const MaskCase& m : kMasks) {
+      CAPTURE(std::string(comm_name(comm)));
+      CAPTURE(std::string(m.name));
+      CaseSpec s = base_case(comm, 1, m, 6);
+      s.seqlens_q = {4, 6, 0, 5};
+      s.seqlens_kv = {9, 2, 3, 5};
+      check_case(s);
+      s.window = normalize_window(false, {-1, 0});  // causal by its window only
+      s.causal = false;
+      check_case(s);
+    }
+}
+
 TEST_CASE("tail rows under CP are p2p only") {
   CaseSpec s = base_case(CommType::all_gather, 2, kMasks[0], 4);
   s.seqlens_q = {3, 6};
