@@ -1,5 +1,6 @@
 // Forward/backward TFLOP/s of the cpgold GPU attention on varlen batches (bench/gpu/varlen_batches.md).
-// Usage: bench_gpu_attention [--reps N]   prints one table row per (mask, d, total tokens).
+// Usage: bench_gpu_attention [--reps N] [--dims D/DV,...]   prints one table row per (mask, d, total tokens).
+// --dims defaults to 128/128,64/64; heads = 2048 / DV.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -9,6 +10,7 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "gpu/attention.hpp"
@@ -91,8 +93,22 @@ float median_ms(F&& f, int reps) {
 
 int main(int argc, char** argv) {
   int reps = 20;
-  for (int i = 1; i + 1 < argc; ++i)
+  std::vector<std::pair<int, int>> dims = {{128, 128}, {64, 64}};
+  for (int i = 1; i + 1 < argc; ++i) {
     if (std::string(argv[i]) == "--reps") reps = std::atoi(argv[i + 1]);
+    if (std::string(argv[i]) == "--dims") {
+      dims.clear();
+      const std::string list = argv[i + 1];
+      for (size_t at = 0; at < list.size();) {
+        const size_t comma = std::min(list.find(',', at), list.size());
+        const std::string item = list.substr(at, comma - at);
+        const size_t slash = item.find('/');
+        const int d = std::atoi(item.c_str());
+        dims.push_back({d, slash == std::string::npos ? d : std::atoi(item.c_str() + slash + 1)});
+        at = comma + 1;
+      }
+    }
+  }
   if (gpu::cuda_device_count() == 0) {
     std::printf("SKIPPED: no CUDA device\n");
     return 0;
@@ -103,27 +119,28 @@ int main(int argc, char** argv) {
   std::printf("%-8s %-5s %-7s %-6s %10s %10s %10s %10s %10s\n", "impl", "mask", "d", "tokens", "fwd_ms", "fwd_TF",
               "bwd_ms", "bwd_TF", "bwd_det_TF");
   std::mt19937 rng(1);
-  for (int d : {128, 64})
+  for (const auto& [d, dv] : dims)
     for (bool causal : {true, false})
       for (int64_t total : {16384, 32768, 65536}) {
-        const int heads = 2048 / d;
+        const int heads = 2048 / dv;
         const std::vector<int32_t> lens = varlen_lengths(total);
         ThdLayout layout{make_packed_sequences(lens, {}, -1, "q"), make_packed_sequences(lens, {}, -1, "kv")};
         const AttentionCall call =
             non_cp_call(layout, causal ? Window{-1, 0} : Window{-1, -1}, 1.0 / std::sqrt(static_cast<double>(d)));
         gpu::AttentionPlan plan;
-        check(plan.build(call, {DType::bf16, heads, heads, d, d}), "plan");
-        const size_t elems = static_cast<size_t>(total) * heads * d;
+        check(plan.build(call, {DType::bf16, heads, heads, d, dv}), "plan");
+        const size_t elems = static_cast<size_t>(total) * heads * d;      // q, k, dq, dk
+        const size_t elems_v = static_cast<size_t>(total) * heads * dv;   // v, o, dout, dv
         void* q = device_random(elems, rng);
         void* k = device_random(elems, rng);
-        void* v = device_random(elems, rng);
-        void* dout = device_random(elems, rng);
-        void *o, *dq, *dk, *dv;
+        void* v = device_random(elems_v, rng);
+        void* dout = device_random(elems_v, rng);
+        void *o, *dq, *dk, *dv_grad;
         float* lse;
-        check(cudaMalloc(&o, elems * 2), "cudaMalloc");
+        check(cudaMalloc(&o, elems_v * 2), "cudaMalloc");
         check(cudaMalloc(&dq, elems * 2), "cudaMalloc");
         check(cudaMalloc(&dk, elems * 2), "cudaMalloc");
-        check(cudaMalloc(&dv, elems * 2), "cudaMalloc");
+        check(cudaMalloc(&dv_grad, elems_v * 2), "cudaMalloc");
         check(cudaMalloc(reinterpret_cast<void**>(&lse), static_cast<size_t>(total) * heads * 4), "cudaMalloc");
         gpu::ForwardBuffers fb{q, k, v, o, lse};
         gpu::BackwardBuffers bb;
@@ -135,17 +152,18 @@ int main(int argc, char** argv) {
         bb.lse = lse;
         bb.dq = dq;
         bb.dk = dk;
-        bb.dv = dv;
+        bb.dv = dv_grad;
         const float fwd = median_ms([&] { check(gpu::attention_forward(plan, fb), "forward"); }, reps);
         const float bwd = median_ms(
             [&] { check(gpu::attention_backward(plan, bb, gpu::BackwardMode::atomic), "backward"); }, reps);
         const float bwd_det = median_ms(
             [&] { check(gpu::attention_backward(plan, bb, gpu::BackwardMode::deterministic), "backward"); }, reps);
-        const double flops = forward_flops(lens, heads, d, d, causal);
-        std::printf("%-8s %-5s %-7d %-6lld %10.3f %10.1f %10.3f %10.1f %10.1f\n", "cpgold", causal ? "causal" : "full",
-                    d, static_cast<long long>(total), fwd, flops / fwd * 1e-9, bwd, 2.5 * flops / bwd * 1e-9,
+        const double flops = forward_flops(lens, heads, d, dv, causal);
+        const std::string dims_text = d == dv ? std::to_string(d) : std::to_string(d) + "/" + std::to_string(dv);
+        std::printf("%-8s %-5s %-7s %-6lld %10.3f %10.1f %10.3f %10.1f %10.1f\n", "cpgold", causal ? "causal" : "full",
+                    dims_text.c_str(), static_cast<long long>(total), fwd, flops / fwd * 1e-9, bwd, 2.5 * flops / bwd * 1e-9,
                     2.5 * flops / bwd_det * 1e-9);
-        for (void* p : {q, k, v, dout, o, dq, dk, dv, static_cast<void*>(lse)}) cudaFree(p);
+        for (void* p : {q, k, v, dout, o, dq, dk, dv_grad, static_cast<void*>(lse)}) cudaFree(p);
       }
   return 0;
 }
