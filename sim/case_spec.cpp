@@ -215,6 +215,9 @@ CaseSpec parse_case(const json& object) {
     s.window.right = static_cast<int32_t>(get_int(w[1], "window[1]", -1, INT32_MAX));
   }
   s.window = normalize_window(s.causal, s.window);
+  // FlashAttention-3's normalisation: the window (-1, 0) is causal, so the stored form says mask "causal" and every
+  // layer (TE metadata, sections) sees one spelling of it.
+  if (is_causal(s.window)) s.causal = true;
   if (object.contains("cp_size")) s.cp_size = static_cast<int>(get_int(object["cp_size"], "cp_size", INT32_MIN, 4096));
   if (object.contains("comm")) s.comm = parse_comm(get_string(object["comm"], "comm"));
   if (object.contains("a2a_size")) s.a2a_size = static_cast<int>(get_int(object["a2a_size"], "a2a_size", INT32_MIN, 4096));

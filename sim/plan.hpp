@@ -48,7 +48,8 @@ struct Tile {
   int kv_owner = -1;             // global rank whose KV shard the tile reads; -1: all ranks' KV (a2a, all_gather)
   StepSpace q_space = StepSpace::rank_local, kv_space = StepSpace::rank_local;
   HalfSelect q_half = HalfSelect::full, kv_half = HalfSelect::full;  // read_half of the space's tensor
-  int q_chunks[2] = {-1, -1};    // global chunk ids (W-way) the Q rows come from, -1 unused; for explain and SVG
+  int q_chunks[2] = {-1, -1};    // chunk ids the Q rows come from, -1 unused (W-way; for a2a+p2p the ring-level
+                                 // 2*W_p2p-way ids); for explain and SVG
   int kv_chunks[2] = {-1, -1};
   int head_begin = 0, head_end = 0;        // global q heads of the tile
   int kv_head_begin = 0, kv_head_end = 0;  // global kv heads

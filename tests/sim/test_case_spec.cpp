@@ -45,6 +45,16 @@ TEST_CASE("causal with a window keeps the left side and forces right = 0") {
   CHECK(mask_window(s) == Window{128, 0});
 }
 
+TEST_CASE("the window (-1, 0) under mask none is stored as causal; (wl, 0) stays a window") {
+  const CaseSpec s = parse_case_text(R"({"seqlens_q": [4], "mask": "none", "window": [-1, 0]})");
+  CHECK(s.causal);
+  CHECK(normalized_json(s).find(R"("mask":"causal")") != std::string::npos);
+  CHECK(normalized_json(parse_case_text(normalized_json(s))) == normalized_json(s));
+  const CaseSpec local = parse_case_text(R"({"seqlens_q": [4], "mask": "none", "window": [3, 0]})");
+  CHECK_FALSE(local.causal);
+  CHECK(mask_window(local) == Window{3, 0});
+}
+
 TEST_CASE("bad case inputs name the field and the value") {
   expect_error(R"({"seqlens_q": [4], "colour": 3})", "colour", "unknown case key");
   expect_error(R"({"seqlens_q": [4], "comm": "ring"})", "comm", "ring");
