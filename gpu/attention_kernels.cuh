@@ -18,12 +18,17 @@
 //   v2b (tried, reverted) Forward K/V pipelining in one buffer: K of tile i+1 loading during P.V of tile i, V during
 //       Q.K^T and softmax. Predicted +10-20%; measured 192 vs 201 (d=128, 16k) and 163 vs 185 (d=64): no gain, a
 //       loss at d=64 (a third barrier per tile; three CTAs per SM already hide the loads). Forward stays v1.
-//   v3  Backward dK/dV kernel templated on its warp count; 8 warps for d_qk > 128 (192/128): warps w and w + 4 share
-//       a 16-row block and split S/dP key columns and dK/dV/dQ columns in halves, so each thread holds half the
-//       dK/dV accumulators (80 floats instead of 160). ptxas: 192/128 atomic 255 regs + 208 B spills -> 254 regs,
-//       0 spills; deterministic 136 B -> 0. Occupancy unchanged (8 warps per SM: 2 x 4 before, 1 x 8 now, shared
-//       memory 111.5 -> 120.5 KB). Prediction: 192/128 backward +5-15% (spill traffic gone; Q/dO A fragments now
-//       read by two warps each); other shapes keep 4 warps.
+//   v3  (tried, reverted) Backward dK/dV kernel with 8 warps for d_qk > 128 (192/128): warps w and w + 4 shared a
+//       16-row block and split the S/dP key columns and the dK/dV/dQ columns in halves (80 accumulator floats per
+//       thread instead of 160). ptxas: 192/128 atomic 255 regs + 208 B spills -> 254 regs, 0 spills; deterministic
+//       136 B -> 0. Occupancy the same 8 warps per SM (1 CTA x 8 instead of 2 x 4; shared memory 111.5 -> 120.5 KB).
+//       Predicted 192/128 backward +5-15%. Measured (H200, commit 0df7012, A/B builds in one run; bf16, 16k/32k/64k
+//       tokens): atomic causal 141.8 / 146.6 / 148.2 TFLOP/s vs 137.8 / 145.8 / 150.0 with 4 warps (+3% .. -1%),
+//       full 154.7 / 156.0 / 159.5 vs 159.5 / 163.9 / 165.3 (-3..-5%); deterministic causal 141.1 / 146.9 / 149.3 vs
+//       152.6 / 162.6 / 166.5 (-8..-10%), full 150.1 / 152.8 / 155.5 vs 172.2 / 177.1 / 179.1 (-13%). Repeat of the
+//       8-warp build within 1%. Forcing 8 warps on 128/128 and 64/64 lost too (128 causal 16k atomic 144.1 vs
+//       169.5). Miss: the spills were L1-resident and cheap; two independent 4-warp CTAs per SM hide each other's
+//       barrier waits, one 8-warp CTA does not, and each Q/dO A fragment is read by two warps. Backward stays v2.
 //
 // Conventions. Accumulator fragment of mma.m16n8k16 for lane = 4 * g + t: c[0], c[1] -> row g, columns 2t, 2t+1;
 // c[2], c[3] -> row g + 8. A fragment a[0..3] -> (row g, k 2t..), (row g+8, k 2t..), (row g, k 2t+8..),
@@ -506,14 +511,9 @@ __global__ void attention_backward_convert_dq_kernel(AttentionParams p, int64_t 
     dq[i] = Elem<T>::from_float(p.dq_accum[i] * p.softmax_scale);
 }
 
-// WARPS = 4: each warp owns 16 query rows (S, dP, dQ) and 16 keys (all dK/dV columns). WARPS = 8: warps w and
-// w + 4 share those rows and keys and split the key columns of S/dP and the columns of dK, dV and dQ in two halves
-// (half the accumulators per thread: no spills at 192/128).
-template <class T, int D, int DV, int WARPS>
+template <class T, int D, int DV>
 struct BackwardConfig {
-  static_assert(WARPS == 4 || WARPS == 8, "backward warps");
-  static constexpr int kThreads = WARPS * 32;
-  static constexpr int kSplit = WARPS / 4;
+  static constexpr int kThreads = 128;
   static constexpr int kBlockM = 64;  // query rows per step
   static constexpr int kBlockN = 64;  // keys per CTA
   static constexpr int kLdQ = Pitch<D>::value, kLdK = Pitch<D>::value, kLdV = Pitch<DV>::value;
@@ -522,8 +522,7 @@ struct BackwardConfig {
   static constexpr int kSmemBytes =
       (kBlockN * kLdK + kBlockN * kLdV + kBlockM * kLdQ + kBlockM * kLdO + 2 * kBlockM * kLdP) *
           static_cast<int>(sizeof(T)) +
-      2 * kBlockM * static_cast<int>(sizeof(float)) + WARPS * 16 * kLdDq * static_cast<int>(sizeof(float));
-  static_assert((D / kSplit) % 32 == 0 && (DV / kSplit) % 16 == 0, "column split");
+      2 * kBlockM * static_cast<int>(sizeof(float)) + 4 * 16 * kLdDq * static_cast<int>(sizeof(float));
 };
 
 // LSE in the exp2 domain for one row; a row with no visible key (LSE -inf) or outside the tile gets +inf, so that
@@ -536,12 +535,10 @@ __device__ __forceinline__ float lse_log2_or_inf(const float* lse, int64_t index
 
 // KV-stationary backward: one CTA per (64-key tile, kv head). dK, dV accumulate in registers over the query heads
 // of the group and every Q tile the mask lets through; dQ goes to dq_accum with float32 atomics when ATOMIC_DQ.
-template <class T, int D, int DV, bool ATOMIC_DQ, int WARPS>
-__global__ void __launch_bounds__(WARPS * 32) attention_backward_dkdv_kernel(AttentionParams p) {
-  using Cfg = BackwardConfig<T, D, DV, WARPS>;
-  constexpr int kKeyCols = Cfg::kBlockN / Cfg::kSplit;  // key columns of S/dP per warp
-  constexpr int kNT = kKeyCols / 8;
-  constexpr int kDkCols = D / Cfg::kSplit, kDvCols = DV / Cfg::kSplit;  // dK/dV (and dQ) columns per warp
+template <class T, int D, int DV, bool ATOMIC_DQ>
+__global__ void __launch_bounds__(128) attention_backward_dkdv_kernel(AttentionParams p) {
+  using Cfg = BackwardConfig<T, D, DV>;
+  constexpr int kNT = Cfg::kBlockN / 8;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* sK = reinterpret_cast<T*>(smem_raw);
   T* sV = sK + Cfg::kBlockN * Cfg::kLdK;
@@ -555,9 +552,7 @@ __global__ void __launch_bounds__(WARPS * 32) attention_backward_dkdv_kernel(Att
 
   const RowTile kv_tile = p.kv_tiles[blockIdx.x];
   const int kv_head = blockIdx.y;
-  // warp: this warp's 16-row block of queries and keys; wc: its column half (WARPS = 8).
-  const int warp = Cfg::kSplit == 1 ? threadIdx.x / 32 : (threadIdx.x / 32) % 4, lane = threadIdx.x & 31;
-  const int wc = Cfg::kSplit == 1 ? 0 : static_cast<int>(threadIdx.x / 128);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
   const int g = lane / 4, t = lane % 4;
   const int64_t q_stride = static_cast<int64_t>(p.heads_q) * D;
   const int64_t o_stride = static_cast<int64_t>(p.heads_q) * DV;
@@ -586,7 +581,7 @@ __global__ void __launch_bounds__(WARPS * 32) attention_backward_dkdv_kernel(Att
                                                    v_stride, kv_tile.rows, v_base);
   cp_async_commit();
 
-  float acc_dk[kDkCols / 8][4], acc_dv[kDvCols / 8][4];
+  float acc_dk[D / 8][4], acc_dv[DV / 8][4];
   zero_acc(acc_dk);
   zero_acc(acc_dv);
   const float sl2 = p.scale_log2;
@@ -625,10 +620,8 @@ __global__ void __launch_bounds__(WARPS * 32) attention_backward_dkdv_kernel(Att
             keys_full && tile_fully_visible(p.window_left, p.window_right, delta_pos, qp_lo, qp_hi, kp_lo, kp_hi);
         float s[kNT][4];
         zero_acc(s);
-        warp_gemm_a_bt<D, kNT>(s, sQ + warp * 16 * Cfg::kLdQ, Cfg::kLdQ, sK + wc * kKeyCols * Cfg::kLdK, Cfg::kLdK);
-        if (!full)
-          apply_mask(s, p.window_left, p.window_right, delta_pos, qp_lo + warp * 16, key0 + wc * kKeyCols, kv_pos,
-                     kv_count);
+        warp_gemm_a_bt<D, kNT>(s, sQ + warp * 16 * Cfg::kLdQ, Cfg::kLdQ, sK, Cfg::kLdK);
+        if (!full) apply_mask(s, p.window_left, p.window_right, delta_pos, qp_lo + warp * 16, key0, kv_pos, kv_count);
         const float lse0 = sLse[warp * 16 + g], lse1 = sLse[warp * 16 + g + 8];
 #pragma unroll
         for (int nt = 0; nt < kNT; ++nt) {
@@ -639,10 +632,10 @@ __global__ void __launch_bounds__(WARPS * 32) attention_backward_dkdv_kernel(Att
         }
         float dp[kNT][4];
         zero_acc(dp);
-        warp_gemm_a_bt<DV, kNT>(dp, sdO + warp * 16 * Cfg::kLdO, Cfg::kLdO, sV + wc * kKeyCols * Cfg::kLdV, Cfg::kLdV);
+        warp_gemm_a_bt<DV, kNT>(dp, sdO + warp * 16 * Cfg::kLdO, Cfg::kLdO, sV, Cfg::kLdV);
         const float d0 = sDelta[warp * 16 + g], d1 = sDelta[warp * 16 + g + 8];
-        T* p_rows = sP + warp * 16 * Cfg::kLdP + wc * kKeyCols;
-        T* ds_rows = sdS + warp * 16 * Cfg::kLdP + wc * kKeyCols;
+        T* p_rows = sP + warp * 16 * Cfg::kLdP;
+        T* ds_rows = sdS + warp * 16 * Cfg::kLdP;
 #pragma unroll
         for (int nt = 0; nt < kNT; ++nt) {
           const float ds0 = s[nt][0] * (dp[nt][0] - d0), ds1 = s[nt][1] * (dp[nt][1] - d0);
@@ -655,9 +648,9 @@ __global__ void __launch_bounds__(WARPS * 32) attention_backward_dkdv_kernel(Att
         }
         __syncthreads();
 
-        // dV += P^T dO and dK += dS^T Q for this warp's 16 keys (its column half of them when WARPS = 8).
-        warp_gemm_at_b<Cfg::kBlockM, kDvCols / 8>(acc_dv, sP + warp * 16, Cfg::kLdP, sdO + wc * kDvCols, Cfg::kLdO);
-        warp_gemm_at_b<Cfg::kBlockM, kDkCols / 8>(acc_dk, sdS + warp * 16, Cfg::kLdP, sQ + wc * kDkCols, Cfg::kLdQ);
+        // dV += P^T dO and dK += dS^T Q for this warp's 16 keys.
+        warp_gemm_at_b<Cfg::kBlockM, DV / 8>(acc_dv, sP + warp * 16, Cfg::kLdP, sdO, Cfg::kLdO);
+        warp_gemm_at_b<Cfg::kBlockM, D / 8>(acc_dk, sdS + warp * 16, Cfg::kLdP, sQ, Cfg::kLdQ);
 
         if constexpr (ATOMIC_DQ) {
           // dQ (unscaled) += dS K for this warp's 16 query rows, 32 columns at a time.
@@ -666,7 +659,7 @@ __global__ void __launch_bounds__(WARPS * 32) attention_backward_dkdv_kernel(Att
           float* dq_rows = p.dq_accum + (first_row + warp * 16) * q_stride + static_cast<int64_t>(head) * D;
           const int warp_rows = min(16, valid - warp * 16);
 #pragma unroll 1
-          for (int c0 = wc * kDkCols; c0 < (wc + 1) * kDkCols; c0 += 32) {
+          for (int c0 = 0; c0 < D; c0 += 32) {
             float acc_dq[4][4];
             zero_acc(acc_dq);
             warp_gemm_a_b<Cfg::kBlockN, 4>(acc_dq, sdS + warp * 16 * Cfg::kLdP, Cfg::kLdP, sK + c0, Cfg::kLdK);
@@ -693,8 +686,8 @@ __global__ void __launch_bounds__(WARPS * 32) attention_backward_dkdv_kernel(Att
   cp_async_wait<0>();
   __syncthreads();
   // dK = scale * dS^T Q, dV = P^T dO, staged through sQ / sdO (free now) for 16-byte stores.
-  acc_to_smem<T, kDkCols / 8>(sQ + warp * 16 * Cfg::kLdQ + wc * kDkCols, Cfg::kLdQ, acc_dk, p.softmax_scale);
-  acc_to_smem<T, kDvCols / 8>(sdO + warp * 16 * Cfg::kLdO + wc * kDvCols, Cfg::kLdO, acc_dv, 1.f);
+  acc_to_smem<T, D / 8>(sQ + warp * 16 * Cfg::kLdQ, Cfg::kLdQ, acc_dk, p.softmax_scale);
+  acc_to_smem<T, DV / 8>(sdO + warp * 16 * Cfg::kLdO, Cfg::kLdO, acc_dv, 1.f);
   __syncthreads();
   store_tile<Cfg::kBlockN, D, Cfg::kThreads>(dk_tile, k_stride, sQ, kv_tile.rows);
   store_tile<Cfg::kBlockN, DV, Cfg::kThreads>(dv_tile, v_stride, sdO, kv_tile.rows);

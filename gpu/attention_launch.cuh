@@ -54,17 +54,6 @@ Outcome forward_typed(const AttentionPlan::Impl& plan, const ForwardBuffers& b, 
   return {Status::unsupported, "head dims outside the capability table"};
 }
 
-// Backward dK/dV warps: 8 (column halves) where 4 warps would spill the dK/dV accumulators (d_qk > 128), else 4.
-// CPGOLD_BACKWARD_WARPS (4 or 8) forces one count for every shape (A/B builds of bench/gpu).
-template <int D>
-constexpr int backward_warps() {
-#ifdef CPGOLD_BACKWARD_WARPS
-  return CPGOLD_BACKWARD_WARPS;
-#else
-  return D > 128 ? 8 : 4;
-#endif
-}
-
 template <class T, int D, int DV>
 Outcome backward_dims(AttentionParams p, BackwardMode mode, cudaStream_t stream, const AttentionPlan::Impl& plan) {
   p.q_tiles = plan.q_tiles_small;
@@ -88,14 +77,13 @@ Outcome backward_dims(AttentionParams p, BackwardMode mode, cudaStream_t stream,
   };
   step(launch(attention_backward_delta_kernel<T, DV>, dim3(p.q_tile_count, p.heads_q), 128, 0, stream, p,
               "attention_backward_delta_kernel"));
-  constexpr int kWarps = backward_warps<D>();
-  using Cfg = BackwardConfig<T, D, DV, kWarps>;
+  using Cfg = BackwardConfig<T, D, DV>;
   if (atomic) {
     if (accum_elems > 0 && out.ok())
       if (cudaError_t e = cudaMemsetAsync(p.dq_accum, 0, accum_elems * sizeof(float), stream); e != cudaSuccess)
         step(cuda_failure("cudaMemsetAsync of dq_accum", e));
     if (out.ok())
-      step(launch(attention_backward_dkdv_kernel<T, D, DV, true, kWarps>, dim3(p.kv_tile_count, p.heads_kv), Cfg::kThreads,
+      step(launch(attention_backward_dkdv_kernel<T, D, DV, true>, dim3(p.kv_tile_count, p.heads_kv), Cfg::kThreads,
                   Cfg::kSmemBytes, stream, p, "attention_backward_dkdv_kernel"));
     const int64_t elems = static_cast<int64_t>(accum_elems);
     const int blocks = static_cast<int>(std::min<int64_t>((elems + 255) / 256, 132 * 16));
@@ -106,7 +94,7 @@ Outcome backward_dims(AttentionParams p, BackwardMode mode, cudaStream_t stream,
     }
   } else {
     if (out.ok())
-      step(launch(attention_backward_dkdv_kernel<T, D, DV, false, kWarps>, dim3(p.kv_tile_count, p.heads_kv),
+      step(launch(attention_backward_dkdv_kernel<T, D, DV, false>, dim3(p.kv_tile_count, p.heads_kv),
                   Cfg::kThreads, Cfg::kSmemBytes, stream, p, "attention_backward_dkdv_kernel"));
     using Dq = DqConfig<T, D, DV>;
     if (out.ok())
