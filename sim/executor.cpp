@@ -204,6 +204,28 @@ struct RingRank {
   Tensor3<T> dq;
 };
 
+// Each rank starts with only its own rows of the global inputs: [W] shards of q, k, v, dout in the rank-local layout.
+template <class T>
+struct RankShards {
+  std::vector<Tensor3<T>> q, k, v, dout;
+};
+
+template <class T>
+RankShards<T> shard_inputs(const Plan& plan, const CaseInputs& inputs) {
+  const SidePartition& qs = plan.partition.q;
+  const SidePartition& ks = plan.partition.kv;
+  const Tensor3<T> q_g = tensor_cast<T>(inputs.q), k_g = tensor_cast<T>(inputs.k), v_g = tensor_cast<T>(inputs.v),
+                   dout_g = tensor_cast<T>(inputs.dout);
+  RankShards<T> shards;
+  for (int r = 0; r < plan.cp_size; ++r) {
+    shards.q.push_back(shard_rows(qs, r, q_g));
+    shards.k.push_back(shard_rows(ks, r, k_g));
+    shards.v.push_back(shard_rows(ks, r, v_g));
+    shards.dout.push_back(shard_rows(qs, r, dout_g));
+  }
+  return shards;
+}
+
 template <class Arith>
 CpRun<typename Arith::T> run_ring_family(const Plan& plan, const CaseInputs& inputs, const Arith& arith,
                                          const ExecutorOptions& options) {
@@ -223,15 +245,8 @@ CpRun<typename Arith::T> run_ring_family(const Plan& plan, const CaseInputs& inp
   const int hq = plan.heads_q, hk = plan.heads_kv;
 
   // Shards: each rank starts with only its own rows.
-  const Tensor3<T> q_g = tensor_cast<T>(inputs.q), k_g = tensor_cast<T>(inputs.k), v_g = tensor_cast<T>(inputs.v),
-                   dout_g = tensor_cast<T>(inputs.dout);
-  std::vector<Tensor3<T>> q_l(W), k_l(W), v_l(W), dout_l(W);
-  for (int r = 0; r < W; ++r) {
-    q_l[r] = shard_rows(qs, r, q_g);
-    k_l[r] = shard_rows(ks, r, k_g);
-    v_l[r] = shard_rows(ks, r, v_g);
-    dout_l[r] = shard_rows(qs, r, dout_g);
-  }
+  const RankShards<T> shards = shard_inputs<T>(plan, inputs);
+  const auto &q_l = shards.q, &k_l = shards.k, &v_l = shards.v, &dout_l = shards.dout;
 
   // a2a before the ring: deliver the pieces named by the messages, then assemble rank order -> sequence order.
   auto scatter_to_groups = [&](const PassPlan& pass, Payload payload, const std::vector<Tensor3<T>>& local,
@@ -524,15 +539,8 @@ CpRun<typename Arith::T> run_all_gather(const Plan& plan, const CaseInputs& inpu
   const SidePartition& ks = plan.partition.kv;
   const std::vector<int64_t> kv_map = ks.rank_order_to_sequence_order();
   const int64_t rk = ks.local_sequence_rows();
-  const Tensor3<T> q_g = tensor_cast<T>(inputs.q), k_g = tensor_cast<T>(inputs.k), v_g = tensor_cast<T>(inputs.v),
-                   dout_g = tensor_cast<T>(inputs.dout);
-  std::vector<Tensor3<T>> q(W), k(W), v(W), dout(W);
-  for (int r = 0; r < W; ++r) {
-    q[r] = shard_rows(qs, r, q_g);
-    k[r] = shard_rows(ks, r, k_g);
-    v[r] = shard_rows(ks, r, v_g);
-    dout[r] = shard_rows(qs, r, dout_g);
-  }
+  const RankShards<T> shards = shard_inputs<T>(plan, inputs);
+  const auto &q = shards.q, &k = shards.k, &v = shards.v, &dout = shards.dout;
   // All-gather K and V (rank order, as the messages deliver them) and reorder to sequence order.
   auto all_gather = [&](const PassPlan& pass, Payload payload, const std::vector<Tensor3<T>>& local) {
     std::vector<Tensor3<T>> seq(W);
