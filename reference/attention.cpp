@@ -111,6 +111,14 @@ std::vector<BlockTask> block_tasks(const AttentionCall& call, std::vector<RowSeg
   return tasks;
 }
 
+// The KV rows a query-block task's rows can see, as runs of consecutive positions in segment order.
+std::vector<RowRun> visible_key_runs(const AttentionCall& call, const BlockTask& task) {
+  const SequenceTile& seq = call.sequences[task.seq];
+  const auto [lo, hi] =
+      visible_key_range(seq, call.window, task.rows.position, task.rows.position + task.rows.count - 1);
+  return runs_in_range(seq.kv, lo, hi);
+}
+
 void check_shapes(const AttentionCall& call, const auto& q, const auto& k, const auto& v) {
   if (q.rows != call.q_rows) fail_input("q", "has ", q.rows, " rows but the call addresses ", call.q_rows);
   if (k.rows != call.kv_rows) fail_input("k", "has ", k.rows, " rows but the call addresses ", call.kv_rows);
@@ -193,9 +201,7 @@ ForwardResult<Acc> forward_impl(const AttentionCall& call, const Tensor3<Acc>& q
     const BlockTask& task = tasks[t];
     const SequenceTile& seq = call.sequences[task.seq];
     const int64_t kv_head = task.head / group;
-    const auto [lo, hi] = visible_key_range(seq, call.window, task.rows.position,
-                                            task.rows.position + task.rows.count - 1);
-    const auto key_runs = runs_in_range(seq.kv, lo, hi);
+    const std::vector<RowRun> key_runs = visible_key_runs(call, task);
     Matrix<Acc> s = score_tile(arith, call, q, k, task.head, kv_head, task.rows, key_runs);
     std::vector<Acc> row_sum(task.rows.count, Acc(0));
     std::vector<Acc> row_max(task.rows.count, -std::numeric_limits<Acc>::infinity());
@@ -284,9 +290,7 @@ BackwardResult<Acc> backward_impl(const AttentionCall& call, const Tensor3<Acc>&
     const BlockTask& task = q_tasks[t];
     const SequenceTile& seq = call.sequences[task.seq];
     const int64_t kv_head = task.head / group;
-    const auto [lo, hi] = visible_key_range(seq, call.window, task.rows.position,
-                                            task.rows.position + task.rows.count - 1);
-    const auto key_runs = runs_in_range(seq.kv, lo, hi);
+    const std::vector<RowRun> key_runs = visible_key_runs(call, task);
     Matrix<Acc> s = score_tile(arith, call, q, k, task.head, kv_head, task.rows, key_runs);
     Matrix<Acc> dp(s.rows(), s.cols());
     const auto do_rows = head_rows(dout, task.rows.first_row, task.rows.count, task.head);
