@@ -14,9 +14,12 @@
 #include <string>
 #include <vector>
 
+#include "bench/bench_clock.hpp"
 #include "reference/attention.hpp"
 
 using namespace cpgold;
+
+using namespace cpgold::bench;
 
 namespace {
 
@@ -33,9 +36,6 @@ std::vector<int> parse_list(const char* text) {
   return out;
 }
 
-double seconds_since(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-}
 
 // GFLOP/s of Eigen's product C[m, n] = A[m, k] * B[k, n] (row-major, double), best of a few repetitions.
 double eigen_gemm_rate(int m, int k, int n) {

@@ -9,6 +9,7 @@
 #include <sstream>
 #include <string>
 
+#include "bench/bench_clock.hpp"
 #include "reference/attention.hpp"
 #include "sim/case_inputs.hpp"
 #include "sim/executor.hpp"
@@ -16,16 +17,9 @@
 using namespace cpgold;
 using namespace cpgold::sim;
 
+using namespace cpgold::bench;
+
 namespace {
-double seconds_since(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-}
-// CPU seconds of the process (user + system, all threads): steadier than wall time on a shared machine.
-double cpu_seconds() {
-  rusage u{};
-  getrusage(RUSAGE_SELF, &u);
-  return u.ru_utime.tv_sec + u.ru_stime.tv_sec + 1e-6 * (u.ru_utime.tv_usec + u.ru_stime.tv_usec);
-}
 std::vector<int32_t> parse_list(const std::string& text) {
   std::vector<int32_t> out;
   std::stringstream ss(text);
