@@ -166,6 +166,10 @@ int run_gen(CaseFlags flags, const std::string& suite, const std::string& output
   }
   std::printf("%zu fixture(s), %s in %s (%.2f cases/s, %.2f MB/s)\n", done.size(), human_bytes(double(bytes)).c_str(),
               seconds_text(total).c_str(), done.size() / std::max(total, 1e-9), bytes / 1e6 / std::max(total, 1e-9));
+  if (suite == "random")  // each case as one line, pasteable into `cpgold gen --case` to reproduce it alone
+    for (const fx::SuiteCase& c : random)
+      if (only.empty() || std::find(only.begin(), only.end(), c.name) != only.end())
+        std::printf("case %s %s\n", c.name.c_str(), c.json.c_str());
   if (manifest) {
     std::vector<fx::FixtureDigest> digests;
     for (const Job& job : jobs) digests.push_back(fx::digest_fixture(job.path));
