@@ -13,6 +13,7 @@
 #include "apps/command_registry.hpp"
 #include "fixtures/fixture_writer.hpp"
 #include "fixtures/golden_manifest.hpp"
+#include "fixtures/output_file.hpp"
 #include "fixtures/suites.hpp"
 #include "reference/input_error.hpp"
 #include "sim/case_spec.hpp"
@@ -76,7 +77,8 @@ struct Done {
 int run_gen(const CaseFlags& flags, const std::string& suite, const std::string& output, bool force, bool trace,
             const std::vector<std::string>& only, bool manifest) {
   const bool case_given = !flags.case_json.empty() || !flags.values.empty();
-  if (case_given == !suite.empty()) fail_input("gen", "give either a case (--case or case flags) or --suite, not both");
+  if (case_given && !suite.empty()) fail_input("gen", "give either a case (--case or case flags) or --suite, not both");
+  if (!case_given && suite.empty()) fail_input("gen", "nothing to generate: give a case (--case or case flags) or --suite");
   if (manifest && (suite.empty() || !only.empty()))
     fail_input("--manifest", "needs --suite and the whole suite (no --only)");
   if (output.empty()) fail_input("-o", "an output path is required (a file for a case, a folder for a suite)");
@@ -94,9 +96,9 @@ int run_gen(const CaseFlags& flags, const std::string& suite, const std::string&
     const sim::CaseSpec spec = case_from_flags(flags);
     jobs.push_back({fs::path(output).stem().string(), output, spec, !fx::inside_gpu_table(spec)});
   }
-  // Refuse before any work if a destination exists without --force.
-  for (const Job& job : jobs)
-    if (fs::exists(job.path) && !force) fail_input(job.path, "exists already; pass --force to replace it");
+  // Refuse before any work: a missing or unwritable folder, a destination that exists (without --force) or is not a
+  // regular file (with --force).
+  for (const Job& job : jobs) fx::check_destination(job.path, force);
 
   const bool terminal = ::isatty(STDERR_FILENO) != 0;
   double rate = 2.0e9;  // work units per second, refined after every case
