@@ -16,6 +16,12 @@
 namespace cpgold::sim {
 
 enum class CommType { p2p, a2a, all_gather, a2a_p2p };
+
+// The supported softmax_scale range, for flags and JSON alike. Above 64 the float32 rounding of the scores (which
+// grows with scale x |q.k|) makes an independent CPU path fail the fixture's own mean budget on LSE (check --self);
+// the default 1/sqrt(dim_qk) is far inside.
+inline constexpr double kMinSoftmaxScale = 1e-6;
+inline constexpr double kMaxSoftmaxScale = 64.0;
 enum class PadFill { zero, random, nan, inf };
 
 struct CaseSpec {
