@@ -196,7 +196,7 @@ int run_gen(const CaseFlags& flags, const std::string& suite, const std::string&
                " of data + ", human_bytes(kMemoryBase), ") but ", human_bytes(double(machine.memory_available)),
                " are available (", machine.memory_source, "); make the case smaller or pass --yes to try anyway");
   if (!yes && disk_needed > double(machine.disk_free))
-    fail_input(folder, "needs up to ", human_bytes(disk_needed), " of disk (the fixtures' uncompressed size) but ",
+    fail_input(jobs.size() == 1 ? jobs.front().path : folder, "needs up to ", human_bytes(disk_needed), " of disk (the fixtures' uncompressed size) but ",
                human_bytes(double(machine.disk_free)), " are free there; free space or pass --yes to try anyway");
 
   const bool terminal = ::isatty(STDERR_FILENO) != 0;

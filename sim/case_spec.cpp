@@ -120,6 +120,8 @@ ThdLayout layout(const CaseSpec& s) {
 
 void validate_case(const CaseSpec& s) {
   if (s.cp_size < 1) fail_input("cp_size", "must be >= 1, got ", s.cp_size);
+  if (s.cp_size > kMaxCpSize) fail_input("cp_size", "value ", s.cp_size, " is above the supported maximum ", kMaxCpSize);
+  if (s.seqlens_q.empty()) fail_input("seqlens_q", "must list at least one sequence, got []");
   if (s.heads_q < 1) fail_input("heads_q", "must be >= 1, got ", s.heads_q);
   const int hkv = heads_kv(s);
   if (hkv < 1) fail_input("heads_kv", "must be >= 1, got ", hkv);
@@ -219,9 +221,15 @@ CaseSpec parse_case(const json& object) {
   // FlashAttention-3's normalisation: the window (-1, 0) is causal, so the stored form says mask "causal" and every
   // layer (TE metadata, sections) sees one spelling of it.
   if (is_causal(s.window)) s.causal = true;
-  if (object.contains("cp_size")) s.cp_size = static_cast<int>(get_int(object["cp_size"], "cp_size", INT32_MIN, 4096));
+  if (object.contains("cp_size")) {
+    s.cp_size = static_cast<int>(get_int(object["cp_size"], "cp_size", INT32_MIN, INT32_MAX));
+    if (s.cp_size > kMaxCpSize)
+      fail_input("cp_size", "value ", s.cp_size, " is above the supported maximum ", kMaxCpSize,
+                 " (a plan has W x W tiles per pass; docs/case-spec.md)");
+  }
   if (object.contains("comm")) s.comm = parse_comm(get_string(object["comm"], "comm"));
-  if (object.contains("a2a_size")) s.a2a_size = static_cast<int>(get_int(object["a2a_size"], "a2a_size", INT32_MIN, 4096));
+  if (object.contains("a2a_size"))
+    s.a2a_size = static_cast<int>(get_int(object["a2a_size"], "a2a_size", INT32_MIN, kMaxCpSize));
   if (object.contains("seed")) {
     // Stored as an int64 attribute: the range ends at INT64_MAX.
     s.seed = static_cast<uint64_t>(get_int(object["seed"], "seed", 0, INT64_MAX));
