@@ -10,6 +10,7 @@
 #include <iostream>
 #include <map>
 #include <mutex>
+#include <new>
 #include <nlohmann/json.hpp>
 
 #include "apps/case_options.hpp"
@@ -222,7 +223,17 @@ int run_gen(const CaseFlags& flags, const std::string& suite, const std::string&
     fx::GenerateOptions options;
     options.trace = job_trace;
     options.progress = &progress;
-    const fx::GoldenRun run = fx::generate(job.spec, options);
+    const fx::GoldenRun run = [&] {
+      try {
+        return fx::generate(job.spec, options);
+      } catch (const std::bad_alloc&) {  // with --yes, or when the estimate was too low
+        const ThdLayout layout = sim::layout(job.spec);
+        fail_input(job.name, "out of memory: total_tokens_q = ", layout.q.total_rows, ", total_tokens_kv = ",
+                   layout.kv.total_rows, ", heads_q = ", job.spec.heads_q, ", dim_qk = ", job.spec.dim_qk,
+                   ", cp_size = ", job.spec.cp_size, " need about ", human_bytes(memory_estimate(job.spec)), ", ",
+                   human_bytes(double(machine_resources(folder).memory_available)), " are available");
+      }
+    }();
     progress.finish();
     fx::WriteOptions write_options;
     write_options.force = force;
