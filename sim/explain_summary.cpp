@@ -138,7 +138,7 @@ LayoutSummary summarize_layout(const CaseSpec& spec, int shown) {
 
 std::string summary_text(const CaseSpec& spec, const LayoutSummary& s) {
   std::ostringstream os;
-  os << "summary of a large layout: a full plan has W x W x sequences = " << s.plan_units
+  os << "summary of the layout: a full plan has W x W x sequences = " << s.plan_units
      << " units of tile metadata (about " << std::fixed << std::setprecision(1) << full_explain_bytes(spec) / 1e9
      << " GB); pass --full for every tile\n";
   os << "case: " << case_line(spec, s) << "\n\n";
