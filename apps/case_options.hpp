@@ -55,41 +55,46 @@ inline std::string flag_name(const std::string& key) {
   return f;
 }
 
-inline nlohmann::json parse_integer(const std::string& key, const std::string& text) {
+// A flag's number goes through the JSON number grammar, so a flag and the same key in --case read the same value and
+// meet the same range in sim::parse_case (one parser, one range: a seed of 2^64-1 or a softmax_scale of 5e-324 is
+// judged the same way either way).
+inline nlohmann::json parse_number(const std::string& key, const std::string& text, bool integer) {
+  nlohmann::json value;
   try {
-    size_t used = 0;
-    const long long v = std::stoll(text, &used);
-    if (used != text.size()) throw std::invalid_argument(text);
-    return v;
-  } catch (const std::exception&) {
-    fail_input(key, "value \"", text, "\" is not an integer");
+    value = nlohmann::json::parse(text);
+  } catch (const nlohmann::json::out_of_range&) {
+    fail_input(key, "value \"", text, "\" is out of range (it does not fit a 64-bit float or integer)");
+  } catch (const nlohmann::json::exception&) {
+    fail_input(key, "value \"", text, "\" is not ", integer ? "an integer" : "a number");
+  }
+  if (!value.is_number() || (integer && !value.is_number_integer()))
+    fail_input(key, "value \"", text, "\" is not ", integer ? "an integer" : "a number");
+  return value;
+}
+
+// "5,8" -> [5, 8]; an empty item ("5,,8", "5,8,", ",5") is an error naming its index.
+inline nlohmann::json parse_list(const std::string& key, const std::string& text) {
+  nlohmann::json list = nlohmann::json::array();
+  if (text.empty()) return list;
+  size_t begin = 0;
+  for (int i = 0;; ++i) {
+    const size_t end = text.find(',', begin);
+    const std::string item = text.substr(begin, end == std::string::npos ? std::string::npos : end - begin);
+    const std::string field = key + "[" + std::to_string(i) + "]";
+    if (item.empty()) fail_input(field, "empty item in \"", text, "\"");
+    list.push_back(parse_number(field, item, true));
+    if (end == std::string::npos) return list;
+    begin = end + 1;
   }
 }
 
 inline nlohmann::json to_json(const Key& key, const std::string& text) {
   switch (key.kind) {
-    case Kind::integer: return parse_integer(key.name, text);
-    case Kind::number:
-      try {
-        size_t used = 0;
-        const double v = std::stod(text, &used);
-        if (used != text.size()) throw std::invalid_argument(text);
-        return v;
-      } catch (const std::exception&) {
-        fail_input(key.name, "value \"", text, "\" is not a number");
-      }
+    case Kind::integer: return parse_number(key.name, text, true);
+    case Kind::number: return parse_number(key.name, text, false);
     case Kind::text: return text;
     case Kind::int_list:
-    case Kind::pair: {
-      nlohmann::json list = nlohmann::json::array();
-      std::string item;
-      std::stringstream ss(text);
-      int i = 0;
-      if (!text.empty())
-        while (std::getline(ss, item, ','))
-          list.push_back(parse_integer(std::string(key.name) + "[" + std::to_string(i++) + "]", item));
-      return list;
-    }
+    case Kind::pair: return parse_list(key.name, text);
   }
   return text;
 }
@@ -111,7 +116,7 @@ inline sim::CaseSpec case_from_flags(const CaseFlags& flags) {
   if (!flags.case_json.empty()) {
     try {
       object = nlohmann::json::parse(flags.case_json);
-    } catch (const nlohmann::json::parse_error& e) {
+    } catch (const nlohmann::json::exception& e) {  // parse errors and number overflow (1e400)
       fail_input("--case", "is not valid JSON (", e.what(), "): ", flags.case_json);
     }
     if (!object.is_object()) fail_input("--case", "must be a JSON object, got ", flags.case_json);

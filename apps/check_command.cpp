@@ -21,6 +21,7 @@ struct CheckArgs {
 
 int run_check(const CheckArgs& args) {
   if (args.format != "text" && args.format != "json") fail_input("--format", "expected text or json, got \"", args.format, "\"");
+  if (args.identical && args.self) fail_input("--self", "cannot be combined with --identical: give one of them");
   if (args.identical) {
     if (args.files.size() != 2) fail_input("--identical", "expects exactly two candidate files, got ", args.files.size());
     const fx::IdenticalReport report = fx::identical(args.files[0], args.files[1]);
@@ -72,7 +73,18 @@ const RegisterCommand registered("check", [](CLI::App& app) -> std::function<int
                   "LSE of a valid row without visible keys: neg-inf (the contract, default) or pos-inf "
                   "(FlashAttention-2's convention, accepted knowingly)");
   sub->add_option("--tensors", args->tensors, "comma-separated subset of o,lse,dq,dk,dv (e.g. o,lse for forward only)");
-  return [=] { return run_check(*args); };
+  return [=] {
+    try {
+      return run_check(*args);
+    } catch (const InputError& e) {
+      if (args->format != "json") throw;
+      // With --format json, stdout stays one JSON document also on error; main's text still goes to stderr.
+      nlohmann::ordered_json j;
+      j["error"] = {{"field", e.field()}, {"message", e.what()}, {"exit_code", kExitUnusable}};
+      std::cout << j.dump(2) << "\n";
+      throw;
+    }
+  };
 });
 
 }  // namespace

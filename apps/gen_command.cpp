@@ -1,20 +1,27 @@
-// `cpgold gen`: a case or a suite to HDF5 fixtures. Size and time estimate before each long case, a progress bar
-// with ETA on a terminal (plain lines otherwise), a summary table at the end.
+// `cpgold gen`: a case or a suite to HDF5 fixtures. Before any work: the destinations, and the memory and disk
+// estimates against what the machine has. Size and time estimate before each long case, progress during its compute
+// (a bar on a terminal, a line every 10 s otherwise), a summary table at the end.
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
 #include <iostream>
 #include <map>
+#include <mutex>
+#include <new>
 #include <nlohmann/json.hpp>
 
 #include "apps/case_options.hpp"
 #include "apps/command_registry.hpp"
+#include "apps/machine_resources.hpp"
 #include "fixtures/fixture_writer.hpp"
 #include "fixtures/golden_manifest.hpp"
+#include "fixtures/output_file.hpp"
 #include "fixtures/suites.hpp"
 #include "reference/input_error.hpp"
+#include "reference/progress.hpp"
 #include "sim/case_spec.hpp"
 
 namespace cpgold::app {
@@ -38,14 +45,30 @@ std::string seconds_text(double s) {
   return buffer;
 }
 
-// Work of a case in attention "pair-dims": sum over sequences of L_q * L_kv * heads_q * (d_qk + d_v), times the
-// runs the generator makes (oracle, non-CP peer, CP peer, and the float64 CP oracle with --trace).
-double case_work(const sim::CaseSpec& spec, bool trace) {
+// Score-tile elements of one pass over a case: sum over sequences and query heads of the (q, k) pairs inside the
+// mask (causal, window), counted row by row: O(total tokens).
+double case_pairs(const sim::CaseSpec& spec) {
   const std::vector<int32_t> kv = sim::seqlens_kv(spec);
+  const Window w = sim::mask_window(spec);
   double pairs = 0;
-  for (size_t b = 0; b < spec.seqlens_q.size(); ++b) pairs += double(spec.seqlens_q[b]) * kv[b];
-  return pairs * spec.heads_q * (spec.dim_qk + sim::dim_v(spec)) * (trace ? 4 : 3);
+  for (size_t b = 0; b < spec.seqlens_q.size(); ++b) {
+    const int64_t lq = spec.seqlens_q[b], lk = kv[b], delta = lk - lq;
+    if (w.left < 0 && w.right < 0) {
+      pairs += double(lq) * double(lk);
+      continue;
+    }
+    for (int64_t i = 0; i < lq; ++i) {
+      const int64_t lo = w.left >= 0 ? std::max<int64_t>(0, i + delta - w.left) : 0;
+      const int64_t hi = w.right >= 0 ? std::min<int64_t>(lk - 1, i + delta + w.right) : lk - 1;
+      if (hi >= lo) pairs += double(hi - lo + 1);
+    }
+  }
+  return pairs * spec.heads_q;
 }
+
+// Runs over the tiles: forward, dQ and dK/dV passes of the oracle, the non-CP peer and the CP peer; with --trace also
+// of the float64 CP oracle.
+int kernel_passes(bool trace) { return 3 * (trace ? 4 : 3); }
 
 // Uncompressed bytes: inputs, goldens + peer, per-rank copies of both.
 double case_bytes(const sim::CaseSpec& spec) {
@@ -57,6 +80,64 @@ double case_bytes(const sim::CaseSpec& spec) {
   const double outputs = tq * hq * (dv + dqk + 1) + tkv * hkv * (dqk + dv);
   return 2 * inputs + outputs * (4 + in) + outputs * 4;
 }
+
+// The estimates, calibrated on this project's 2-core build machine (docs/PERF.md, "gen estimates"): peak memory
+// (maxrss) was 5.4-5.5 x case_bytes for causal and full cases of 800-2400 tokens; the file 0.80 x case_bytes; the
+// time a * pair-dims + b * bytes, fitted on two full-mask cases (1200 and 2400 tokens): 11.4e9 score-tile pair-dims/s
+// over the 9 kernel passes and 31 MB/s of payload (HDF5 deflate and Fletcher32, shards included). More cores make the
+// compute part faster: an upper bound there.
+constexpr double kMemoryPerByte = 5.6, kMemoryBase = 64e6;
+constexpr double kPairDimsPerSecond = 11.4e9, kBytesPerSecond = 31e6;
+
+double memory_estimate(const sim::CaseSpec& spec) { return kMemoryPerByte * case_bytes(spec) + kMemoryBase; }
+double seconds_estimate(const sim::CaseSpec& spec, bool trace) {
+  return case_pairs(spec) * (spec.dim_qk + sim::dim_v(spec)) * kernel_passes(trace) / kPairDimsPerSecond +
+         case_bytes(spec) / kBytesPerSecond;
+}
+
+// Progress of one case: score-tile elements reported by the kernels (any thread) against the expected count; a bar
+// on a terminal (at most 10 updates a second), otherwise a line every 10 seconds.
+class CaseProgress final : public ProgressSink {
+ public:
+  CaseProgress(std::string label, double expected, bool terminal)
+      : label_(std::move(label)), expected_(std::max(expected, 1.0)), terminal_(terminal),
+        start_(std::chrono::steady_clock::now()), last_(start_) {}
+  void advance(int64_t score_elements) override {
+    const int64_t done = done_.fetch_add(score_elements) + score_elements;
+    const auto now = std::chrono::steady_clock::now();
+    const double since = std::chrono::duration<double>(now - last_.load()).count();
+    if (since < (terminal_ ? 0.1 : 10.0)) return;
+    std::unique_lock<std::mutex> lock(print_, std::try_to_lock);
+    if (!lock.owns_lock()) return;
+    last_ = now;
+    const double fraction = std::min(0.99, double(done) / expected_);
+    const double elapsed = std::chrono::duration<double>(now - start_).count();
+    const double left = fraction > 0.02 ? elapsed * (1 - fraction) / fraction : -1;
+    if (terminal_) {
+      const int width = 30, filled = static_cast<int>(width * fraction);
+      std::fprintf(stderr, "\r  %s [%s%s] %3.0f%% %s elapsed%s%s   ", label_.c_str(), std::string(filled, '#').c_str(),
+                   std::string(width - filled, '.').c_str(), 100 * fraction, seconds_text(elapsed).c_str(),
+                   left >= 0 ? ", about " : "", left >= 0 ? (seconds_text(left) + " left").c_str() : "");
+    } else {
+      std::fprintf(stderr, "  %s: %.0f%% computed after %s%s%s\n", label_.c_str(), 100 * fraction,
+                   seconds_text(elapsed).c_str(), left >= 0 ? ", about " : "",
+                   left >= 0 ? (seconds_text(left) + " left").c_str() : "");
+    }
+    std::fflush(stderr);
+  }
+  void finish() {
+    if (terminal_) std::fprintf(stderr, "\r%-100s\r", "");
+  }
+
+ private:
+  std::string label_;
+  double expected_;
+  bool terminal_;
+  std::chrono::steady_clock::time_point start_;
+  std::atomic<std::chrono::steady_clock::time_point> last_;
+  std::atomic<int64_t> done_{0};
+  std::mutex print_;
+};
 
 struct Job {
   std::string name, path;
@@ -91,12 +172,13 @@ std::vector<fx::SuiteCase> random_suite(CaseFlags& flags, int count) {
 }
 
 int run_gen(CaseFlags flags, const std::string& suite, const std::string& output, bool force, bool trace,
-            const std::vector<std::string>& only, bool manifest, int count) {
+            const std::vector<std::string>& only, bool manifest, int count, bool yes) {
   std::vector<fx::SuiteCase> random;
   if (suite == "random") random = random_suite(flags, count);
   else if (count != 0) fail_input("--count", "only with --suite random");
   const bool case_given = !flags.case_json.empty() || !flags.values.empty();
-  if (case_given == !suite.empty()) fail_input("gen", "give either a case (--case or case flags) or --suite, not both");
+  if (case_given && !suite.empty()) fail_input("gen", "give either a case (--case or case flags) or --suite, not both");
+  if (!case_given && suite.empty()) fail_input("gen", "nothing to generate: give a case (--case or case flags) or --suite");
   if (manifest && (suite.empty() || !only.empty()))
     fail_input("--manifest", "needs --suite and the whole suite (no --only)");
   if (output.empty()) fail_input("-o", "an output path is required (a file for a case, a folder for a suite)");
@@ -114,48 +196,78 @@ int run_gen(CaseFlags flags, const std::string& suite, const std::string& output
     const sim::CaseSpec spec = case_from_flags(flags);
     jobs.push_back({fs::path(output).stem().string(), output, spec, !fx::inside_gpu_table(spec)});
   }
-  // Refuse before any work if a destination exists without --force.
-  for (const Job& job : jobs)
-    if (fs::exists(job.path) && !force) fail_input(job.path, "exists already; pass --force to replace it");
+  // Refuse before any work: a missing or unwritable folder, a destination that exists (without --force) or is not a
+  // regular file (with --force).
+  for (const Job& job : jobs) fx::check_destination(job.path, force);
+
+  // Refuse before any work when the estimates exceed what the machine has (unless --yes).
+  double disk_needed = 0, memory_needed = 0, largest_bytes = 0;
+  std::string largest;
+  for (const Job& job : jobs) {
+    disk_needed += case_bytes(job.spec);
+    if (memory_estimate(job.spec) > memory_needed)
+      memory_needed = memory_estimate(job.spec), largest = job.name, largest_bytes = case_bytes(job.spec);
+  }
+  const std::string folder = fs::absolute(fs::path(jobs.front().path)).parent_path().string();
+  const MachineResources machine = machine_resources(folder);
+  if (!yes && memory_needed > double(machine.memory_available))
+    fail_input(jobs.size() == 1 ? std::string("case") : largest,
+               "needs about ", human_bytes(memory_needed), " of memory (estimate: ", kMemoryPerByte, " x ",
+               human_bytes(largest_bytes),
+               " of data + ", human_bytes(kMemoryBase), ") but ", human_bytes(double(machine.memory_available)),
+               " are available (", machine.memory_source, "); make the case smaller or pass --yes to try anyway");
+  if (!yes && disk_needed > double(machine.disk_free))
+    fail_input(jobs.size() == 1 ? jobs.front().path : folder, "needs up to ", human_bytes(disk_needed), " of disk (the fixtures' uncompressed size) but ",
+               human_bytes(double(machine.disk_free)), " are free there; free space or pass --yes to try anyway");
 
   const bool terminal = ::isatty(STDERR_FILENO) != 0;
-  double rate = 2.0e9;  // work units per second, refined after every case
-  double total_work = 0;
-  for (const Job& job : jobs) total_work += case_work(job.spec, trace || job.trace);
-  double work_done = 0;
+  double total_estimate = 0;
+  for (const Job& job : jobs) total_estimate += seconds_estimate(job.spec, trace || job.trace);
+  double correction = 1.0;  // measured / estimated, refined after every case
+  double estimated_done = 0;
   const auto start = std::chrono::steady_clock::now();
   std::vector<Done> done;
   for (size_t i = 0; i < jobs.size(); ++i) {
     const Job& job = jobs[i];
-    const double work = case_work(job.spec, trace || job.trace);
-    const double estimate = work / rate;
-    const double eta = (total_work - work_done) / rate;
-    if (estimate > 2.0 || !terminal)
-      std::fprintf(stderr, "[%zu/%zu] %s: about %s, %s (ETA %s)\n", i + 1, jobs.size(), job.name.c_str(),
-                   human_bytes(case_bytes(job.spec)).c_str(), seconds_text(estimate).c_str(), seconds_text(eta).c_str());
-    if (terminal) {
-      const int width = 30;
-      const int filled = static_cast<int>(width * (total_work > 0 ? work_done / total_work : 0));
-      std::fprintf(stderr, "\r[%s%s] %zu/%zu %-40s ETA %s", std::string(filled, '#').c_str(),
-                   std::string(width - filled, '.').c_str(), i, jobs.size(), job.name.c_str(), seconds_text(eta).c_str());
-      std::fflush(stderr);
-    }
+    const bool job_trace = trace || job.trace;
+    const double estimate = seconds_estimate(job.spec, job_trace);
+    const double eta = (total_estimate - estimated_done) * correction;
+    if (estimate * correction > 2.0 || !terminal)
+      std::fprintf(stderr, "[%zu/%zu] %s: about %s on disk, %s of memory, %s (ETA %s)\n", i + 1, jobs.size(),
+                   job.name.c_str(), human_bytes(0.8 * case_bytes(job.spec)).c_str(),
+                   human_bytes(memory_estimate(job.spec)).c_str(), seconds_text(estimate * correction).c_str(),
+                   seconds_text(eta).c_str());
     const auto t0 = std::chrono::steady_clock::now();
+    CaseProgress progress("[" + std::to_string(i + 1) + "/" + std::to_string(jobs.size()) + "] " + job.name,
+                          case_pairs(job.spec) * kernel_passes(job_trace), terminal);
     fx::GenerateOptions options;
-    options.trace = trace || job.trace;
-    const fx::GoldenRun run = fx::generate(job.spec, options);
+    options.trace = job_trace;
+    options.progress = &progress;
+    const fx::GoldenRun run = [&] {
+      try {
+        return fx::generate(job.spec, options);
+      } catch (const std::bad_alloc&) {  // with --yes, or when the estimate was too low
+        const ThdLayout layout = sim::layout(job.spec);
+        fail_input(job.name, "out of memory: total_tokens_q = ", layout.q.total_rows, ", total_tokens_kv = ",
+                   layout.kv.total_rows, ", heads_q = ", job.spec.heads_q, ", dim_qk = ", job.spec.dim_qk,
+                   ", cp_size = ", job.spec.cp_size, " need about ", human_bytes(memory_estimate(job.spec)), ", ",
+                   human_bytes(double(machine_resources(folder).memory_available)), " are available");
+      }
+    }();
+    progress.finish();
     fx::WriteOptions write_options;
     write_options.force = force;
     const fx::WriteSummary summary = fx::write_fixture(run, job.path, write_options);
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    work_done += work;
+    estimated_done += estimate;
     const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    if (elapsed > 0.5 && work_done > 0) rate = work_done / elapsed;  // cumulative: overheads included
+    if (elapsed > 0.5 && estimated_done > 0) correction = elapsed / estimated_done;  // cumulative: overheads included
     done.push_back({job.name, "written", job.cpu_only, summary.bytes, summary.datasets, seconds});
-    if (!terminal) std::fprintf(stderr, "[%zu/%zu] %s: wrote %s in %s\n", i + 1, jobs.size(), summary.path.c_str(),
-                                human_bytes(double(summary.bytes)).c_str(), seconds_text(seconds).c_str());
+    if (!terminal || estimate > 2.0)
+      std::fprintf(stderr, "[%zu/%zu] %s: wrote %s in %s (estimated %s)\n", i + 1, jobs.size(), summary.path.c_str(),
+                   human_bytes(double(summary.bytes)).c_str(), seconds_text(seconds).c_str(),
+                   seconds_text(estimate).c_str());
   }
-  if (terminal) std::fprintf(stderr, "\r%-90s\r", "");
   const double total = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   std::printf("%-34s %-8s %10s %8s %8s %s\n", "case", "status", "size", "datasets", "time", "label");
   int64_t bytes = 0;
@@ -188,6 +300,7 @@ const RegisterCommand registered("gen", [](CLI::App& app) -> std::function<int()
   auto only = std::make_shared<std::vector<std::string>>();
   auto manifest = std::make_shared<bool>(false);
   auto count = std::make_shared<int>(0);
+  auto yes = std::make_shared<bool>(false);
   add_case_flags(*sub, flags);
   sub->add_option("--suite", *suite, "suite name: quick, edge, te, full, golden, random (with --count and --seed)");
   sub->add_option("--count", *count, "with --suite random: number of cases (with --seed S: the same cases every time)");
@@ -197,7 +310,8 @@ const RegisterCommand registered("gen", [](CLI::App& app) -> std::function<int()
   sub->add_option("--only", *only, "with --suite: generate only these case names")->delimiter(',');
   sub->add_flag("--manifest", *manifest,
                 "with --suite: also write MANIFEST.json (case JSON and SHA-256 of every dataset) into the folder");
-  return [=] { return run_gen(*flags, *suite, *output, *force, *trace, *only, *manifest, *count); };
+  sub->add_flag("--yes", *yes, "go ahead although the memory or disk estimate exceeds what is available");
+  return [=] { return run_gen(*flags, *suite, *output, *force, *trace, *only, *manifest, *count, *yes); };
 });
 
 }  // namespace

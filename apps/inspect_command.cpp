@@ -1,4 +1,5 @@
 // `cpgold inspect FILE`: the case, a layout summary, every tensor with shape and type, and the budgets.
+#include <algorithm>
 #include <cstdio>
 #include <iostream>
 
@@ -24,7 +25,16 @@ int run_inspect(const std::string& path, bool verify) {
   std::printf("schema    %lld (%s)\n", static_cast<long long>(fixture.schema_version), fixture.generator.c_str());
   std::printf("case      %s\n", fixture.case_json.c_str());
   std::printf("traced    %s\n", fixture.traced ? "yes" : "no");
-  std::printf("checksums %s\n", verify ? "verified" : "not verified");
+  const int unchecked = static_cast<int>(fixture.without_checksum.size());
+  if (verify)
+    std::printf("checksums verified: %d dataset(s) with Fletcher32 read in full; %d empty dataset(s) hold no data and no "
+                "checksum", fixture.datasets - unchecked, unchecked);
+  else
+    std::printf("checksums not verified (--no-verify); every non-empty dataset carries one; %d empty dataset(s) none",
+                unchecked);
+  for (int i = 0; i < std::min(unchecked, 8); ++i)
+    std::printf("%s%s", i ? ", " : ": ", fixture.without_checksum[static_cast<size_t>(i)].c_str());
+  std::printf("%s\n", unchecked > 8 ? (", and " + std::to_string(unchecked - 8) + " more").c_str() : "");
   std::printf("\nlayout: %d sequence(s), %lld q rows, %lld kv rows, cp_size %d (%s)\n", fixture.layout.batch(),
               static_cast<long long>(fixture.layout.q.total_rows), static_cast<long long>(fixture.layout.kv.total_rows),
               fixture.plan.cp_size, std::string(sim::comm_name(fixture.plan.comm)).c_str());

@@ -3,8 +3,11 @@
 #include <exception>
 #include <iostream>
 #include <map>
+#include <new>
+#include <stdexcept>
 
 #include "apps/command_registry.hpp"
+#include "apps/machine_resources.hpp"
 #include "reference/input_error.hpp"
 
 namespace cpgold::app {
@@ -13,6 +16,13 @@ std::vector<Command>& command_registry() {
   return commands;
 }
 }  // namespace cpgold::app
+
+namespace {
+std::string available_memory_text() {
+  const cpgold::app::MachineResources machine = cpgold::app::machine_resources(".");
+  return std::to_string(machine.memory_available / (1 << 20)) + " MiB";
+}
+}  // namespace
 
 int main(int argc, char** argv) {
   using namespace cpgold::app;
@@ -37,6 +47,16 @@ int main(int argc, char** argv) {
       return runners.at(sub)();
     } catch (const cpgold::InputError& e) {
       std::cerr << "cpgold " << sub->get_name() << ": error: " << e.what() << "\n";
+      return kExitUnusable;
+    } catch (const std::bad_alloc&) {
+      // Input too large for this machine (gen refuses most such cases up front from its estimate).
+      std::cerr << "cpgold " << sub->get_name() << ": error: out of memory: the input is too large for the memory "
+                << "available (" << available_memory_text() << "); make the case smaller (total_tokens_q, "
+                << "total_tokens_kv, seqlens_q, heads_q, dim_qk, cp_size)\n";
+      return kExitUnusable;
+    } catch (const std::length_error& e) {
+      std::cerr << "cpgold " << sub->get_name() << ": error: the input is too large to hold in memory (" << e.what()
+                << "); make the case smaller\n";
       return kExitUnusable;
     } catch (const std::exception& e) {
       std::cerr << "cpgold " << sub->get_name() << ": internal error: " << e.what() << "\n";

@@ -169,6 +169,7 @@ Matrix<Acc> score_tile(const Arithmetic<Acc, Round>& arith, const AttentionCall&
                        const std::vector<RowRun>& key_runs) {
   int64_t keys = 0;
   for (const RowRun& r : key_runs) keys += r.count;
+  if (arith.options.progress) arith.options.progress->advance(rows.count * keys);
   Matrix<Acc> s(rows.count, keys);
   const auto q_rows = head_rows(q, rows.first_row, rows.count, q_head);
   const Acc scale = static_cast<Acc>(call.softmax_scale);

@@ -12,6 +12,7 @@
 // fixed order, so results are bitwise identical for any thread count.
 #include "reference/attention_call.hpp"
 #include "reference/dtype.hpp"
+#include "reference/progress.hpp"
 #include "reference/tensor.hpp"
 
 namespace cpgold {
@@ -21,6 +22,7 @@ namespace cpgold {
 struct KernelOptions {
   int row_block = 64;       // query rows per task and per tile (also key rows per backward dK/dV task)
   bool scale_on_k = false;  // multiply K by the scale (in the accumulation type) instead of the scores
+  ProgressSink* progress = nullptr;  // told of every score tile computed; no influence on any result
 };
 
 template <class T>

@@ -26,10 +26,9 @@ std::string show(const json& value) { return value.dump(); }
 int64_t get_int(const json& value, const std::string& field, int64_t lo, int64_t hi) {
   if (!value.is_number_integer())
     fail_input(field, "must be an integer, got ", show(value));
-  const int64_t x = value.is_number_unsigned() && value.get<uint64_t>() > static_cast<uint64_t>(INT64_MAX)
-                        ? INT64_MAX
-                        : value.get<int64_t>();
-  if (x < lo || x > hi) fail_input(field, "value ", show(value), " outside [", lo, ", ", hi, "]");
+  const bool past_int64 = value.is_number_unsigned() && value.get<uint64_t>() > static_cast<uint64_t>(INT64_MAX);
+  const int64_t x = past_int64 ? 0 : value.get<int64_t>();
+  if (past_int64 || x < lo || x > hi) fail_input(field, "value ", show(value), " outside [", lo, ", ", hi, "]");
   return x;
 }
 
@@ -121,6 +120,8 @@ ThdLayout layout(const CaseSpec& s) {
 
 void validate_case(const CaseSpec& s) {
   if (s.cp_size < 1) fail_input("cp_size", "must be >= 1, got ", s.cp_size);
+  if (s.cp_size > kMaxCpSize) fail_input("cp_size", "value ", s.cp_size, " is above the supported maximum ", kMaxCpSize);
+  if (s.seqlens_q.empty()) fail_input("seqlens_q", "must list at least one sequence, got []");
   if (s.heads_q < 1) fail_input("heads_q", "must be >= 1, got ", s.heads_q);
   const int hkv = heads_kv(s);
   if (hkv < 1) fail_input("heads_kv", "must be >= 1, got ", hkv);
@@ -128,8 +129,9 @@ void validate_case(const CaseSpec& s) {
     fail_input("heads_kv", "value ", hkv, " does not divide heads_q = ", s.heads_q, " (GQA needs heads_q = g * heads_kv)");
   if (s.dim_qk < 1) fail_input("dim_qk", "must be >= 1, got ", s.dim_qk);
   if (dim_v(s) < 1) fail_input("dim_v", "must be >= 1, got ", dim_v(s));
-  if (s.softmax_scale && !(std::isfinite(*s.softmax_scale) && *s.softmax_scale > 0))
-    fail_input("softmax_scale", "must be a finite positive number, got ", *s.softmax_scale);
+  if (s.softmax_scale && !(*s.softmax_scale >= kMinSoftmaxScale && *s.softmax_scale <= kMaxSoftmaxScale))
+    fail_input("softmax_scale", "value ", *s.softmax_scale, " outside the supported range [", kMinSoftmaxScale, ", ",
+               kMaxSoftmaxScale, "]");
   if (!s.seqlens_kv.empty() && s.seqlens_kv.size() != s.seqlens_q.size())
     fail_input("seqlens_kv", "has ", s.seqlens_kv.size(), " entries but seqlens_q has ", s.seqlens_q.size());
   const Window w = mask_window(s);
@@ -192,6 +194,7 @@ CaseSpec parse_case(const json& object) {
   CaseSpec s;
   if (!object.contains("seqlens_q")) fail_input("seqlens_q", "is required");
   s.seqlens_q = get_lengths(object["seqlens_q"], "seqlens_q");
+  if (s.seqlens_q.empty()) fail_input("seqlens_q", "must list at least one sequence, got []");
   if (object.contains("seqlens_kv")) s.seqlens_kv = get_lengths(object["seqlens_kv"], "seqlens_kv");
   if (object.contains("padded_q")) s.padded_q = get_lengths(object["padded_q"], "padded_q");
   if (object.contains("padded_kv")) s.padded_kv = get_lengths(object["padded_kv"], "padded_kv");
@@ -218,20 +221,29 @@ CaseSpec parse_case(const json& object) {
   // FlashAttention-3's normalisation: the window (-1, 0) is causal, so the stored form says mask "causal" and every
   // layer (TE metadata, sections) sees one spelling of it.
   if (is_causal(s.window)) s.causal = true;
-  if (object.contains("cp_size")) s.cp_size = static_cast<int>(get_int(object["cp_size"], "cp_size", INT32_MIN, 4096));
+  if (object.contains("cp_size")) {
+    s.cp_size = static_cast<int>(get_int(object["cp_size"], "cp_size", INT32_MIN, INT32_MAX));
+    if (s.cp_size > kMaxCpSize)
+      fail_input("cp_size", "value ", s.cp_size, " is above the supported maximum ", kMaxCpSize,
+                 " (a plan has W x W tiles per pass; docs/case-spec.md)");
+  }
   if (object.contains("comm")) s.comm = parse_comm(get_string(object["comm"], "comm"));
-  if (object.contains("a2a_size")) s.a2a_size = static_cast<int>(get_int(object["a2a_size"], "a2a_size", INT32_MIN, 4096));
+  if (object.contains("a2a_size"))
+    s.a2a_size = static_cast<int>(get_int(object["a2a_size"], "a2a_size", INT32_MIN, kMaxCpSize));
   if (object.contains("seed")) {
-    const json& v = object["seed"];
-    if (!v.is_number_unsigned() && !(v.is_number_integer() && v.get<int64_t>() >= 0))
-      fail_input("seed", "must be a non-negative integer, got ", show(v));
-    s.seed = v.get<uint64_t>();
+    // Stored as an int64 attribute: the range ends at INT64_MAX.
+    s.seed = static_cast<uint64_t>(get_int(object["seed"], "seed", 0, INT64_MAX));
   }
   if (object.contains("pad_fill")) s.pad_fill = parse_pad_fill(get_string(object["pad_fill"], "pad_fill"));
   if (object.contains("softmax_scale")) {
     const json& v = object["softmax_scale"];
     if (!v.is_number()) fail_input("softmax_scale", "must be a number, got ", show(v));
-    s.softmax_scale = v.get<double>();
+    const double scale = v.get<double>();
+    if (!(scale >= kMinSoftmaxScale && scale <= kMaxSoftmaxScale))
+      fail_input("softmax_scale", "value ", show(v), " outside the supported range [", kMinSoftmaxScale, ", ",
+                 kMaxSoftmaxScale, "] (docs/case-spec.md: past it the float32 rounding of the scores outgrows the "
+                 "fixture's error budget)");
+    s.softmax_scale = scale;
   }
   validate_case(s);
   return s;
@@ -241,7 +253,7 @@ CaseSpec parse_case_text(std::string_view text) {
   json object;
   try {
     object = json::parse(text);
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {  // parse errors and number overflow (1e400)
     fail_input("case", "is not valid JSON (", e.what(), "): ", text);
   }
   return parse_case(object);

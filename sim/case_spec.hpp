@@ -16,6 +16,15 @@
 namespace cpgold::sim {
 
 enum class CommType { p2p, a2a, all_gather, a2a_p2p };
+
+// The supported softmax_scale range, for flags and JSON alike. Above 64 the float32 rounding of the scores (which
+// grows with scale x |q.k|) makes an independent CPU path fail the fixture's own mean budget on LSE (check --self);
+// the default 1/sqrt(dim_qk) is far inside.
+inline constexpr double kMinSoftmaxScale = 1e-6;
+inline constexpr double kMaxSoftmaxScale = 64.0;
+// The largest CP size. A plan holds W x W tiles per pass, each with per-sequence metadata; up to 128 ranks `explain`
+// answers in well under a second for short layouts (256 took 18 s and JSON 1.7 GB), and real CP groups are smaller.
+inline constexpr int kMaxCpSize = 128;
 enum class PadFill { zero, random, nan, inf };
 
 struct CaseSpec {
