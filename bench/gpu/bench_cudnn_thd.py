@@ -58,6 +58,7 @@ def main():
     ap.add_argument("--pad-rows", type=int, default=0)
     ap.add_argument("--dims", default="128,64", help="d or d/dv, comma separated")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--totals", default="16384,32768,65536", help="token counts (slot rows), comma separated")
     args = ap.parse_args()
     dims = [tuple(int(x) for x in item.split("/")) if "/" in item else (int(item), int(item))
             for item in args.dims.split(",")]
@@ -70,7 +71,7 @@ def main():
     cudnn.set_stream(handle, torch.cuda.current_stream().cuda_stream)
     for d, dv in dims:
         for causal in (True, False):
-            for total in (16384, 32768, 65536):
+            for total in (int(t) for t in args.totals.split(",")):
                 heads = 2048 // dv
                 slots = slot_lengths(total)
                 lens = [max(0, s - args.pad_rows) for s in slots]

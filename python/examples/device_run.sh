@@ -8,8 +8,9 @@ MODE=${1:-all}; shift || true
 SUITES=${*:-quick edge te random}
 B=/tmp/b
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader
-if ls .whl/*.whl > /dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+WHL=${WHL:-.whl}
+if ls $WHL/*.whl > /dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $WHL/*.whl \
     && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 export PYTHONPATH=$PWD/python:$PWD/python/examples${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -36,7 +37,8 @@ if [ $MODE != bench ]; then
   echo "cudnn rc=$? ($(( $(date +%s) - t0 )) s)"; grep -vE " (pass)$" $OUT/cudnn.log | tail -60
 fi
 if [ $MODE != check ]; then
-  timeout 150 $B/bin/bench_gpu_attention --pad-rows 63 --dims 128,64,192/128 2>&1 | tee $OUT/bench_cpgold.log
-  timeout 150 python3 bench/gpu/bench_cudnn_thd.py --pad-rows 63 --dims 128,64,192/128 2>&1 | tee $OUT/bench_cudnn.log
+  BENCH_DIMS=${BENCH_DIMS:-128,64,192/128}
+  [ -n "${BENCH_CPGOLD-1}" ] && timeout 150 $B/bin/bench_gpu_attention --pad-rows 63 --dims $BENCH_DIMS 2>&1 | tee $OUT/bench_cpgold.log
+  timeout 150 python3 bench/gpu/bench_cudnn_thd.py --pad-rows 63 --dims $BENCH_DIMS ${BENCH_TOTALS:+--totals $BENCH_TOTALS} 2>&1 | tee $OUT/bench_cudnn.log
 fi
 cd $OUT && tar -czf logs.tar.gz *.log && rm -f configure.log build.log gen_*.log
