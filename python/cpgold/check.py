@@ -50,6 +50,11 @@ def check(golden, *candidates, tensors=None, empty_row_lse=None, cpgold=None, ti
     return report
 
 
+def _number(x):
+    """A report's number: JSON has no inf/NaN, so cpgold writes them as the strings "inf" and "nan"."""
+    return float(x)
+
+
 def failures(report):
     """One line per failed result of a report: tensor, rank, step, errors and limits."""
     lines = []
@@ -61,8 +66,9 @@ def failures(report):
         if r.get("missing"):
             lines.append(f"{where}: missing in the candidate")
             continue
-        lines.append(f"{where}: max err {r['max_err']:.3e} (limit {r['max_limit']:.3e}), mean err "
-                     f"{r['mean_err']:.3e} (limit {r['mean_limit']:.3e}), exact violations "
+        mx, mx_lim, mn, mn_lim = (_number(r[k]) for k in ("max_err", "max_limit", "mean_err", "mean_limit"))
+        lines.append(f"{where}: max err {mx:.3e} (limit {mx_lim:.3e}), mean err {mn:.3e} (limit {mn_lim:.3e}), "
+                     f"exact violations "
                      f"{r['exact_violations']}, compared {r['compared']}"
                      + (f" [{r['pass_kind']}]" if r.get("pass_kind") else ""))
     return lines
@@ -75,5 +81,5 @@ def ratios(report):
     for r in report.get("results", []):
         if r.get("missing") or not r.get("compared"):
             continue
-        out.append((r["tensor"], r.get("rank", -1), r["max_ratio"], r["mean_ratio"]))
+        out.append((r["tensor"], r.get("rank", -1), _number(r["max_ratio"]), _number(r["mean_ratio"])))
     return out
