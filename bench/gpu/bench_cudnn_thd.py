@@ -12,45 +12,11 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python", "examples"))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.join(HERE, "..", "..", "python", "examples")]
 import cudnn  # noqa: E402
 import cudnn_thd  # noqa: E402
-
-CYCLE = [512, 1536, 2560, 3584, 1024, 3072, 2048, 4096]
-
-
-def slot_lengths(total):
-    lens, s, i = [], 0, 0
-    while s < total:
-        n = min(CYCLE[i % 8], total - s)
-        lens.append(n)
-        s += n
-        i += 1
-    return lens
-
-
-def fwd_flops(lens, heads, d, dv, causal):
-    return sum(2.0 * s * (s / 2.0 if causal else s) * (d + dv) * heads for s in lens)
-
-
-def median_ms(fn, reps, warmup=3):
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
-
-
-def matmul_rate():
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    return 2 * 8192 ** 3 / median_ms(lambda: a @ b, 10) * 1e-9
+from bench_torch import fwd_flops, matmul_rate, median_ms, varlen_lengths  # noqa: E402  (the same batches)
 
 
 def main():
@@ -73,7 +39,7 @@ def main():
         for causal in (True, False):
             for total in (int(t) for t in args.totals.split(",")):
                 heads = 2048 // dv
-                slots = slot_lengths(total)
+                slots = varlen_lengths(total)
                 lens = [max(0, s - args.pad_rows) for s in slots]
                 offsets = [0]
                 for s in slots:

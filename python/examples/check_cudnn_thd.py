@@ -10,7 +10,6 @@ does not write pad rows, and the contract wants them 0. GQA/MQA and dim_qk != di
 expressible: fp32 (cuDNN's fused attention takes fp16/bf16), head dims that are not a multiple of 8, and whatever
 cuDNN refuses when the graph is built (reported with cuDNN's message).
 """
-import argparse
 import sys
 
 import cudnn
@@ -72,22 +71,20 @@ class CudnnThd:
         return {"o": o, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("folders", nargs="+", help="folders of fixtures (cpgold gen --suite NAME -o DIR)")
-    ap.add_argument("--cpgold", required=True, help="the cpgold binary")
-    ap.add_argument("--summary", required=True, help="JSON summary to write")
-    args = ap.parse_args()
-    version = f"cuDNN {cudnn.backend_version_string()}, frontend {cudnn.__version__}"
-    print(f"{version}, torch {torch.__version__}, {torch.cuda.get_device_name(0)}", flush=True)
-    kernel = CudnnThd()
-    summary = kernel_sweep.sweep(kernel, args.folders, args.cpgold, args.summary,
-                                 extra={"cudnn": version, "device": torch.cuda.get_device_name(0)})
-    print(f"graphs: {sum(not isinstance(g, Exception) for g in kernel.graphs.values())} built, "
-          f"{sum(isinstance(g, Exception) for g in kernel.graphs.values())} refused")
-    bad = sum(c["fail"] + c["error"] for c in summary["counts"].values())
-    return 1 if bad else 0
+def make_kernel():
+    print(f"{version()}, torch {torch.__version__}, {torch.cuda.get_device_name(0)}", flush=True)
+    return CudnnThd()
+
+
+def version():
+    return f"cuDNN {cudnn.backend_version_string()}, frontend {cudnn.__version__}"
+
+
+def summary_extra(kernel):
+    return {"cudnn": version(), "device": torch.cuda.get_device_name(0),
+            "graphs_built": sum(not isinstance(g, Exception) for g in kernel.graphs.values()),
+            "graphs_refused": [str(g)[:300] for g in kernel.graphs.values() if isinstance(g, Exception)]}
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(kernel_sweep.main(make_kernel, __doc__.splitlines()[0], summary_extra))

@@ -11,7 +11,6 @@ gradients of the repeated heads are summed in float32. Not expressible: fp32 (Fl
 dim_qk != dim_v (MLA), head dims that are not a multiple of 8 or above 256, windows when the installed varlen_attn
 has no window_size.
 """
-import argparse
 import inspect
 import sys
 
@@ -27,6 +26,7 @@ class VarlenAttn:
     def __init__(self):
         self.params = inspect.signature(torch_varlen.varlen_attn).parameters
         self.signature = str(inspect.signature(torch_varlen.varlen_attn))
+        self.lse_shapes = set()  # what the installed torch returns, recorded in the summary
 
     def unsupported(self, fx):
         if fx.dtype not in ("bf16", "fp16"):
@@ -65,26 +65,22 @@ class VarlenAttn:
         t_kv = k.shape[0]
         dk = dk_rep.float().view(t_kv, fx.heads_kv, group, fx.dim_qk).sum(2)
         dv = dv_rep.float().view(t_kv, fx.heads_kv, group, fx.dim_v).sum(2)
+        self.lse_shapes.add(f"{list(lse.shape)} for {q.shape[0]} tokens, {fx.heads_q} heads")
         if lse.dim() == 2 and lse.shape[0] != fx.heads_q:
             lse = lse.transpose(0, 1)  # [t, h] -> [h, t]
         return {"o": fx.expand(out.detach(), "q"), "lse": fx.expand(lse.float(), "q", axis=1, fill=float("-inf")),
                 "dq": fx.expand(dq, "q"), "dk": fx.expand(dk, "kv"), "dv": fx.expand(dv, "kv")}
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[1])
-    ap.add_argument("folders", nargs="+", help="folders of fixtures (cpgold gen --suite NAME -o DIR)")
-    ap.add_argument("--cpgold", required=True, help="the cpgold binary")
-    ap.add_argument("--summary", required=True, help="JSON summary to write")
-    args = ap.parse_args()
-    kernel = VarlenAttn()
+def header(kernel):
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name(0)}; varlen_attn{kernel.signature}", flush=True)
-    summary = kernel_sweep.sweep(kernel, args.folders, args.cpgold, args.summary,
-                                 extra={"torch": torch.__version__, "device": torch.cuda.get_device_name(0),
-                                        "signature": kernel.signature})
-    bad = sum(c["fail"] + c["error"] for c in summary["counts"].values())
-    return 1 if bad else 0
+    return kernel
+
+
+def summary_extra(kernel):
+    return {"torch": torch.__version__, "device": torch.cuda.get_device_name(0), "signature": kernel.signature,
+            "lse_shapes_seen": sorted(kernel.lse_shapes)[:5]}
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(kernel_sweep.main(lambda: header(VarlenAttn()), __doc__.splitlines()[1], summary_extra))

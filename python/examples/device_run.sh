@@ -21,6 +21,8 @@ cmake -S . -B $B -DCMAKE_BUILD_TYPE=Release ${CPGOLD_PREFIX:+-DCMAKE_PREFIX_PATH
 cmake --build $B -j16 --target cpgold bench_gpu_attention > $OUT/build.log 2>&1 || { grep -E "error" $OUT/build.log | head -30; exit 1; }
 echo "== build ok ($(( $(date +%s) - t0 )) s)"
 if [ $MODE != bench ]; then
+  CPGOLD_BIN=$B/bin/cpgold timeout 120 python3 -m pytest -q -rs -p no:cacheprovider python/tests > $OUT/pytest.log 2>&1
+  echo "pytest python/tests rc=$?: $(tail -1 $OUT/pytest.log)"; grep -E "^SKIPPED|FAILED" $OUT/pytest.log | head
   dirs=()
   for S in $SUITES; do
     if [ $S = random ]; then

@@ -8,6 +8,7 @@ one candidate file holding the global outputs at the root and their shards by th
 error/limit. Rows with no visible key: where the kernel wrote LSE +inf (FlashAttention-2's convention) the check
 runs with `--empty-row-lse pos-inf` when the cpgold binary offers it, and the summary says so per fixture.
 """
+import argparse
 import json
 import os
 import subprocess
@@ -115,8 +116,8 @@ def sweep(kernel, folders, cpgold_bin, summary_path, workdir="/tmp", extra=None)
     summary = {"kernel": kernel.name, "cpgold": cpgold_bin, "empty_row_lse_option_available": pos_inf_option,
                "seconds": round(time.time() - t0, 1), "counts": counts(entries), "distributions": summarise(entries),
                "fixtures": entries}
-    if extra:
-        summary.update(extra)
+    if extra:  # a dict, or a function giving one once the kernel has run (what it saw on the way)
+        summary.update(extra() if callable(extra) else extra)
     with open(summary_path, "w") as f:
         json.dump(summary, f, indent=1)
     print_summary(summary)
@@ -132,3 +133,15 @@ def print_summary(summary):
         print(f"{key:14} {a['n']:5} {a['median']:12.3f} {a['p99']:8.3f} {a['max']:8.3f} {b['median']:13.3f} "
               f"{b['p99']:8.3f} {b['max']:8.3f}")
     sys.stdout.flush()
+
+
+def main(make_kernel, description, extra=None):
+    """Command line of a kernel's sweep: FOLDERS... --cpgold BIN --summary JSON; exit 1 if any fixture failed."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("folders", nargs="+", help="folders of fixtures (cpgold gen --suite NAME -o DIR)")
+    ap.add_argument("--cpgold", required=True, help="the cpgold binary")
+    ap.add_argument("--summary", required=True, help="JSON summary to write")
+    args = ap.parse_args()
+    kernel = make_kernel()
+    summary = sweep(kernel, args.folders, args.cpgold, args.summary, extra=lambda: extra(kernel) if extra else {})
+    return 1 if sum(c["fail"] + c["error"] for c in summary["counts"].values()) else 0
