@@ -97,12 +97,13 @@ def counts(entries):
     return out
 
 
-def sweep(kernel, folders, cpgold_bin, summary_path, workdir="/tmp", extra=None):
+def sweep(kernel, folders, cpgold_bin, summary_path, workdir="/tmp", extra=None, first=None):
     pos_inf_option = offers_empty_row_lse(cpgold_bin)
     entries, t0 = [], time.time()
     for folder in folders:
         suite = os.path.basename(os.path.normpath(folder))
-        for name in sorted(n for n in os.listdir(folder) if n.endswith(".h5")):
+        names = sorted(n for n in os.listdir(folder) if n.endswith(".h5"))
+        for name in names[:first.get(suite)] if first else names:
             e = run_fixture(kernel, os.path.join(folder, name), suite, workdir, cpgold_bin, pos_inf_option)
             entries.append(e)
             line = f"{kernel.name:8} {suite:6} {e['fixture']:48} {e['status']}"
@@ -141,7 +142,16 @@ def main(make_kernel, description, extra=None):
     ap.add_argument("folders", nargs="+", help="folders of fixtures (cpgold gen --suite NAME -o DIR)")
     ap.add_argument("--cpgold", required=True, help="the cpgold binary")
     ap.add_argument("--summary", required=True, help="JSON summary to write")
+    ap.add_argument("--first", action="append", default=[], metavar="SUITE=N",
+                    help="only the first N fixtures (sorted by name) of the folder named SUITE")
     args = ap.parse_args()
+    first = {}
+    for item in args.first:
+        suite, _, n = item.partition("=")
+        if not n.isdigit():
+            ap.error(f"--first: expected SUITE=N, got {item!r}")
+        first[suite] = int(n)
     kernel = make_kernel()
-    summary = sweep(kernel, args.folders, args.cpgold, args.summary, extra=lambda: extra(kernel) if extra else {})
+    summary = sweep(kernel, args.folders, args.cpgold, args.summary, extra=lambda: extra(kernel) if extra else {},
+                    first=first)
     return 1 if sum(c["fail"] + c["error"] for c in summary["counts"].values()) else 0
