@@ -11,8 +11,10 @@ Needs h5py and numpy only (Debian: python3-h5py, python3-numpy). For every fixtu
   2. checks the exact classes: pad and tail rows of O/dQ/dK/dV exactly 0, the set of valid rows with LSE -inf equal
      to the oracle's, pad rows of the golden LSE -inf;
   3. checks that /ranks/<r>/* are the global tensors gathered with /layout/partitioned_indices_*, bit for bit;
-  4. recomputes the CP budget attributes of /golden/* from /peer/* and this oracle (atol = the rounding floor of
-     docs/design.md, peer max/mean errors, max budget = rtol * max + atol, mean budget = 1.5 * mean + atol / 8);
+  4. checks /case schema_version (2) and recomputes the CP budget attributes of /golden/* from /peer/* and this
+     oracle with the rule of fixtures/SCHEMA.md version 2 (atol = max(k * ulp_p(0.3 + max|x|), FlashAttention's
+     rounding floor), k = 2 in bf16/fp16 and 8 in float32; peer max/mean errors; max budget = rtol * max + atol;
+     mean budget = max(1.5 * mean + atol / 8, max budget / sqrt(n)));
   5. with a folder holding MANIFEST.json: the SHA-256 of every dataset's raw bytes against the manifest.
 Exit 0 if everything holds, 1 otherwise (one line per problem); a missing h5py is an ImportError (exit 1).
 """
@@ -26,6 +28,7 @@ import h5py
 import numpy as np
 
 REL = 1e-6  # float32 storage of a float64 value: relative error <= 2^-24
+SCHEMA_VERSION = 2  # fixtures/SCHEMA.md: the budget rule below belongs to this version
 
 
 def case_of(f):
@@ -111,11 +114,29 @@ def round_to(x, dtype):
     return np.round(x / ulp) * ulp
 
 
+SIGNIFICAND_BITS = {"bf16": 8, "fp16": 11, "fp32": 24}
+
+
+def ulp_in(y, precision):
+    """Units in the last place of y > 0 in the precision: 2^(floor(log2 y) + 1 - significand bits)."""
+    _, exp = math.frexp(y)
+    return math.ldexp(1.0, exp - SIGNIFICAND_BITS[precision])
+
+
 def rounding_floor(x, precision):
-    """atol of docs/design.md: 2 * max |fl(fl(x + 0.3) - 0.3) - x|."""
-    if x.size == 0:
-        return 0.0
-    return 2.0 * float(np.max(np.abs(round_to(round_to(x + 0.3, precision) - 0.3, precision) - x)))
+    """atol of fixtures/SCHEMA.md version 2: k ulps of 0.3 + max|x| (k = 8 in float32, 2 otherwise), or
+    FlashAttention's floor 2 * max |fl(fl(x + 0.3) - 0.3) - x| where that were larger."""
+    magnitude = float(np.max(np.abs(x), initial=0.0))
+    k = 8.0 if precision == "fp32" else 2.0
+    flash = 0.0
+    if x.size:
+        flash = 2.0 * float(np.max(np.abs(round_to(round_to(x + 0.3, precision) - 0.3, precision) - x)))
+    return max(k * ulp_in(0.3 + magnitude, precision), flash)
+
+
+def mean_budget(rtol, max_err, mean_err, atol, n):
+    """The mean limit: the statistical one, never below the max limit / sqrt(n) (a mean of few elements)."""
+    return max(1.5 * mean_err + atol / 8, (rtol * max_err + atol) / math.sqrt(max(n, 1)))
 
 
 def check_fixture(path, problems):
@@ -123,6 +144,10 @@ def check_fixture(path, problems):
         problems.append(f"{path}: {what}")
 
     with h5py.File(path, "r") as f:
+        version = int(f["case"].attrs["schema_version"])
+        if version != SCHEMA_VERSION:
+            fail(f"/case: schema_version {version}, this checker applies the budget rule of version {SCHEMA_VERSION}")
+            return
         c = case_of(f)
         ref = oracle(f)
         tq, tkv = f["inputs/q"].shape[0], f["inputs/k"].shape[0]
@@ -185,7 +210,7 @@ def check_fixture(path, problems):
             rtol = float(d.attrs["rtol"])
             expect = {"compared_elements": x.size, "atol": atol, "cp_peer_max_err": max_err,
                       "cp_peer_mean_err": mean_err, "cp_max_budget": rtol * max_err + atol,
-                      "cp_mean_budget": 1.5 * mean_err + atol / 8}
+                      "cp_mean_budget": mean_budget(rtol, max_err, mean_err, atol, x.size)}
             if rtol != (2.0 if name in ("o", "lse") else 3.0):
                 fail(f"/golden/{name}: rtol {rtol}")
             for key, value in expect.items():
