@@ -16,6 +16,7 @@ struct CheckArgs {
   bool identical = false, self = false;
   std::string format = "text";
   std::string tensors;
+  std::string empty_row_lse = "neg-inf";
 };
 
 int run_check(const CheckArgs& args) {
@@ -35,6 +36,9 @@ int run_check(const CheckArgs& args) {
     return report.pass() ? kExitPass : kExitFail;
   }
   fx::CheckOptions options;
+  const auto convention = fx::parse_empty_row_lse(args.empty_row_lse);
+  if (!convention) fail_input("--empty-row-lse", "expected neg-inf or pos-inf, got \"", args.empty_row_lse, "\"");
+  options.empty_row_lse = *convention;
   if (!args.tensors.empty()) {
     std::stringstream in(args.tensors);
     std::string name;
@@ -64,6 +68,9 @@ const RegisterCommand registered("check", [](CLI::App& app) -> std::function<int
   sub->add_flag("--identical", args->identical, "compare two candidate files bit for bit");
   sub->add_flag("--self", args->self, "check an independent CPU path (peer, scale on K, other tile size)");
   sub->add_option("--format", args->format, "text or json");
+  sub->add_option("--empty-row-lse", args->empty_row_lse,
+                  "LSE of a valid row without visible keys: neg-inf (the contract, default) or pos-inf "
+                  "(FlashAttention-2's convention, accepted knowingly)");
   sub->add_option("--tensors", args->tensors, "comma-separated subset of o,lse,dq,dk,dv (e.g. o,lse for forward only)");
   return [=] { return run_check(*args); };
 });

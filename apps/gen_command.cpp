@@ -73,8 +73,28 @@ struct Done {
   double seconds = 0;
 };
 
-int run_gen(const CaseFlags& flags, const std::string& suite, const std::string& output, bool force, bool trace,
-            const std::vector<std::string>& only, bool manifest) {
+// `--suite random --count N --seed S`: the seed flag names the suite's seed, not a case key.
+std::vector<fx::SuiteCase> random_suite(CaseFlags& flags, int count) {
+  const auto seed = flags.values.find("seed");
+  if (count < 1) fail_input("--count", "--suite random needs --count N (N >= 1), got ", count);
+  if (seed == flags.values.end()) fail_input("--seed", "--suite random needs --seed S");
+  uint64_t value = 0;
+  try {
+    size_t used = 0;
+    value = std::stoull(seed->second, &used);
+    if (used != seed->second.size() || seed->second.starts_with('-')) throw std::invalid_argument(seed->second);
+  } catch (const std::exception&) {
+    fail_input("--seed", "value \"", seed->second, "\" is not a non-negative integer");
+  }
+  flags.values.erase(seed);
+  return fx::random_cases(count, value);
+}
+
+int run_gen(CaseFlags flags, const std::string& suite, const std::string& output, bool force, bool trace,
+            const std::vector<std::string>& only, bool manifest, int count) {
+  std::vector<fx::SuiteCase> random;
+  if (suite == "random") random = random_suite(flags, count);
+  else if (count != 0) fail_input("--count", "only with --suite random");
   const bool case_given = !flags.case_json.empty() || !flags.values.empty();
   if (case_given == !suite.empty()) fail_input("gen", "give either a case (--case or case flags) or --suite, not both");
   if (manifest && (suite.empty() || !only.empty()))
@@ -85,7 +105,7 @@ int run_gen(const CaseFlags& flags, const std::string& suite, const std::string&
     std::error_code ec;
     fs::create_directories(output, ec);
     if (!fs::is_directory(output)) fail_input("-o", "cannot create output folder '", output, "'");
-    for (const fx::SuiteCase& c : fx::suite_cases(suite)) {
+    for (const fx::SuiteCase& c : suite == "random" ? random : fx::suite_cases(suite)) {
       if (!only.empty() && std::find(only.begin(), only.end(), c.name) == only.end()) continue;
       jobs.push_back({c.name, (fs::path(output) / (c.name + ".h5")).string(), c.spec, c.cpu_only, c.trace});
     }
@@ -163,15 +183,17 @@ const RegisterCommand registered("gen", [](CLI::App& app) -> std::function<int()
   auto trace = std::make_shared<bool>(false);
   auto only = std::make_shared<std::vector<std::string>>();
   auto manifest = std::make_shared<bool>(false);
+  auto count = std::make_shared<int>(0);
   add_case_flags(*sub, flags);
-  sub->add_option("--suite", *suite, "suite name: quick, edge, te, full, golden");
+  sub->add_option("--suite", *suite, "suite name: quick, edge, te, full, golden, random (with --count and --seed)");
+  sub->add_option("--count", *count, "with --suite random: number of cases (with --seed S: the same cases every time)");
   sub->add_option("-o,--output", *output, "output file (a case) or folder (a suite)");
   sub->add_flag("--force", *force, "replace existing fixtures");
   sub->add_flag("--trace", *trace, "also store the per-step partials of the forward and backward");
   sub->add_option("--only", *only, "with --suite: generate only these case names")->delimiter(',');
   sub->add_flag("--manifest", *manifest,
                 "with --suite: also write MANIFEST.json (case JSON and SHA-256 of every dataset) into the folder");
-  return [=] { return run_gen(*flags, *suite, *output, *force, *trace, *only, *manifest); };
+  return [=] { return run_gen(*flags, *suite, *output, *force, *trace, *only, *manifest, *count); };
 });
 
 }  // namespace
