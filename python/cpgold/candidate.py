@@ -15,7 +15,8 @@ SCOPES = ("global", "cp_gathered")
 
 def lse_to_ht(lse, heads=None, layout=None):
     """LSE [h, t] float32 numpy from [h, t], [t, h] or [t, h, 1] (numpy or torch).
-    layout: 'ht' or 'th' for a 2-D LSE; None infers it from `heads` (an error if [h, t] and [t, h] both fit)."""
+    layout: 'ht' or 'th' for a 2-D LSE; None infers it from `heads` (an error if [h, t] and [t, h] both fit, as for
+    a rank holding as many rows as there are heads: pass the layout whenever t can equal h)."""
     x = _arrays.to_float32(lse, "lse")
     if x.ndim == 3:
         if x.shape[2] != 1:

@@ -58,7 +58,8 @@ def run_fixture(kernel, path, suite, workdir, cpgold_bin, pos_inf_option):
         outputs = dict(outputs, lse=lse_ht)
         convention = "pos-inf" if has_pos_inf_rows(fx, lse_ht) else "neg-inf"
         candidate = os.path.join(workdir, f"{kernel.name}_candidate.h5")
-        cpgold.write_ranks(candidate, fx.shard_outputs(outputs), outputs, scope="global", fixture=fx)
+        cpgold.write_ranks(candidate, fx.shard_outputs(outputs), outputs, scope="global", fixture=fx,
+                           lse_layout="ht")
     empty_row = "pos-inf" if convention == "pos-inf" and pos_inf_option else None
     report = cpgold.check(path, candidate, empty_row_lse=empty_row, cpgold=cpgold_bin)
     os.remove(candidate)

@@ -3,7 +3,8 @@
     CPGOLD_BIN=build/bin/cpgold CPGOLD_FIXTURES=fixtures/golden python3 -m pytest python/examples/test_my_attention.py
 
 Replace `my_attention` with a call of your kernel: it gets a cpgold.Fixture and returns global-layout outputs
-o [Tq, hq, dv], lse [hq, Tq] (or [Tq, hq, 1]), dq, dk, dv as numpy arrays or torch tensors, zero on pad rows.
+o [Tq, hq, dv], lse [hq, Tq], dq, dk, dv as numpy arrays or torch tensors, zero on pad rows (an LSE of another
+layout: change lse_layout, or give TransformerEngine's [Tq, hq, 1] with lse_layout=None).
 CPGOLD_FIXTURES: a folder of *.h5 fixtures (`cpgold gen --suite quick -o DIR`) or one file; default the committed
 golden set.
 """
@@ -36,7 +37,7 @@ def fixture(request):
 
 def test_global(fixture, tmp_path):
     outputs = my_attention(fixture)
-    cpgold.write_global(tmp_path / "candidate.h5", outputs, fixture=fixture)
+    cpgold.write_global(tmp_path / "candidate.h5", outputs, fixture=fixture, lse_layout="ht")
     report = cpgold.check(fixture.path, tmp_path / "candidate.h5")
     assert report["pass"], "\n".join(cpgold.failures(report))
 
@@ -47,7 +48,7 @@ def test_per_rank_files(fixture, tmp_path):
     files = []
     for rank, outputs in enumerate(shards):
         files.append(tmp_path / f"rank{rank}.h5")
-        cpgold.write_rank(files[-1], rank, outputs, fixture=fixture)
+        cpgold.write_rank(files[-1], rank, outputs, fixture=fixture, lse_layout="ht")
     report = cpgold.check(fixture.path, *files)
     assert report["pass"], "\n".join(cpgold.failures(report))
     assert {r["rank"] for r in report["results"]} == set(range(fixture.cp_size))

@@ -16,7 +16,7 @@ def failed_tensors(report):
 def test_correct_attention_passes_global_and_per_rank(name, tmp_path, cpgold_bin):
     with cpgold.Fixture(golden_path(name)) as fx:
         out = attention_on_fixture(fx)
-        cpgold.write_ranks(tmp_path / "c.h5", fx.shard_outputs(out), out, fixture=fx)
+        cpgold.write_ranks(tmp_path / "c.h5", fx.shard_outputs(out), out, fixture=fx, lse_layout="ht")
     report = cpgold.check(golden_path(name), tmp_path / "c.h5", cpgold=cpgold_bin)
     assert report["exit_code"] == 0 and report["pass"], cpgold.failures(report)
     assert {r["rank"] for r in report["results"]} == {-1, *range(fx.cp_size)}
@@ -41,7 +41,7 @@ def test_wrong_attention_fails(name, mistake, tensor, tmp_path, cpgold_bin):
         files = []
         for r, shard in enumerate(fx.shard_outputs(out)):
             files.append(tmp_path / f"r{r}.h5")
-            cpgold.write_rank(files[-1], r, shard, fixture=fx)
+            cpgold.write_rank(files[-1], r, shard, fixture=fx, lse_layout="ht")
     report = cpgold.check(golden_path(name), tmp_path / "g.h5", cpgold=cpgold_bin)
     assert report["exit_code"] == 1 and not report["pass"]
     assert (tensor, -1) in failed_tensors(report)
@@ -80,3 +80,20 @@ def test_unusable_input_raises(tmp_path, cpgold_bin):
                      cpgold=cpgold_bin)
     with pytest.raises(FileNotFoundError, match="cpgold binary not found"):
         cpgold.check(golden_path("p2p_w2_causal_gqa_bf16"), tmp_path / "junk.h5", cpgold=str(tmp_path / "none"))
+
+
+def test_flash_attention_2_lse_convention_is_accepted_only_knowingly(tmp_path, cpgold_bin):
+    name = "nocp_keyless_rows_gqa_bf16"  # causal with L_q > L_kv and a sequence without keys: rows see no key
+    with cpgold.Fixture(golden_path(name)) as fx:
+        out = attention_on_fixture(fx)
+        keyless = np.isneginf(out["lse"]) & fx.valid_rows("q")[None, :]
+        assert keyless.any()
+        fa2 = dict(out, lse=np.where(keyless, np.inf, out["lse"]))  # FlashAttention-2 writes +inf there
+        cpgold.write_global(tmp_path / "fa2.h5", fa2, fixture=fx, lse_layout="ht")
+        cpgold.write_global(tmp_path / "contract.h5", out, fixture=fx, lse_layout="ht")
+    default = cpgold.check(golden_path(name), tmp_path / "fa2.h5", cpgold=cpgold_bin)
+    assert default["exit_code"] == 1 and failed_tensors(default) == {("lse", -1)}
+    accepted = cpgold.check(golden_path(name), tmp_path / "fa2.h5", empty_row_lse="pos-inf", cpgold=cpgold_bin)
+    assert accepted["exit_code"] == 0 and accepted["empty_row_lse"] == "pos-inf"
+    contract = cpgold.check(golden_path(name), tmp_path / "contract.h5", empty_row_lse="pos-inf", cpgold=cpgold_bin)
+    assert contract["exit_code"] == 1  # the option states the convention, it does not accept both
