@@ -93,9 +93,20 @@ float median_ms(F&& f, int reps) {
 
 int main(int argc, char** argv) {
   int reps = 20;
+  std::vector<int64_t> totals = {16384, 32768, 65536};
+  int pad_rows = 0;  // --pad-rows N: every sequence keeps its slot of the cycle length and holds N tokens fewer
   std::vector<std::pair<int, int>> dims = {{128, 128}, {64, 64}};
   for (int i = 1; i + 1 < argc; ++i) {
     if (std::string(argv[i]) == "--reps") reps = std::atoi(argv[i + 1]);
+    if (std::string(argv[i]) == "--pad-rows") pad_rows = std::atoi(argv[i + 1]);
+    if (std::string(argv[i]) == "--totals") {  // token counts (slot rows), comma separated
+      totals.clear();
+      for (const char* at = argv[i + 1]; *at;) {
+        totals.push_back(std::atoll(at));
+        while (*at && *at != ',') ++at;
+        if (*at == ',') ++at;
+      }
+    }
     if (std::string(argv[i]) == "--dims") {
       dims.clear();
       const std::string list = argv[i + 1];
@@ -115,16 +126,19 @@ int main(int argc, char** argv) {
   }
   cudaDeviceProp prop{};
   check(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
-  std::printf("device: %s, %d SMs\n", prop.name, prop.multiProcessorCount);
+  std::printf("device: %s, %d SMs; pad rows per sequence: %d\n", prop.name, prop.multiProcessorCount, pad_rows);
   std::printf("%-8s %-5s %-7s %-6s %10s %10s %10s %10s %10s\n", "impl", "mask", "d", "tokens", "fwd_ms", "fwd_TF",
               "bwd_ms", "bwd_TF", "bwd_det_TF");
   std::mt19937 rng(1);
   for (const auto& [d, dv] : dims)
     for (bool causal : {true, false})
-      for (int64_t total : {16384, 32768, 65536}) {
+      for (int64_t total : totals) {
         const int heads = 2048 / dv;
-        const std::vector<int32_t> lens = varlen_lengths(total);
-        ThdLayout layout{make_packed_sequences(lens, {}, -1, "q"), make_packed_sequences(lens, {}, -1, "kv")};
+        const std::vector<int32_t> slots = varlen_lengths(total);
+        std::vector<int32_t> lens;  // actual lengths; the slot's remaining rows are padding between sequences
+        for (int32_t s : slots) lens.push_back(std::max(0, s - pad_rows));
+        const std::vector<int32_t> padded = pad_rows > 0 ? slots : std::vector<int32_t>{};
+        ThdLayout layout{make_packed_sequences(lens, padded, -1, "q"), make_packed_sequences(lens, padded, -1, "kv")};
         const AttentionCall call =
             non_cp_call(layout, causal ? Window{-1, 0} : Window{-1, -1}, 1.0 / std::sqrt(static_cast<double>(d)));
         gpu::AttentionPlan plan;

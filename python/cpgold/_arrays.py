@@ -1,0 +1,74 @@
+"""numpy / torch interchange: dtype mapping, float32 conversion and row gathers that work on both."""
+import numpy as np
+
+TORCH_DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def is_torch(x):
+    return type(x).__module__.startswith("torch")
+
+
+def ndim(x):
+    return x.dim() if is_torch(x) else np.ndim(x)
+
+
+def torch_dtype(case_dtype):
+    import torch
+
+    if case_dtype not in TORCH_DTYPE_NAMES:
+        raise ValueError(f"dtype: expected one of {sorted(TORCH_DTYPE_NAMES)}, got {case_dtype!r}")
+    return getattr(torch, TORCH_DTYPE_NAMES[case_dtype])
+
+
+def to_torch(x, case_dtype, device=None):
+    """numpy values of the case dtype (bf16 read as float32) -> a torch tensor of that dtype; exact."""
+    import torch
+
+    t = torch.from_numpy(np.ascontiguousarray(x))
+    return t.to(dtype=torch_dtype(case_dtype), device=device)
+
+
+def to_float32(x, what):
+    """numpy or torch (any float dtype, any device) -> contiguous numpy float32. bf16/fp16 convert exactly."""
+    if is_torch(x):
+        if not x.is_floating_point():
+            raise ValueError(f"{what}: expected a floating-point tensor, got {x.dtype}")
+        return x.detach().to("cpu", copy=False).float().contiguous().numpy()
+    a = np.asarray(x)
+    if a.dtype.kind != "f":
+        raise ValueError(f"{what}: expected a floating-point array, got dtype {a.dtype}")
+    return np.ascontiguousarray(a, dtype=np.float32)
+
+
+def _index_like(index, x):
+    if is_torch(x):
+        import torch
+
+        return torch.as_tensor(index, dtype=torch.long, device=x.device)
+    return index
+
+
+def take_rows(x, index, axis):
+    """x[index] along axis (numpy or torch)."""
+    if is_torch(x):
+        return x.index_select(axis, _index_like(index, x))
+    return np.take(x, index, axis=axis)
+
+
+def put_rows(x, index, total, axis, fill):
+    """A new array with `total` rows along axis: rows `index` from x, the rest `fill`."""
+    shape = list(x.shape)
+    if shape[axis] != len(index):
+        raise ValueError(f"expand: {shape[axis]} rows along axis {axis}, the layout has {len(index)} valid rows")
+    shape[axis] = total
+    if is_torch(x):
+        import torch
+
+        out = torch.full(shape, fill, dtype=x.dtype, device=x.device)
+        out.index_copy_(axis, _index_like(index, x), x)
+        return out
+    out = np.full(shape, fill, dtype=x.dtype)
+    sel = [slice(None)] * len(shape)
+    sel[axis] = index
+    out[tuple(sel)] = x
+    return out

@@ -1,0 +1,134 @@
+"""Candidate files (fixtures/SCHEMA.md, "Candidate files") written from numpy arrays or torch tensors.
+
+Every tensor is stored as float32 (bf16/fp16 convert exactly); LSE is stored as [h, t] whatever it came as:
+[h, t] (FlashAttention's varlen layout), [t, h] or TransformerEngine's [t, h, 1]. Everything is validated before
+the file is opened, so bad input leaves an existing file untouched.
+"""
+import h5py
+import numpy as np
+
+from . import _arrays
+from .fixture import OUTPUT_NAMES, SIDE
+
+SCOPES = ("global", "cp_gathered")
+
+
+def lse_to_ht(lse, heads=None, layout=None):
+    """LSE [h, t] float32 numpy from [h, t], [t, h] or [t, h, 1] (numpy or torch).
+    layout: 'ht' or 'th' for a 2-D LSE; None infers it from `heads` (an error if [h, t] and [t, h] both fit, as for
+    a rank holding as many rows as there are heads: pass the layout whenever t can equal h)."""
+    x = _arrays.to_float32(lse, "lse")
+    if x.ndim == 3:
+        if x.shape[2] != 1:
+            raise ValueError(f"lse: a 3-D LSE must be [t, h, 1], got shape {x.shape}")
+        if layout not in (None, "th"):
+            raise ValueError(f"lse_layout: {layout!r} does not fit a [t, h, 1] LSE")
+        return np.ascontiguousarray(x[:, :, 0].T)
+    if x.ndim != 2:
+        raise ValueError(f"lse: expected [h, t], [t, h] or [t, h, 1], got shape {x.shape}")
+    if layout is None:
+        if heads is None:
+            raise ValueError(f"lse: shape {x.shape} is ambiguous without heads; pass lse_layout='ht' or 'th'")
+        fits_ht, fits_th = x.shape[0] == heads, x.shape[1] == heads
+        if fits_ht and fits_th:
+            raise ValueError(f"lse: shape {x.shape} fits [h, t] and [t, h] (heads {heads}); pass lse_layout")
+        if not (fits_ht or fits_th):
+            raise ValueError(f"lse: shape {x.shape} has no axis of {heads} heads")
+        layout = "ht" if fits_ht else "th"
+    if layout == "ht":
+        return x
+    if layout == "th":
+        return np.ascontiguousarray(x.T)
+    raise ValueError(f"lse_layout: expected 'ht' or 'th', got {layout!r}")
+
+
+def _prepared(outputs, fixture, rank, lse_layout, what):
+    """{name: float32 numpy} with LSE as [h, t], shapes checked against the fixture when one is given."""
+    if not outputs:
+        raise ValueError(f"{what}: no tensors given (expected some of {OUTPUT_NAMES})")
+    for name in outputs:
+        if name not in OUTPUT_NAMES:
+            raise ValueError(f"{what}: tensor {name!r} is not one of {OUTPUT_NAMES}")
+    heads = fixture.heads_q if fixture is not None else None
+    if heads is None and "o" in outputs:
+        heads = int(outputs["o"].shape[1])
+    out = {}
+    for name, x in outputs.items():
+        if name == "lse":
+            out[name] = lse_to_ht(x, heads, lse_layout)
+        else:
+            out[name] = _arrays.to_float32(x, f"{what}: {name}")
+    if fixture is not None:
+        for name, x in out.items():
+            expected = _expected_shape(fixture, name, rank)
+            if tuple(x.shape) != expected:
+                where = "global" if rank is None else f"rank {rank}"
+                raise ValueError(f"{what}: {name} has shape {tuple(x.shape)}, the fixture's {where} layout needs "
+                                 f"{expected}" + (" (LSE stored as [h, t])" if name == "lse" else ""))
+    return out
+
+
+def _expected_shape(fixture, name, rank):
+    side = SIDE[name]
+    rows = fixture.total_rows(side) if rank is None else len(fixture.partitioned_indices(rank, side))
+    if name == "lse":
+        return (fixture.heads_q, rows)
+    heads = fixture.heads_q if side == "q" else fixture.heads_kv
+    dim = fixture.dim_v if name in ("o", "dv") else fixture.dim_qk
+    return (rows, heads, dim)
+
+
+def _write_group(group, tensors):
+    for name, x in tensors.items():
+        group.create_dataset(name, data=x)
+
+
+def write_global(path, outputs, scope="global", fixture=None, lse_layout=None):
+    """Global outputs at the root. scope 'global': a non-CP implementation (the larger of the CP and non-CP
+    budgets decides); 'cp_gathered': CP outputs gathered to the global layout (the CP budget decides)."""
+    if scope not in SCOPES:
+        raise ValueError(f"scope: expected one of {SCOPES}, got {scope!r}")
+    tensors = _prepared(outputs, fixture, None, lse_layout, "write_global")
+    with h5py.File(path, "w") as f:
+        _write_group(f, tensors)
+        if scope == "cp_gathered":
+            f.attrs["scope"] = "cp_gathered"
+
+
+def write_rank(path, rank, outputs, fixture=None, lse_layout=None):
+    """One rank's outputs at the root of its own file (root attribute `rank`), in the rank-local layout."""
+    if fixture is not None:
+        fixture._check_rank(rank)
+    tensors = _prepared(outputs, fixture, int(rank), lse_layout, f"write_rank({rank})")
+    with h5py.File(path, "w") as f:
+        _write_group(f, tensors)
+        f.attrs["rank"] = np.int64(rank)
+
+
+def write_ranks(path, rank_outputs, global_outputs=None, scope="global", fixture=None, lse_layout=None):
+    """All ranks in one file under /ranks/<r>/ (rank_outputs: a list indexed by rank, or a dict rank -> outputs),
+    optionally with global outputs at the root (checked as their own level)."""
+    items = rank_outputs.items() if isinstance(rank_outputs, dict) else enumerate(rank_outputs)
+    prepared = {}
+    for r, outputs in items:
+        if fixture is not None:
+            fixture._check_rank(r)
+        prepared[int(r)] = _prepared(outputs, fixture, int(r), lse_layout, f"write_ranks: rank {r}")
+    if not prepared:
+        raise ValueError("write_ranks: no ranks given")
+    if scope not in SCOPES:
+        raise ValueError(f"scope: expected one of {SCOPES}, got {scope!r}")
+    root = _prepared(global_outputs, fixture, None, lse_layout, "write_ranks: global") if global_outputs else {}
+    with h5py.File(path, "w") as f:
+        _write_group(f, root)
+        if root and scope == "cp_gathered":
+            f.attrs["scope"] = "cp_gathered"
+        for r, tensors in sorted(prepared.items()):
+            _write_group(f.create_group(f"ranks/{r}"), tensors)
+
+
+def read_candidate(path, rank=None):
+    """float32 tensors of a candidate file: the root's (rank None) or those under /ranks/<rank>/. LSE as stored."""
+    with h5py.File(path, "r") as f:
+        group = f if rank is None else f[f"ranks/{int(rank)}"]
+        return {n: np.asarray(group[n][()], dtype=np.float32) for n in OUTPUT_NAMES if n in group}

@@ -1,0 +1,233 @@
+"""A cpgold golden fixture (fixtures/SCHEMA.md) read as numpy arrays or torch tensors.
+
+Rows: `Tq`/`Tkv` global rows (padding between sequences and tail rows included), `Lq`/`Lkv` rank-local rows.
+The global layout keeps sequence b at rows [cu_seqlens_padded[b], cu_seqlens_padded[b] + length[b]); a kernel
+without per-sequence used lengths (FlashAttention-2's varlen API) reads the valid rows compacted (`compact`) and
+writes back with `expand`.
+"""
+import json
+
+import h5py
+import numpy as np
+
+from . import _arrays
+
+SUPPORTED_SCHEMA_VERSIONS = (1, 2)
+INPUT_NAMES = ("q", "k", "v", "dout")
+OUTPUT_NAMES = ("o", "lse", "dq", "dk", "dv")
+# Which side (q or kv rows) every tensor's first row axis lives on; LSE is [h, t] on the q side.
+SIDE = {"q": "q", "dout": "q", "o": "q", "lse": "q", "dq": "q", "k": "kv", "v": "kv", "dk": "kv", "dv": "kv"}
+
+
+class FixtureError(ValueError):
+    """A fixture that this package cannot use (missing file or dataset, unknown schema version)."""
+
+
+class Fixture:
+    """One golden fixture, open for reading. Use as a context manager or call close()."""
+
+    def __init__(self, path):
+        self.path = str(path)
+        try:
+            self._file = h5py.File(self.path, "r")
+        except OSError as e:
+            raise FixtureError(f"fixture {self.path!r}: cannot open as HDF5 ({e})") from None
+        if "case" not in self._file:
+            self.close()
+            raise FixtureError(f"fixture {self.path!r}: no /case group (not a cpgold fixture)")
+        attrs = self._file["case"].attrs
+        self.schema_version = int(attrs["schema_version"])
+        if self.schema_version not in SUPPORTED_SCHEMA_VERSIONS:
+            self.close()
+            raise FixtureError(f"fixture {self.path!r}: schema_version {self.schema_version} is not one of "
+                               f"{SUPPORTED_SCHEMA_VERSIONS}")
+        self.case = json.loads(_text(attrs["case_json"]))
+        self.generator = _text(attrs["generator"])
+        self._layout = {name: np.asarray(self._file["layout"][name][()]) for name in self._file["layout"]}
+
+    # -- the case ------------------------------------------------------------------------------------------------
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def close(self):
+        if getattr(self, "_file", None) is not None:
+            self._file.close()
+            self._file = None
+
+    def __repr__(self):
+        return f"Fixture({self.path!r}, dtype={self.dtype}, cp_size={self.cp_size}, comm={self.comm})"
+
+    @property
+    def dtype(self):
+        """'bf16', 'fp16' or 'fp32': the dtype of the inputs and of the peer."""
+        return self.case["dtype"]
+
+    @property
+    def cp_size(self):
+        return int(self.case["cp_size"])
+
+    @property
+    def comm(self):
+        return self.case["comm"]
+
+    @property
+    def heads_q(self):
+        return int(self.case["heads_q"])
+
+    @property
+    def heads_kv(self):
+        return int(self.case["heads_kv"])
+
+    @property
+    def dim_qk(self):
+        return int(self.case["dim_qk"])
+
+    @property
+    def dim_v(self):
+        return int(self.case["dim_v"])
+
+    @property
+    def softmax_scale(self):
+        return float(self.case["softmax_scale"])
+
+    @property
+    def causal(self):
+        return self.case["mask"] == "causal"
+
+    @property
+    def window(self):
+        """(left, right), -1 = unbounded, FlashAttention's convention; causal forces right = 0."""
+        wl, wr = (int(w) for w in self.case["window"])
+        return (wl, 0 if self.causal else wr)
+
+    @property
+    def num_sequences(self):
+        return len(self.case["seqlens_q"])
+
+    def total_rows(self, side):
+        """Tq or Tkv: rows of the global layout, padding and tail rows included."""
+        return int(self.case["total_tokens_q" if _side(side) == "q" else "total_tokens_kv"])
+
+    def seqlens(self, side):
+        """[B] int32: actual length of every sequence."""
+        return np.diff(self.cu_seqlens(side)).astype(np.int32)
+
+    def max_seqlen(self, side):
+        s = self.seqlens(side)
+        return int(s.max()) if s.size else 0
+
+    # -- layout --------------------------------------------------------------------------------------------------
+
+    def cu_seqlens(self, side, padded=False):
+        """[B+1] int32: global cumulative actual lengths (padded=False) or the padded offsets (padded=True)."""
+        return self._layout[f"cu_seqlens_{_side(side)}" + ("_padded" if padded else "")].astype(np.int32)
+
+    def rank_cu_seqlens(self, rank, side, padded=False):
+        """[B+1] int32 of one rank: its cumulative actual row counts (both chunks of every sequence), or with
+        padded=True the rank-local padded offsets cu_seqlens_padded / W (the same on every rank)."""
+        self._check_rank(rank)
+        s = _side(side)
+        if padded:
+            return self._layout[f"cu_seqlens_{s}_padded_local"].astype(np.int32)
+        return self._layout[f"rank_cu_seqlens_{s}"][rank].astype(np.int32)
+
+    def partitioned_indices(self, rank, side):
+        """[Lq] or [Lkv] int64: the global row of every rank-local row."""
+        self._check_rank(rank)
+        return self._layout[f"partitioned_indices_{_side(side)}"][rank].astype(np.int64)
+
+    def valid_rows(self, side):
+        """[T] bool: rows that hold a token (not padding between sequences, not tail rows)."""
+        s = _side(side)
+        cu, off = self.cu_seqlens(s), self.cu_seqlens(s, padded=True)
+        valid = np.zeros(self.total_rows(s), dtype=bool)
+        for b in range(len(cu) - 1):
+            valid[off[b]:off[b] + (cu[b + 1] - cu[b])] = True
+        return valid
+
+    def rank_valid_rows(self, rank, side):
+        """[L] bool: the rank-local rows that hold a token."""
+        return self.valid_rows(side)[self.partitioned_indices(rank, side)]
+
+    def valid_index(self, side):
+        """[total valid] int64: global rows of the valid tokens in order (the compacted layout's row map)."""
+        return np.flatnonzero(self.valid_rows(side)).astype(np.int64)
+
+    # -- tensors -------------------------------------------------------------------------------------------------
+
+    def inputs(self, framework="numpy", device=None):
+        """q [Tq,hq,dqk], k [Tkv,hkv,dqk], v [Tkv,hkv,dv], dout [Tq,hq,dv] in the global layout.
+        numpy: fp16 as float16, bf16 and fp32 as float32 (bf16 values are exact in float32);
+        torch: tensors of the case dtype (torch.bfloat16 for bf16) on `device`. Pad rows hold the case's pad_fill
+        (random, zero, NaN or +-inf): a kernel must not read them."""
+        return {name: self._input(f"inputs/{name}", framework, device) for name in INPUT_NAMES}
+
+    def rank_inputs(self, rank, framework="numpy", device=None):
+        """The rank-local shards q [Lq,..], k, v [Lkv,..], dout [Lq,..] as stored under /ranks/<r>/."""
+        self._check_rank(rank)
+        return {name: self._input(f"ranks/{rank}/{name}", framework, device) for name in INPUT_NAMES}
+
+    def golden(self, name, rank=None):
+        """float32 oracle output (o, lse [h,t], dq, dk, dv), global or of one rank."""
+        if name not in OUTPUT_NAMES:
+            raise ValueError(f"golden: tensor {name!r} is not one of {OUTPUT_NAMES}")
+        if rank is not None:
+            self._check_rank(rank)
+        path = f"golden/{name}" if rank is None else f"ranks/{rank}/{name}"
+        return np.asarray(self._file[path][()], dtype=np.float32)
+
+    def budget(self, name):
+        """The budget attributes of /golden/<name> as a dict (rtol, atol, cp_max_budget, ...)."""
+        return {k: _text(v) for k, v in self._file[f"golden/{name}"].attrs.items()}
+
+    def _input(self, path, framework, device):
+        x = np.asarray(self._file[path][()])
+        if framework == "numpy":
+            return x
+        if framework == "torch":
+            return _arrays.to_torch(x, self.dtype, device)
+        raise ValueError(f"framework: expected 'numpy' or 'torch', got {framework!r}")
+
+    # -- layout changes ------------------------------------------------------------------------------------------
+
+    def compact(self, x, side, axis=0):
+        """Valid rows only, sequence after sequence (cu_seqlens(side) is the compacted layout's offsets).
+        x: numpy array or torch tensor with the global rows on `axis` (0 for q/k/v/o, 1 for LSE [h, t])."""
+        return _arrays.take_rows(x, self.valid_index(side), axis)
+
+    def expand(self, x, side, axis=0, fill=0.0):
+        """Inverse of compact: a global-layout array with `fill` on pad and tail rows."""
+        return _arrays.put_rows(x, self.valid_index(side), self.total_rows(side), axis, fill)
+
+    def shard(self, x, rank, side, axis=0):
+        """The rank-local rows of a global-layout array: x[partitioned_indices(rank, side)] along `axis`."""
+        return _arrays.take_rows(x, self.partitioned_indices(rank, side), axis)
+
+    def shard_outputs(self, outputs):
+        """Per-rank dicts of global outputs (o, lse [h,t] or [t,h,1], dq, dk, dv), each sharded by the partition."""
+        ranks = []
+        for r in range(self.cp_size):
+            shard = {}
+            for name, x in outputs.items():
+                lse_ht = name == "lse" and _arrays.ndim(x) == 2
+                shard[name] = self.shard(x, r, SIDE[name], axis=1 if lse_ht else 0)
+            ranks.append(shard)
+        return ranks
+
+    def _check_rank(self, rank):
+        if not 0 <= int(rank) < self.cp_size:
+            raise ValueError(f"rank: {rank} is outside [0, {self.cp_size}) (cp_size {self.cp_size})")
+
+
+def _side(side):
+    if side not in ("q", "kv"):
+        raise ValueError(f"side: expected 'q' or 'kv', got {side!r}")
+    return side
+
+
+def _text(value):
+    return value.decode() if isinstance(value, bytes) else value

@@ -1,0 +1,26 @@
+"""CTest entry point of the Python package tests: runs pytest on the given paths, or reports the test as skipped
+(exit 77, CTest's SKIP_RETURN_CODE) with the missing module and its Debian package named."""
+import importlib
+import sys
+
+SKIP = 77
+NEEDED = (("numpy", "python3-numpy"), ("h5py", "python3-h5py"), ("pytest", "python3-pytest"))
+
+
+def main(argv):
+    missing = []
+    for module, package in NEEDED:
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            missing.append(f"{module} (Debian: {package})")
+    if missing:
+        print(f"SKIPPED: {sys.executable} lacks " + ", ".join(missing) + "; the Python package tests did not run")
+        return SKIP
+    import pytest
+
+    return pytest.main(["-q", "-rs", "-p", "no:cacheprovider", *argv])
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
