@@ -212,11 +212,12 @@ TEST_CASE("gpu attention: window crossing tile edges, MQA, fp16, d64") {
                      kTileEdgeLengths, 4));
 }
 
-TEST_CASE("gpu attention: MLA 192/128, sliding causal window, GQA") {
+TEST_CASE("gpu attention: MLA 192/128 and 128/64, sliding causal window, GQA") {
   CPGOLD_REQUIRE_DEVICE();
   run_case(make_case("MLA window(100,0)", DType::bf16, 4, 2, 192, 128, {100, 0}, {65, 203, 0, 130, 1025},
                      {65, 203, 0, 130, 1025}, 5));
   run_case(make_case("MLA causal", DType::fp16, 2, 1, 192, 128, {-1, 0}, {64, 1, 500}, {64, 1, 500}, 6));
+  run_case(make_case("MLA 128/64 causal", DType::bf16, 4, 2, 128, 64, {-1, 0}, {64, 1, 500, 0, 77}, {64, 1, 500, 0, 77}, 7));
 }
 
 TEST_CASE("gpu attention: rows with no visible key give O = 0 and LSE = -inf") {
@@ -245,7 +246,7 @@ TEST_CASE("gpu attention: rows with no visible key give O = 0 and LSE = -inf") {
 TEST_CASE("gpu attention: every mask kind x dtype x head dims on random layouts with zero-length sequences") {
   CPGOLD_REQUIRE_DEVICE();
   const Window masks[] = {{-1, -1}, {-1, 0}, {45, 13}, {0, 0}, {-1, 70}};
-  const int dims[][2] = {{64, 64}, {128, 128}, {192, 128}};
+  const int dims[][2] = {{64, 64}, {128, 128}, {128, 64}, {192, 128}};
   uint64_t seed = 100;
   for (DType dtype : {DType::bf16, DType::fp16})
     for (const auto& d : dims)
