@@ -19,24 +19,12 @@
 #include "reference/attention.hpp"
 #include "reference/attention_call.hpp"
 #include "reference/thd_layout.hpp"
+#include "tests/gpu/require_device.hpp"
 
 using namespace cpgold;
 namespace fx = cpgold::fx;
 
 namespace {
-
-bool have_device() {
-  static const int count = gpu::cuda_device_count();
-  return count > 0;
-}
-
-#define CPGOLD_REQUIRE_DEVICE()                 \
-  do {                                          \
-    if (!have_device()) {                       \
-      std::printf("SKIPPED: no CUDA device\n"); \
-      return;                                   \
-    }                                           \
-  } while (0)
 
 struct Case {
   std::string name;

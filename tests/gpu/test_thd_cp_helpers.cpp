@@ -20,25 +20,13 @@
 #include "sim/out_correction.hpp"
 #include "sim/partition.hpp"
 #include "sim/reorder.hpp"
+#include "tests/gpu/require_device.hpp"
 
 using namespace cpgold;
 using namespace cpgold::gpu;
 using sim::HalfSelect;
 
 namespace {
-
-bool have_device() {
-  static const int count = cuda_device_count();
-  return count > 0;
-}
-
-#define CPGOLD_REQUIRE_DEVICE()                 \
-  do {                                          \
-    if (!have_device()) {                       \
-      std::printf("SKIPPED: no CUDA device\n"); \
-      return;                                   \
-    }                                           \
-  } while (0)
 
 void cuda_ok(cudaError_t e, const char* what) {
   if (e != cudaSuccess) FAIL(what << ": " << cudaGetErrorString(e));
