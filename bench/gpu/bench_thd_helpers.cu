@@ -1,7 +1,7 @@
 // GB/s of the THD CP helper kernels (gpu/thd_cp_helpers.hpp) against the device's copy bandwidth measured in the
 // same run (cudaMemcpy device-to-device and a plain 16-byte-vector copy kernel). Bytes = bytes read + bytes written
 // by the helper's own definition (rows it skips are not counted), >= 1 GiB per call. Median of --reps timed calls
-// after 2 warm-up calls, CUDA events.
+// after 3 warm-up calls, CUDA events.
 // Usage: bench_thd_helpers [--reps N]
 #include <cuda_runtime.h>
 
@@ -69,7 +69,7 @@ double median_ms(int reps, const std::function<void()>& call) {
   cudaEvent_t a, b;
   check(cudaEventCreate(&a), "event");
   check(cudaEventCreate(&b), "event");
-  for (int i = 0; i < 2; ++i) call();
+  for (int i = 0; i < 3; ++i) call();
   std::vector<double> ms;
   for (int i = 0; i < reps; ++i) {
     check(cudaEventRecord(a), "record");
