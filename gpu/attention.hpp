@@ -37,7 +37,7 @@ struct AttentionShape {
   int dim_qk = 0, dim_v = 0;
 };
 
-// The capability table: bf16/fp16; (d_qk, d_v) in {(64,64), (128,128), (192,128)}; h_q = g * h_kv.
+// The capability table: bf16/fp16; (d_qk, d_v) in {(64,64), (128,128), (128,64), (192,128)}; h_q = g * h_kv.
 Outcome check_capability(const AttentionShape& shape);
 
 // Device-side form of one AttentionCall (sequence descriptors and tile lists), built once, reused by every launch.

@@ -50,6 +50,7 @@ Outcome forward_typed(const AttentionPlan::Impl& plan, const ForwardBuffers& b, 
   const int d = plan.shape.dim_qk, dv = plan.shape.dim_v;
   if (d == 64 && dv == 64) return forward_dims<T, 64, 64>(p, stream, plan);
   if (d == 128 && dv == 128) return forward_dims<T, 128, 128>(p, stream, plan);
+  if (d == 128 && dv == 64) return forward_dims<T, 128, 64>(p, stream, plan);
   if (d == 192 && dv == 128) return forward_dims<T, 192, 128>(p, stream, plan);
   return {Status::unsupported, "head dims outside the capability table"};
 }
@@ -124,6 +125,7 @@ Outcome backward_typed(const AttentionPlan::Impl& plan, const BackwardBuffers& b
   const int d = plan.shape.dim_qk, dv = plan.shape.dim_v;
   if (d == 64 && dv == 64) return backward_dims<T, 64, 64>(p, mode, stream, plan);
   if (d == 128 && dv == 128) return backward_dims<T, 128, 128>(p, mode, stream, plan);
+  if (d == 128 && dv == 64) return backward_dims<T, 128, 64>(p, mode, stream, plan);
   if (d == 192 && dv == 128) return backward_dims<T, 192, 128>(p, mode, stream, plan);
   return {Status::unsupported, "head dims outside the capability table"};
 }

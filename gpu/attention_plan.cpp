@@ -26,11 +26,11 @@ Outcome check_capability(const AttentionShape& shape) {
     return {Status::unsupported, "dtype " + std::string(dtype_name(shape.dtype)) +
                                      " is outside the GPU capability table (bf16, fp16)"};
   const bool dims_ok = (shape.dim_qk == 64 && shape.dim_v == 64) || (shape.dim_qk == 128 && shape.dim_v == 128) ||
-                       (shape.dim_qk == 192 && shape.dim_v == 128);
+                       (shape.dim_qk == 128 && shape.dim_v == 64) || (shape.dim_qk == 192 && shape.dim_v == 128);
   if (!dims_ok)
     return {Status::unsupported, "head dims d_qk=" + std::to_string(shape.dim_qk) + ", d_v=" +
                                      std::to_string(shape.dim_v) +
-                                     " are outside the GPU capability table (64/64, 128/128, 192/128)"};
+                                     " are outside the GPU capability table (64/64, 128/128, 128/64, 192/128)"};
   if (shape.heads_q <= 0 || shape.heads_kv <= 0 || shape.heads_q % shape.heads_kv != 0)
     return {Status::invalid_argument, "heads: h_q=" + std::to_string(shape.heads_q) + " is not a multiple of h_kv=" +
                                           std::to_string(shape.heads_kv)};

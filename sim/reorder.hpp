@@ -3,8 +3,10 @@
 #include <cstddef>  // size_t, used by reference/tensor.hpp
 #include <algorithm>
 
+#include "reference/input_error.hpp"
 #include "reference/tensor.hpp"
 #include "sim/partition.hpp"
+#include "sim/step_rows.hpp"
 
 namespace cpgold::sim {
 
@@ -41,6 +43,27 @@ Tensor3<T> read_half(const Tensor3<T>& x, const SidePartition& side, int half) {
   for (size_t i = 0; i < rows.size(); ++i)
     std::copy_n(x.values.begin() + rows[i] * s, s, out.values.begin() + static_cast<int64_t>(i) * s);
   return out;
+}
+
+// thd_copy_valid_tokens_from_per_split_to_rank_local: out, in [t, h, d]; cu_padded_step [B+1] step offsets (need not
+// start at 0), cu_step [B+1] actual counts. out[x] = in[x] for rows x with 0 <= x - cuP_step[s] < L_s (s the sequence
+// of x by binary search); other rows of out are left as they are.
+template <class T>
+void copy_valid_rows(Tensor3<T>& out, const Tensor3<T>& in, const std::vector<int32_t>& cu_padded_step,
+                     const std::vector<int32_t>& cu_step) {
+  check_offsets(cu_padded_step, "cu_seqlens_padded_step", false);
+  check_offsets(cu_step, "cu_seqlens_step");
+  if (cu_step.size() != cu_padded_step.size())
+    fail_input("cu_seqlens_step", "has ", cu_step.size(), " entries, cu_seqlens_padded_step has ",
+               cu_padded_step.size());
+  if (!out.same_shape(in)) fail_input("out_rows", "value ", out.rows, " (shape) differs from the input's ", in.rows);
+  const int64_t s = in.row_stride();
+  for (int64_t x = 0; x < in.rows; ++x) {
+    const int b = sequence_of_row(cu_padded_step, x);
+    const int64_t loc = x - cu_padded_step[static_cast<size_t>(b)];
+    if (loc >= 0 && loc < cu_step[static_cast<size_t>(b) + 1] - cu_step[static_cast<size_t>(b)])
+      std::copy_n(in.values.begin() + x * s, s, out.values.begin() + x * s);
+  }
 }
 
 }  // namespace cpgold::sim

@@ -19,24 +19,12 @@
 #include "reference/attention.hpp"
 #include "reference/attention_call.hpp"
 #include "reference/thd_layout.hpp"
+#include "tests/gpu/require_device.hpp"
 
 using namespace cpgold;
 namespace fx = cpgold::fx;
 
 namespace {
-
-bool have_device() {
-  static const int count = gpu::cuda_device_count();
-  return count > 0;
-}
-
-#define CPGOLD_REQUIRE_DEVICE()                 \
-  do {                                          \
-    if (!have_device()) {                       \
-      std::printf("SKIPPED: no CUDA device\n"); \
-      return;                                   \
-    }                                           \
-  } while (0)
 
 struct Case {
   std::string name;
@@ -212,11 +200,12 @@ TEST_CASE("gpu attention: window crossing tile edges, MQA, fp16, d64") {
                      kTileEdgeLengths, 4));
 }
 
-TEST_CASE("gpu attention: MLA 192/128, sliding causal window, GQA") {
+TEST_CASE("gpu attention: MLA 192/128 and 128/64, sliding causal window, GQA") {
   CPGOLD_REQUIRE_DEVICE();
   run_case(make_case("MLA window(100,0)", DType::bf16, 4, 2, 192, 128, {100, 0}, {65, 203, 0, 130, 1025},
                      {65, 203, 0, 130, 1025}, 5));
   run_case(make_case("MLA causal", DType::fp16, 2, 1, 192, 128, {-1, 0}, {64, 1, 500}, {64, 1, 500}, 6));
+  run_case(make_case("MLA 128/64 causal", DType::bf16, 4, 2, 128, 64, {-1, 0}, {64, 1, 500, 0, 77}, {64, 1, 500, 0, 77}, 7));
 }
 
 TEST_CASE("gpu attention: rows with no visible key give O = 0 and LSE = -inf") {
@@ -245,7 +234,7 @@ TEST_CASE("gpu attention: rows with no visible key give O = 0 and LSE = -inf") {
 TEST_CASE("gpu attention: every mask kind x dtype x head dims on random layouts with zero-length sequences") {
   CPGOLD_REQUIRE_DEVICE();
   const Window masks[] = {{-1, -1}, {-1, 0}, {45, 13}, {0, 0}, {-1, 70}};
-  const int dims[][2] = {{64, 64}, {128, 128}, {192, 128}};
+  const int dims[][2] = {{64, 64}, {128, 128}, {128, 64}, {192, 128}};
   uint64_t seed = 100;
   for (DType dtype : {DType::bf16, DType::fp16})
     for (const auto& d : dims)

@@ -1,0 +1,590 @@
+// THD CP helper kernels; the index maps are those of sim/step_rows.hpp and sim/partition.hpp, written for the device.
+// Row kernels: one warp per row, 16-byte vectors, four vectors in flight per lane (bandwidth-bound by design).
+#include "gpu/thd_cp_helpers.hpp"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <stdexcept>
+#include <string>
+
+#include "reference/input_error.hpp"
+#include "sim/step_rows.hpp"
+
+namespace cpgold::gpu {
+
+// ---------------------------------------------------------------------------------------------------------------
+// Device offsets.
+
+DeviceOffsets::DeviceOffsets(std::vector<int32_t> host) : host_(std::move(host)) {
+  const size_t bytes = std::max<size_t>(host_.size(), 1) * sizeof(int32_t);
+  if (cudaError_t e = cudaMalloc(&device_, bytes); e != cudaSuccess)
+    throw std::runtime_error(std::string("cudaMalloc of offsets: ") + cudaGetErrorString(e));
+  if (!host_.empty())
+    if (cudaError_t e = cudaMemcpy(device_, host_.data(), host_.size() * sizeof(int32_t), cudaMemcpyHostToDevice);
+        e != cudaSuccess)
+      throw std::runtime_error(std::string("cudaMemcpy of offsets: ") + cudaGetErrorString(e));
+}
+
+DeviceOffsets::~DeviceOffsets() {
+  if (device_ != nullptr) cudaFree(device_);
+}
+
+DeviceOffsets::DeviceOffsets(DeviceOffsets&& other) noexcept
+    : host_(std::move(other.host_)), device_(std::exchange(other.device_, nullptr)) {}
+
+DeviceOffsets& DeviceOffsets::operator=(DeviceOffsets&& other) noexcept {
+  if (this != &other) {
+    if (device_ != nullptr) cudaFree(device_);
+    host_ = std::move(other.host_);
+    device_ = std::exchange(other.device_, nullptr);
+  }
+  return *this;
+}
+
+namespace {
+
+constexpr int kThreads = 256;
+
+// ---------------------------------------------------------------------------------------------------------------
+// Index maps (device copies of sim::sequence_of_row, sim::StepRows::at, SidePartition::global_row).
+
+// Largest b in [0, batch-1] with cu[b] / divisor <= x.
+__device__ __forceinline__ int find_sequence(const int32_t* __restrict__ cu, int batch, int64_t x, int divisor) {
+  int lo = 0, hi = batch - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (__ldg(cu + mid) / divisor <= x) lo = mid;
+    else hi = mid - 1;
+  }
+  return lo;
+}
+
+struct StepRowD {
+  int sequence;
+  int64_t local_row, column, local_column, half_length;
+};
+
+// The same search for a warp walking rows upwards: from a sequence s at or below the answer, step forward.
+__device__ __forceinline__ int advance_sequence(const int32_t* __restrict__ cu, int batch, int64_t x, int divisor,
+                                                int s) {
+  while (s + 1 < batch && __ldg(cu + s + 1) / divisor <= x) ++s;
+  return s;
+}
+
+// Step row x of sequence s; select: 0 full, 1 first half, 2 second half (sim::HalfSelect order).
+__device__ __forceinline__ StepRowD step_row_in(const int32_t* __restrict__ cu, int select, int64_t x, int s) {
+  const int div = select == 0 ? 1 : 2;
+  StepRowD r;
+  r.sequence = s;
+  const int64_t start = __ldg(cu + s) / div, next = __ldg(cu + s + 1) / div;
+  r.column = x - start;
+  r.half_length = next - start;
+  r.local_row = select == 0 ? x : (select == 1 ? x + start : x + next);
+  r.local_column = r.local_row - __ldg(cu + s);
+  return r;
+}
+
+__device__ __forceinline__ StepRowD step_row(const int32_t* __restrict__ cu, int batch, int select, int64_t x) {
+  return step_row_in(cu, select, x, find_sequence(cu, batch, x, select == 0 ? 1 : 2));
+}
+
+// Element kernels (one value per row and head) walk tiles of kTileRows consecutive rows per warp: one binary search
+// per tile, then every lane steps its sequence forward (searching per element made them latency-bound, 20-25% of
+// the copy bandwidth).
+constexpr int kRowsPerLane = 8;
+constexpr int64_t kTileRows = 32 * kRowsPerLane;
+
+// Global row of local row i (of sequence s) of rank (cp-semantics §2.2); cu_padded global, W ranks.
+__device__ __forceinline__ int64_t partition_source_in(const int32_t* __restrict__ cu_padded, int cp_size, int rank,
+                                                       int64_t i, int s) {
+  const int64_t start = __ldg(cu_padded + s) / cp_size;
+  const int64_t half = (__ldg(cu_padded + s + 1) / cp_size - start) / 2;
+  const int64_t k = i - start;
+  const int64_t base = __ldg(cu_padded + s);
+  return k < half ? base + rank * half + k : base + (2 * cp_size - 1 - rank) * half + (k - half);
+}
+
+__device__ __forceinline__ int64_t partition_source(const int32_t* __restrict__ cu_padded, int batch, int cp_size,
+                                                    int rank, int64_t i) {
+  return partition_source_in(cu_padded, cp_size, rank, i, find_sequence(cu_padded, batch, i, cp_size));
+}
+
+__device__ __forceinline__ int64_t lse_index(bool packed, int heads, int64_t seqlen, int sequence, int head,
+                                             int64_t row, int64_t column) {
+  return packed ? head * seqlen + row : (static_cast<int64_t>(sequence) * heads + head) * seqlen + column;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Element arithmetic of the output dtype.
+
+template <class T>
+struct Elem;
+template <>
+struct Elem<float> {
+  __device__ static float to_float(float x) { return x; }
+  __device__ static float from_float(float x) { return x; }
+};
+template <>
+struct Elem<__nv_bfloat16> {
+  __device__ static float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+  __device__ static __nv_bfloat16 from_float(float x) { return __float2bfloat16_rn(x); }
+};
+template <>
+struct Elem<__half> {
+  __device__ static float to_float(__half x) { return __half2float(x); }
+  __device__ static __half from_float(float x) { return __float2half_rn(x); }
+};
+
+// a + b in the dtype: float sum (no contraction), rounded once to T; the twin is round_to(dtype, a + b).
+template <class T>
+__device__ __forceinline__ uint4 add_vector(uint4 a, uint4 b) {
+  T* pa = reinterpret_cast<T*>(&a);
+  const T* pb = reinterpret_cast<const T*>(&b);
+#pragma unroll
+  for (int e = 0; e < static_cast<int>(sizeof(uint4) / sizeof(T)); ++e)
+    pa[e] = Elem<T>::from_float(__fadd_rn(Elem<T>::to_float(pa[e]), Elem<T>::to_float(pb[e])));
+  return a;
+}
+
+enum RowOp : int { kSkip = 0, kCopy = 1, kAdd = 2 };
+
+// Moves one row of vpr vectors from src to dst (copy or add), the warp's lanes striding over the vectors.
+template <class T>
+__device__ __forceinline__ void move_row(const uint4* __restrict__ src, uint4* __restrict__ dst, int64_t vpr,
+                                         int op, int lane) {
+  constexpr int kInFlight = 4;
+  for (int64_t v0 = lane; v0 < vpr; v0 += 32 * kInFlight) {
+    uint4 a[kInFlight], b[kInFlight];
+#pragma unroll
+    for (int u = 0; u < kInFlight; ++u) {
+      const int64_t v = v0 + 32 * u;
+      if (v < vpr) {
+        a[u] = __ldg(src + v);
+        if (op == kAdd) b[u] = dst[v];
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kInFlight; ++u) {
+      const int64_t v = v0 + 32 * u;
+      if (v < vpr) dst[v] = op == kAdd ? add_vector<T>(b[u], a[u]) : a[u];
+    }
+  }
+}
+
+// One warp per item; map(i, dst_row, src_row) returns the RowOp of item i.
+template <class T, class Map>
+__global__ void __launch_bounds__(kThreads) row_kernel(Map map, const uint4* __restrict__ src, uint4* __restrict__ dst,
+                                                       int64_t items, int64_t vpr) {
+  const int lane = threadIdx.x & 31;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (kThreads / 32);
+  for (int64_t i = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) >> 5; i < items; i += warps) {
+    int64_t d = 0, s = 0;
+    const int op = map(i, d, s);
+    if (op != kSkip) move_row<T>(src + s * vpr, dst + d * vpr, vpr, op, lane);
+  }
+}
+
+struct SequenceToRankMap {
+  const int32_t* cu;
+  int batch, cp_size;
+  int64_t per_rank;
+  __device__ int operator()(int64_t gi, int64_t& d, int64_t& s) const {
+    d = gi;
+    s = partition_source(cu, batch, cp_size, static_cast<int>(gi / per_rank), gi % per_rank);
+    return kCopy;
+  }
+};
+
+struct RankToSequenceMap {
+  const int32_t* cu;
+  int batch, cp_size;
+  int64_t per_rank;
+  __device__ int operator()(int64_t gi, int64_t& d, int64_t& s) const {
+    s = gi;
+    d = partition_source(cu, batch, cp_size, static_cast<int>(gi / per_rank), gi % per_rank);
+    return kCopy;
+  }
+};
+
+struct ReadHalfMap {
+  const int32_t* cu;
+  int batch, half;
+  __device__ int operator()(int64_t x, int64_t& d, int64_t& s) const {
+    d = x;
+    s = step_row(cu, batch, half == 0 ? 1 : 2, x).local_row;
+    return kCopy;
+  }
+};
+
+struct ValidRowsMap {
+  const int32_t* cu_padded;
+  const int32_t* cu;
+  int batch;
+  __device__ int operator()(int64_t x, int64_t& d, int64_t& s) const {
+    const int b = find_sequence(cu_padded, batch, x, 1);
+    const int64_t loc = x - __ldg(cu_padded + b);
+    d = s = x;
+    return loc >= 0 && loc < __ldg(cu + b + 1) - __ldg(cu + b) ? kCopy : kSkip;
+  }
+};
+
+struct GradMap {
+  const int32_t* cu;
+  int batch, select, first, second;
+  __device__ int operator()(int64_t x, int64_t& d, int64_t& s) const {
+    const StepRowD r = step_row(cu, batch, select, x);
+    d = r.local_row;
+    s = x;
+    if (select == 1) return first;
+    if (select == 2) return second;
+    return r.column < r.half_length / 2 ? first : second;
+  }
+};
+
+// ---------------------------------------------------------------------------------------------------------------
+// LSE kernels: one thread per step row, looping over the heads (coalesced per head across the warp).
+
+__device__ __forceinline__ float logaddexp(float a, float b) {
+  const double hi = a > b ? a : b, lo = a > b ? b : a;
+  if (hi == -INFINITY) return static_cast<float>(hi);
+  return static_cast<float>(hi + log1p(exp(lo - hi)));
+}
+
+struct LseArgs {
+  float* full;
+  float* half;
+  bool packed;
+  int heads;
+  int64_t full_seqlen, half_seqlen;
+  const int32_t* cu;
+  int batch;
+  int64_t rows;  // step rows (cu[B] / 2)
+};
+
+template <bool CORRECT>
+__global__ void __launch_bounds__(kThreads) second_half_lse_kernel(LseArgs a) {
+  float* __restrict__ full = a.full;  // the two LSE tensors never overlap: loads of later heads may pass stores
+  float* __restrict__ half = a.half;
+  const int lane = threadIdx.x & 31;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (kThreads / 32);
+  for (int64_t base = ((static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) >> 5) * kTileRows; base < a.rows;
+       base += warps * kTileRows) {
+    int s = find_sequence(a.cu, a.batch, base, 2);
+    for (int it = 0; it < kRowsPerLane; ++it) {
+      const int64_t x = base + it * 32 + lane;
+      if (x >= a.rows) break;
+      s = advance_sequence(a.cu, a.batch, x, 2, s);
+      const StepRowD r = step_row_in(a.cu, 2, x, s);
+#pragma unroll 4
+      for (int head = 0; head < a.heads; ++head) {
+        const int64_t fi = lse_index(a.packed, a.heads, a.full_seqlen, r.sequence, head, r.local_row, r.local_column);
+        const int64_t hi = lse_index(a.packed, a.heads, a.half_seqlen, r.sequence, head, x, r.column);
+        if (CORRECT) full[fi] = logaddexp(full[fi], half[hi]);
+        else half[hi] = full[fi];
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Out correction: one warp per step row; a lane's vector lies in one head (head bytes % 16 == 0).
+
+struct OutArgs {
+  const uint4* out_i;
+  uint4* out;
+  const float* lse;
+  const float* lse_i;
+  bool packed;
+  int heads;
+  int64_t lse_seqlen, lse_i_seqlen;
+  const int32_t* cu;
+  int batch, select;
+  int64_t rows, vpr, vph;  // step rows, vectors per row, vectors per head
+};
+
+template <class T>
+__global__ void __launch_bounds__(kThreads) out_correction_kernel(OutArgs a) {
+  constexpr int kPer = static_cast<int>(sizeof(uint4) / sizeof(T));
+  const int lane = threadIdx.x & 31;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (kThreads / 32);
+  for (int64_t x = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) >> 5; x < a.rows; x += warps) {
+    const StepRowD r = step_row(a.cu, a.batch, a.select, x);
+    const uint4* src = a.out_i + x * a.vpr;
+    uint4* dst = a.out + r.local_row * a.vpr;
+    for (int64_t v = lane; v < a.vpr; v += 32) {
+      const int head = static_cast<int>(v / a.vph);
+      const float l = __ldg(a.lse + lse_index(a.packed, a.heads, a.lse_seqlen, r.sequence, head, r.local_row,
+                                              r.local_column));
+      const float li = __ldg(a.lse_i + lse_index(a.packed, a.heads, a.lse_i_seqlen, r.sequence, head, x, r.column));
+      const float w = static_cast<float>(exp(static_cast<double>(__fsub_rn(li, l))));
+      uint4 vi = __ldg(src + v), o = dst[v];
+      const T* pi = reinterpret_cast<const T*>(&vi);
+      T* po = reinterpret_cast<T*>(&o);
+#pragma unroll
+      for (int e = 0; e < kPer; ++e) {
+        const float val = Elem<T>::to_float(pi[e]);
+        const float term = val == 0.f ? 0.f : Elem<T>::to_float(Elem<T>::from_float(__fmul_rn(val, w)));
+        po[e] = Elem<T>::from_float(__fadd_rn(Elem<T>::to_float(po[e]), term));
+      }
+      dst[v] = o;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Host side.
+
+Outcome invalid(const std::string& message) { return {Status::invalid_argument, message}; }
+
+Outcome cuda_status(const char* what) {
+  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess)
+    return {Status::cuda_error, std::string(what) + ": " + cudaGetErrorString(e)};
+  return {};
+}
+
+int grid_for(int64_t items_per_block_units) {
+  static const int sms = [] {
+    int device = 0, count = 132;
+    if (cudaGetDevice(&device) == cudaSuccess) cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device);
+    return count;
+  }();
+  return static_cast<int>(std::clamp<int64_t>(items_per_block_units, 1, static_cast<int64_t>(sms) * 8));
+}
+
+// 16-byte vector access: row bytes a multiple of 16, pointers aligned. Throws InputError naming the field.
+void check_vectors(const DeviceRows& x, const char* name) {
+  if (x.rows < 0) fail_input(std::string(name) + ".rows", "value ", x.rows, " is negative");
+  if (x.row_bytes() % 16 != 0)
+    fail_input(std::string(name) + ".row_bytes", "value ", x.row_bytes(), " (heads ", x.heads, " x dim ", x.dim,
+               " x ", dtype_bytes(x.dtype), " bytes) is not a multiple of 16 (16-byte vector accesses)");
+  if (reinterpret_cast<uintptr_t>(x.data) % 16 != 0)
+    fail_input(std::string(name) + ".data", "device pointer is not 16-byte aligned");
+}
+
+void check_same_rows(const DeviceRows& a, const DeviceRows& b, const char* name_b) {
+  if (b.heads != a.heads || b.dim != a.dim || b.dtype != a.dtype)
+    fail_input(std::string(name_b) + ".row", "[heads ", b.heads, ", dim ", b.dim, ", ", dtype_name(b.dtype),
+               "] differs from [", a.heads, ", ", a.dim, ", ", dtype_name(a.dtype), "]");
+}
+
+// Global padded offsets for the partition: start at 0, every PL_b a multiple of 2W.
+void check_partition(const DeviceOffsets& cu_padded, int cp_size) {
+  if (cp_size < 1) fail_input("cp_size", "value ", cp_size, " must be >= 1");
+  sim::check_offsets(cu_padded.host(), "cu_seqlens_padded");
+  const auto& cu = cu_padded.host();
+  for (size_t b = 0; b + 1 < cu.size(); ++b)
+    if ((cu[b + 1] - cu[b]) % (2 * cp_size) != 0)
+      fail_input("cu_seqlens_padded[" + std::to_string(b + 1) + "]", "value ", cu[b + 1], " leaves sequence ", b,
+                 " with padded length ", cu[b + 1] - cu[b], ", not a multiple of 2 * cp_size = ", 2 * cp_size);
+}
+
+template <class Map>
+Outcome launch_rows(DType dtype, Map map, const void* src, void* dst, int64_t items, int64_t vpr, cudaStream_t s,
+                    const char* name) {
+  if (items == 0 || vpr == 0) return {};
+  const int grid = grid_for((items + kThreads / 32 - 1) / (kThreads / 32));
+  const auto* in = static_cast<const uint4*>(src);
+  auto* out = static_cast<uint4*>(dst);
+  switch (dtype) {
+    case DType::bf16: row_kernel<__nv_bfloat16><<<grid, kThreads, 0, s>>>(map, in, out, items, vpr); break;
+    case DType::fp16: row_kernel<__half><<<grid, kThreads, 0, s>>>(map, in, out, items, vpr); break;
+    case DType::fp32: row_kernel<float><<<grid, kThreads, 0, s>>>(map, in, out, items, vpr); break;
+  }
+  return cuda_status(name);
+}
+
+// Runs body, turning an InputError into invalid_argument (the message names field and value).
+template <class Body>
+Outcome guarded(Body body) {
+  try {
+    return body();
+  } catch (const InputError& e) {
+    return invalid(e.what());
+  }
+}
+
+Outcome reorder(const DeviceRows& in, const DeviceRows& out, const DeviceOffsets& cu_padded, int cp_size,
+                bool to_rank, cudaStream_t stream) {
+  return guarded([&]() -> Outcome {
+    check_partition(cu_padded, cp_size);
+    check_vectors(in, "in");
+    check_vectors(out, "out");
+    check_same_rows(in, out, "out");
+    const int64_t total = cu_padded.host().back();
+    if (in.rows != total) fail_input("in.rows", "value ", in.rows, " differs from cu_seqlens_padded[B] = ", total);
+    if (out.rows != total) fail_input("out.rows", "value ", out.rows, " differs from cu_seqlens_padded[B] = ", total);
+    const int64_t vpr = in.row_bytes() / 16;
+    if (to_rank)
+      return launch_rows(in.dtype, SequenceToRankMap{cu_padded.device(), cu_padded.batch(), cp_size, total / cp_size},
+                         in.data, out.data, total, vpr, stream, "sequence_to_rank_order");
+    return launch_rows(in.dtype, RankToSequenceMap{cu_padded.device(), cu_padded.batch(), cp_size, total / cp_size},
+                       in.data, out.data, total, vpr, stream, "rank_to_sequence_order");
+  });
+}
+
+__global__ void __launch_bounds__(kThreads) partitioned_indices_kernel(const int32_t* cu, int batch, int cp_size,
+                                                                       int rank, int64_t* idx, int64_t count) {
+  const int lane = threadIdx.x & 31;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (kThreads / 32);
+  for (int64_t base = ((static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) >> 5) * kTileRows; base < count;
+       base += warps * kTileRows) {
+    int s = find_sequence(cu, batch, base, cp_size);
+    for (int it = 0; it < kRowsPerLane; ++it) {
+      const int64_t i = base + it * 32 + lane;
+      if (i >= count) break;
+      s = advance_sequence(cu, batch, i, cp_size, s);
+      idx[i] = partition_source_in(cu, cp_size, rank, i, s);
+    }
+  }
+}
+
+void check_lse(const DeviceLse& x, const char* name) {
+  if (x.data == nullptr && x.shape.size() > 0) fail_input(std::string(name) + ".data", "is null");
+}
+
+}  // namespace
+
+Outcome partitioned_indices(const DeviceOffsets& cu_padded, int cp_size, int rank, int64_t* indices, int64_t count,
+                            void* stream) {
+  return guarded([&]() -> Outcome {
+    check_partition(cu_padded, cp_size);
+    if (rank < 0 || rank >= cp_size) fail_input("rank", "value ", rank, " is outside [0, cp_size = ", cp_size, ")");
+    const int64_t local = cu_padded.host().back() / cp_size;
+    if (count != local) fail_input("count", "value ", count, " differs from cu_seqlens_padded[B] / cp_size = ", local);
+    if (count == 0) return {};
+    const int64_t tiles = (count + kTileRows - 1) / kTileRows;
+    partitioned_indices_kernel<<<grid_for((tiles + kThreads / 32 - 1) / (kThreads / 32)), kThreads, 0,
+                                 static_cast<cudaStream_t>(stream)>>>(cu_padded.device(), cu_padded.batch(), cp_size,
+                                                                      rank, indices, count);
+    return cuda_status("partitioned_indices");
+  });
+}
+
+Outcome sequence_to_rank_order(const DeviceRows& in, const DeviceRows& out, const DeviceOffsets& cu_padded,
+                               int cp_size, void* stream) {
+  return reorder(in, out, cu_padded, cp_size, true, static_cast<cudaStream_t>(stream));
+}
+
+Outcome rank_to_sequence_order(const DeviceRows& in, const DeviceRows& out, const DeviceOffsets& cu_padded,
+                               int cp_size, void* stream) {
+  return reorder(in, out, cu_padded, cp_size, false, static_cast<cudaStream_t>(stream));
+}
+
+Outcome read_half(const DeviceRows& in, const DeviceRows& out, const DeviceOffsets& cu_local, int half, void* stream) {
+  return guarded([&]() -> Outcome {
+    if (half != 0 && half != 1) fail_input("half", "value ", half, " must be 0 or 1");
+    const sim::StepRows rows(cu_local.host(), half == 0 ? sim::HalfSelect::first : sim::HalfSelect::second);
+    check_vectors(in, "in");
+    check_vectors(out, "out");
+    check_same_rows(in, out, "out");
+    sim::check_step_shape({in.rows, in.heads, in.dim}, {out.rows, out.heads, out.dim}, rows);
+    return launch_rows(in.dtype, ReadHalfMap{cu_local.device(), cu_local.batch(), half}, in.data, out.data,
+                       rows.rows(), in.row_bytes() / 16, static_cast<cudaStream_t>(stream), "read_half");
+  });
+}
+
+Outcome copy_valid_rows(const DeviceRows& out, const DeviceRows& in, const DeviceOffsets& cu_padded_step,
+                        const DeviceOffsets& cu_step, void* stream) {
+  return guarded([&]() -> Outcome {
+    sim::check_offsets(cu_padded_step.host(), "cu_seqlens_padded_step", false);
+    sim::check_offsets(cu_step.host(), "cu_seqlens_step");
+    if (cu_step.host().size() != cu_padded_step.host().size())
+      fail_input("cu_seqlens_step", "has ", cu_step.host().size(), " entries, cu_seqlens_padded_step has ",
+                 cu_padded_step.host().size());
+    check_vectors(in, "in");
+    check_vectors(out, "out");
+    check_same_rows(in, out, "out");
+    if (out.rows != in.rows) fail_input("out.rows", "value ", out.rows, " differs from in.rows = ", in.rows);
+    return launch_rows(in.dtype, ValidRowsMap{cu_padded_step.device(), cu_step.device(), cu_step.batch()}, in.data,
+                       out.data, in.rows, in.row_bytes() / 16, static_cast<cudaStream_t>(stream), "copy_valid_rows");
+  });
+}
+
+namespace {
+Outcome second_half_lse(const DeviceLse& lse, const DeviceLse& lse_half, const DeviceOffsets& cu_local, bool correct,
+                        cudaStream_t stream) {
+  return guarded([&]() -> Outcome {
+    const sim::StepRows rows(cu_local.host(), sim::HalfSelect::second);
+    sim::check_lse_shapes(lse.shape, lse_half.shape, rows);
+    check_lse(lse, "lse");
+    check_lse(lse_half, "lse_half");
+    if (!correct && lse_half.shape.size() > 0)
+      if (cudaError_t e = cudaMemsetAsync(lse_half.data, 0, lse_half.shape.size() * sizeof(float), stream);
+          e != cudaSuccess)
+        return {Status::cuda_error, std::string("cudaMemsetAsync of lse_half: ") + cudaGetErrorString(e)};
+    if (rows.rows() == 0 || lse.shape.heads == 0) return {};
+    const LseArgs a{lse.data, lse_half.data, lse.shape.packed, lse.shape.heads, lse.shape.seqlen,
+                    lse_half.shape.seqlen, cu_local.device(), cu_local.batch(), rows.rows()};
+    const int64_t tiles = (rows.rows() + kTileRows - 1) / kTileRows;
+    const int grid = grid_for((tiles + kThreads / 32 - 1) / (kThreads / 32));
+    if (correct) second_half_lse_kernel<true><<<grid, kThreads, 0, stream>>>(a);
+    else second_half_lse_kernel<false><<<grid, kThreads, 0, stream>>>(a);
+    return cuda_status(correct ? "second_half_lse_correction" : "read_second_half_lse");
+  });
+}
+}  // namespace
+
+Outcome second_half_lse_correction(const DeviceLse& lse, const DeviceLse& lse_half, const DeviceOffsets& cu_local,
+                                   void* stream) {
+  return second_half_lse(lse, lse_half, cu_local, true, static_cast<cudaStream_t>(stream));
+}
+
+Outcome read_second_half_lse(const DeviceLse& lse, const DeviceLse& lse_half, const DeviceOffsets& cu_local,
+                             void* stream) {
+  return second_half_lse(lse, lse_half, cu_local, false, static_cast<cudaStream_t>(stream));
+}
+
+Outcome out_correction(const DeviceRows& out, const DeviceRows& out_i, const DeviceLse& lse, const DeviceLse& lse_i,
+                       const DeviceOffsets& cu_local, bool only_second_half, void* stream) {
+  return guarded([&]() -> Outcome {
+    const sim::StepRows rows(cu_local.host(), only_second_half ? sim::HalfSelect::second : sim::HalfSelect::full);
+    check_vectors(out, "out");
+    check_vectors(out_i, "out_i");
+    check_same_rows(out, out_i, "out_i");
+    if ((out.dim * dtype_bytes(out.dtype)) % 16 != 0)
+      fail_input("out.dim", "value ", out.dim, " (", out.dim * dtype_bytes(out.dtype),
+                 " bytes per head) is not a multiple of 16 bytes (16-byte vectors within a head)");
+    sim::check_step_shape({out.rows, out.heads, out.dim}, {out_i.rows, out_i.heads, out_i.dim}, rows);
+    sim::check_lse_shapes(lse.shape, lse_i.shape, rows);
+    if (lse.shape.heads != out.heads)
+      fail_input("lse.heads", "value ", lse.shape.heads, " differs from the output's heads ", out.heads);
+    check_lse(lse, "lse");
+    check_lse(lse_i, "lse_i");
+    if (rows.rows() == 0 || out.row_bytes() == 0) return {};
+    const OutArgs a{static_cast<const uint4*>(out_i.data), static_cast<uint4*>(out.data), lse.data, lse_i.data,
+                    lse.shape.packed, lse.shape.heads, lse.shape.seqlen, lse_i.shape.seqlen, cu_local.device(),
+                    cu_local.batch(), only_second_half ? 2 : 0, rows.rows(), out.row_bytes() / 16,
+                    out.dim * dtype_bytes(out.dtype) / 16};
+    const int grid = grid_for((rows.rows() + kThreads / 32 - 1) / (kThreads / 32));
+    auto s = static_cast<cudaStream_t>(stream);
+    switch (out.dtype) {
+      case DType::bf16: out_correction_kernel<__nv_bfloat16><<<grid, kThreads, 0, s>>>(a); break;
+      case DType::fp16: out_correction_kernel<__half><<<grid, kThreads, 0, s>>>(a); break;
+      case DType::fp32: out_correction_kernel<float><<<grid, kThreads, 0, s>>>(a); break;
+    }
+    return cuda_status("out_correction");
+  });
+}
+
+Outcome grad_correction(const DeviceRows& grad, const DeviceRows& grad_i, const DeviceOffsets& cu_local,
+                        sim::GradOp first, sim::GradOp second, void* stream) {
+  return guarded([&]() -> Outcome {
+    const sim::HalfSelect select = sim::grad_step_rows(first, second);
+    const sim::StepRows rows(cu_local.host(), select);
+    check_vectors(grad, "grad");
+    check_vectors(grad_i, "grad_i");
+    check_same_rows(grad, grad_i, "grad_i");
+    sim::check_step_shape({grad.rows, grad.heads, grad.dim}, {grad_i.rows, grad_i.heads, grad_i.dim}, rows);
+    auto op = [](sim::GradOp g) { return g == sim::GradOp::add ? kAdd : (g == sim::GradOp::copy ? kCopy : kSkip); };
+    const int sel = select == sim::HalfSelect::full ? 0 : (select == sim::HalfSelect::first ? 1 : 2);
+    return launch_rows(grad.dtype, GradMap{cu_local.device(), cu_local.batch(), sel, op(first), op(second)},
+                       grad_i.data, grad.data, rows.rows(), grad.row_bytes() / 16, static_cast<cudaStream_t>(stream),
+                       "grad_correction");
+  });
+}
+
+}  // namespace cpgold::gpu
