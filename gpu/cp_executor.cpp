@@ -10,6 +10,7 @@
 #include <map>
 #include <stdexcept>
 #include <string>
+#include <unordered_map>
 
 #include "gpu/cp_kernels.hpp"
 #include "gpu/local_communicator.hpp"
@@ -256,12 +257,16 @@ class DeviceRankBackend {
     t.mem = raw(t.bytes());
     return t;
   }
+  // Row index arrays are uploaded once per distinct content and kept for later steps and runs: an upload from
+  // pageable memory synchronises the stream, which would serialise every gather and scatter with the host.
   std::shared_ptr<DeviceMemory> upload_rows(const std::vector<int64_t>& rows) {
+    auto it = row_cache_.find(rows);
+    if (it != row_cache_.end()) return it->second;
     auto m = raw(rows.size() * sizeof(int64_t));
     if (!rows.empty())
       cuda(cudaMemcpyAsync(m->ptr, rows.data(), rows.size() * sizeof(int64_t), cudaMemcpyHostToDevice, stream_),
            "row index upload");
-    // From pageable memory cudaMemcpyAsync returns once the source is staged: `rows` may die right after.
+    row_cache_.emplace(rows, m);
     return m;
   }
   static const int64_t* rows_ptr(const std::shared_ptr<DeviceMemory>& m) { return static_cast<const int64_t*>(m->ptr); }
@@ -303,6 +308,14 @@ class DeviceRankBackend {
   cudaStream_t stream_;
   std::map<int, DeviceTensor> inputs_;
   std::map<const sim::Tile*, AttentionPlan> plans_;
+  struct RowsHash {
+    size_t operator()(const std::vector<int64_t>& rows) const {
+      uint64_t h = 1469598103934665603ull ^ rows.size();
+      for (int64_t r : rows) h = (h ^ static_cast<uint64_t>(r)) * 1099511628211ull;
+      return static_cast<size_t>(h);
+    }
+  };
+  std::unordered_map<std::vector<int64_t>, std::shared_ptr<DeviceMemory>, RowsHash> row_cache_;
 };
 
 template <class Record>
