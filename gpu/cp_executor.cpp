@@ -355,6 +355,13 @@ LocalCpExecutor::LocalCpExecutor(const sim::Plan& plan, const sim::CaseInputs& i
   if (const Outcome cap = cp_capability(plan, dtype, inputs); !cap.ok())
     throw std::invalid_argument("GPU CP: " + std::string(status_name(cap.status)) + ": " + cap.message);
   if (cudaGetDevice(&s.device) != cudaSuccess) throw std::runtime_error("GPU CP: no CUDA device");
+  // The ranks allocate their step buffers stream-ordered; with the default release threshold (0) the pool returns
+  // its memory to the driver at every synchronisation and each run pays for fresh physical pages.
+  cudaMemPool_t pool = nullptr;
+  if (cudaDeviceGetDefaultMemPool(&pool, s.device) == cudaSuccess) {
+    uint64_t keep = UINT64_MAX;
+    cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep);
+  }
   CommOptions comm_options;
   comm_options.timeout = options.timeout;
   const int W = plan.cp_size;
