@@ -318,15 +318,6 @@ class DeviceRankBackend {
   std::unordered_map<std::vector<int64_t>, std::shared_ptr<DeviceMemory>, RowsHash> row_cache_;
 };
 
-template <class Record>
-std::vector<Record> by_step_then_rank(std::vector<std::vector<Record>>& per_rank) {
-  std::vector<Record> all;
-  for (auto& records : per_rank)
-    for (auto& rec : records) all.push_back(std::move(rec));
-  std::stable_sort(all.begin(), all.end(), [](const Record& a, const Record& b) { return a.step < b.step; });
-  return all;
-}
-
 }  // namespace
 
 Outcome cp_capability(const sim::Plan& plan, DType dtype, const sim::CaseInputs& inputs) {
@@ -420,8 +411,8 @@ sim::CpRun<float> LocalCpExecutor::run(bool download) {
       fwd.push_back(std::move(b->trace.forward));
       bwd.push_back(std::move(b->trace.backward));
     }
-    out.trace.forward = by_step_then_rank(fwd);
-    out.trace.backward = by_step_then_rank(bwd);
+    out.trace.forward = sim::by_step_then_rank(fwd);
+    out.trace.backward = sim::by_step_then_rank(bwd);
   }
   return out;
 }

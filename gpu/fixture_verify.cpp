@@ -123,15 +123,7 @@ FixtureVerification verify_fixture(const std::string& fixture_path, BackwardMode
                                    const std::string& candidate_path) {
   const fx::h5::Reader reader(fixture_path);
   const fx::FixtureFile fixture = fx::open_fixture(reader, fx::OpenOptions{false});
-  auto input = [&](const char* name) {
-    const std::string dataset = std::string("/inputs/") + name;
-    const fx::h5::DatasetInfo info = reader.info(dataset);
-    if (info.dims.size() != 3)
-      fail_input(reader.where(dataset), "expected a [t, h, d] tensor, found ", fx::h5::dims_text(info.dims));
-    Tensor3<float> t(info.dims[0], info.dims[1], info.dims[2]);
-    t.values = reader.read_float(dataset);
-    return t;
-  };
+  auto input = [&](const char* name) { return read_input(reader, name); };
   const sim::CaseSpec& spec = fixture.spec;
   FixtureVerification result;
   AttentionShape shape;

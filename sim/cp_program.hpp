@@ -542,6 +542,16 @@ RankResult<B> run_rank(const Plan& plan, B& b, bool with_backward) {
   return run_ring_rank(plan, b, with_backward);
 }
 
+// The trace of a run: concatenates per-rank records and orders them by (step, rank) (stable: each rank's records are in step order).
+template <class Record>
+std::vector<Record> by_step_then_rank(std::vector<std::vector<Record>>& per_rank) {
+  std::vector<Record> all;
+  for (auto& records : per_rank)
+    for (auto& rec : records) all.push_back(std::move(rec));
+  std::stable_sort(all.begin(), all.end(), [](const Record& a, const Record& b) { return a.step < b.step; });
+  return all;
+}
+
 // Runs body(rank) for every rank on its own thread (W = 1: on the caller's). When a rank fails, abort() is called
 // so that the others leave their exchanges at once; the error rethrown is the lowest rank's own fault (an abort
 // caused by another rank's fault is reported only when nothing else is).

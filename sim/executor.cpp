@@ -258,16 +258,6 @@ class HostRankBackend {
   bool record_trace_;
 };
 
-// Concatenates per-rank records and orders them by (step, rank) (stable: each rank's records are in step order).
-template <class Record>
-std::vector<Record> by_step_then_rank(std::vector<std::vector<Record>>& per_rank) {
-  std::vector<Record> all;
-  for (auto& records : per_rank)
-    for (auto& rec : records) all.push_back(std::move(rec));
-  std::stable_sort(all.begin(), all.end(), [](const Record& a, const Record& b) { return a.step < b.step; });
-  return all;
-}
-
 template <class Arith>
 CpRun<typename Arith::T> run_cp(const Plan& plan, const CaseInputs& inputs, const Arith& arith,
                                 const ExecutorOptions& options) {
