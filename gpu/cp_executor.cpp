@@ -318,6 +318,15 @@ class DeviceRankBackend {
   std::unordered_map<std::vector<int64_t>, std::shared_ptr<DeviceMemory>, RowsHash> row_cache_;
 };
 
+// Each rank starts with only its own rows of the global inputs (thd_get_partitioned_indices).
+void upload_shards(DeviceRankBackend& b, const sim::Plan& plan, const sim::CaseInputs& inputs) {
+  const int r = b.rank();
+  b.upload_input(sim::Payload::q, sim::shard_rows(plan.partition.q, r, inputs.q));
+  b.upload_input(sim::Payload::k, sim::shard_rows(plan.partition.kv, r, inputs.k));
+  b.upload_input(sim::Payload::v, sim::shard_rows(plan.partition.kv, r, inputs.v));
+  b.upload_input(sim::Payload::dout, sim::shard_rows(plan.partition.q, r, inputs.dout));
+}
+
 }  // namespace
 
 Outcome cp_capability(const sim::Plan& plan, DType dtype, const sim::CaseInputs& inputs) {
@@ -359,10 +368,7 @@ LocalCpExecutor::LocalCpExecutor(const sim::Plan& plan, const sim::CaseInputs& i
   s.comms = make_local_communicators(W, comm_options);
   for (int r = 0; r < W; ++r) {
     auto b = std::make_unique<DeviceRankBackend>(r, *s.comms[static_cast<size_t>(r)], dtype, options);
-    b->upload_input(sim::Payload::q, sim::shard_rows(s.plan.partition.q, r, inputs.q));
-    b->upload_input(sim::Payload::k, sim::shard_rows(s.plan.partition.kv, r, inputs.k));
-    b->upload_input(sim::Payload::v, sim::shard_rows(s.plan.partition.kv, r, inputs.v));
-    b->upload_input(sim::Payload::dout, sim::shard_rows(s.plan.partition.q, r, inputs.dout));
+    upload_shards(*b, s.plan, inputs);
     s.backends.push_back(std::move(b));
   }
 }
@@ -413,6 +419,32 @@ sim::CpRun<float> LocalCpExecutor::run(bool download) {
     }
     out.trace.forward = sim::by_step_then_rank(fwd);
     out.trace.backward = sim::by_step_then_rank(bwd);
+  }
+  return out;
+}
+
+RankRun run_cp_rank(const sim::Plan& plan, const sim::CaseInputs& inputs, DType dtype, Communicator& comm,
+                    const CpGpuOptions& options) {
+  if (comm.size() != plan.cp_size)
+    throw std::invalid_argument("GPU CP: communicator size " + std::to_string(comm.size()) + " != cp_size " +
+                                std::to_string(plan.cp_size));
+  if (const Outcome cap = cp_capability(plan, dtype, inputs); !cap.ok())
+    throw std::invalid_argument("GPU CP: " + std::string(status_name(cap.status)) + ": " + cap.message);
+  const int r = comm.rank();
+  RankRun out;
+  {
+    DeviceRankBackend b(r, comm, dtype, options);
+    upload_shards(b, plan, inputs);
+    sim::RankResult<DeviceRankBackend> res = sim::run_rank(plan, b, options.backward);
+    out.outputs.o = b.to_host(res.o);
+    out.outputs.lse = b.to_host(res.lse);
+    if (options.backward) {
+      out.outputs.dq = b.to_host(res.dq);
+      out.outputs.dk = b.to_host(res.dk);
+      out.outputs.dv = b.to_host(res.dv);
+    }
+    comm.synchronize();
+    out.trace = std::move(b.trace);
   }
   return out;
 }

@@ -55,6 +55,17 @@ class LocalCpExecutor {
   std::unique_ptr<State> state_;
 };
 
+// One rank of a CP run, for drivers with one rank per thread or process (the NCCL executor): `comm` is this rank's
+// communicator (size = plan.cp_size, rank = the CP rank) on the current device. Uploads the rank's shards of
+// `inputs`, runs the per-rank program on comm.stream(), waits for it and returns the rank's outputs (host float of
+// the dtype's values) and, with options.record_trace, its step records (in step order). Errors as LocalCpExecutor.
+struct RankRun {
+  sim::RankOutputs<float> outputs;
+  sim::Trace<float> trace;
+};
+RankRun run_cp_rank(const sim::Plan& plan, const sim::CaseInputs& inputs, DType dtype, Communicator& comm,
+                    const CpGpuOptions& options);
+
 // One-shot form of LocalCpExecutor.
 sim::CpRun<float> run_cp_local(const sim::Plan& plan, const sim::CaseInputs& inputs, DType dtype,
                                const CpGpuOptions& options);
