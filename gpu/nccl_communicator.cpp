@@ -2,6 +2,7 @@
 #include "gpu/nccl_communicator.hpp"
 
 #include <cstring>
+#include <exception>
 #include <sstream>
 #include <thread>
 
@@ -132,7 +133,9 @@ NcclCommunicator& NcclCommunicator::operator=(NcclCommunicator&& other) noexcept
 
 NcclCommunicator::~NcclCommunicator() {
   if (!comm_) return;
-  if (failed_) {
+  // Unwinding from an error: peers may never finish their part, so finalizing could only wait out the timeout
+  // before this rank gets to tell them why it stops.
+  if (failed_ || std::uncaught_exceptions() > 0) {
     ncclCommAbort(comm_);
     return;
   }

@@ -11,6 +11,9 @@
 #include "reference/input_error.hpp"
 
 #if CPGOLD_HAVE_MPI
+// The C API only: OpenMPI's and MPICH's headers pull in the deprecated C++ bindings (a second library) otherwise.
+#define OMPI_SKIP_MPICXX 1
+#define MPICH_SKIP_MPICXX 1
 #include <mpi.h>
 #endif
 
