@@ -14,7 +14,6 @@
 #include "reference/input_error.hpp"
 
 #if CPGOLD_HAVE_NCCL
-#include "gpu/case_agreement.hpp"
 #include "gpu/nccl_communicator.hpp"
 #include "gpu/nccl_exchange_check.hpp"
 #include "gpu/nccl_ranks.hpp"
@@ -50,42 +49,19 @@ int run_nccl_check(const NcclCheckArgs& args, const RankLaunchOptions& options) 
   const gpu::ExchangeFault fault = parse_fault(args.inject_failure);
   gpu::RankLaunch launch{options.launch, options.ranks,  options.rendezvous,         options.rank,
                          options.world_size, options.device, gpu::Seconds(options.timeout_s)};
+  const gpu::ExchangeCheckRun run{args.a2a_size, fault, args.inject_mismatch};
   return gpu::run_ranks(launch, [&](gpu::RankContext& context) {
-    gpu::RankChannel& channel = context.channel;
-    const int world = channel.size(), me = channel.rank();
-    std::string description = gpu::exchange_layout_description(world, args.a2a_size);
-    std::string label = "nccl-check W=" + std::to_string(world) + " a2a_size=" + std::to_string(args.a2a_size);
-    if (me == args.inject_mismatch) {  // --inject-mismatch: this rank was given another case
-      description += " (a2a_size " + std::to_string(args.a2a_size + 1) + ")";
-      label = "nccl-check W=" + std::to_string(world) + " a2a_size=" + std::to_string(args.a2a_size + 1);
-    }
-    gpu::agree_on_case(channel, description, label, context.timeout);
-    gpu::NcclCommunicator comm = gpu::NcclCommunicator::create(channel, context.device, context.timeout);
-    const std::vector<gpu::ExchangeResult> mine = gpu::check_exchanges(comm, args.a2a_size, fault);
-    const std::vector<std::string> all = channel.all_gather(gpu::serialise(mine), "verdict gather", context.timeout);
-    int64_t elements = 0, wrong = 0, exchanges = 0;
-    std::string table;
-    for (int r = 0; r < world; ++r)
-      for (const gpu::ExchangeResult& result : gpu::deserialise(all[static_cast<size_t>(r)])) {
-        elements += result.elements;
-        wrong += result.wrong;
-        ++exchanges;
-        char line[512];
-        std::snprintf(line, sizeof(line), "%-4d %-40s %10lld %8lld  %s\n", r, result.exchange.c_str(),
-                      static_cast<long long>(result.elements), static_cast<long long>(result.wrong),
-                      result.wrong ? result.first_wrong.c_str() : "ok");
-        table += line;
-      }
-    if (me == 0) {
+    const gpu::ExchangeVerdict verdict = gpu::run_exchange_check(context, run);
+    if (context.channel.rank() == 0) {
       std::printf("nccl-check: NCCL %s, %d ranks (%s), a2a_size %d, coded 64-bit values (origin rank, global row, head, dim)\n",
-                  gpu::nccl_version().c_str(), world, channel.transport().c_str(), args.a2a_size);
-      std::printf("rank exchange                                   elements    wrong  first wrong\n%s", table.c_str());
-      std::printf("VERDICT nccl-check W=%d: %s (%lld exchanges, %lld elements, %lld wrong)\n", world,
-                  wrong == 0 ? "PASS" : "FAIL", static_cast<long long>(exchanges), static_cast<long long>(elements),
-                  static_cast<long long>(wrong));
+                  gpu::nccl_version().c_str(), context.channel.size(), context.channel.transport().c_str(), args.a2a_size);
+      std::printf("rank exchange                                   elements    wrong  first wrong\n%s", verdict.table.c_str());
+      std::printf("VERDICT nccl-check W=%d: %s (%lld exchanges, %lld elements, %lld wrong)\n", context.channel.size(),
+                  verdict.pass() ? "PASS" : "FAIL", static_cast<long long>(verdict.exchanges),
+                  static_cast<long long>(verdict.elements), static_cast<long long>(verdict.wrong));
       std::fflush(stdout);
     }
-    return wrong == 0 ? kExitPass : kExitFail;
+    return verdict.pass() ? kExitPass : kExitFail;
   });
 }
 

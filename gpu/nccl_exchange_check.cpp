@@ -1,6 +1,7 @@
 // check_exchanges: coded values through the NCCL exchanges of every comm type (see the header).
 #include "gpu/nccl_exchange_check.hpp"
 
+#include <cstdio>
 #include <cstring>
 #include <functional>
 #include <memory>
@@ -9,6 +10,7 @@
 
 #include <cuda_runtime.h>
 
+#include "gpu/case_agreement.hpp"
 #include "reference/input_error.hpp"
 #include "reference/thd_layout.hpp"
 #include "sim/partition.hpp"
@@ -279,6 +281,30 @@ std::vector<ExchangeResult> check_exchanges(NcclCommunicator& world, int a2a_siz
     check_ring(ring, ring_shards, 2, member * slice, slice, [](int p) { return p; }, "a2a+p2p: kv+dkv ring", results);
   }
   return results;
+}
+
+ExchangeVerdict run_exchange_check(RankContext& context, const ExchangeCheckRun& run) {
+  RankChannel& channel = context.channel;
+  const int world = channel.size(), me = channel.rank();
+  const int described_a2a = me == run.mismatch_rank ? run.a2a_size + 1 : run.a2a_size;
+  agree_on_case(channel, exchange_layout_description(world, described_a2a),
+                "nccl-check W=" + std::to_string(world) + " a2a_size=" + std::to_string(described_a2a), context.timeout);
+  NcclCommunicator comm = NcclCommunicator::create(channel, context.device, context.timeout);
+  const std::vector<ExchangeResult> mine = check_exchanges(comm, run.a2a_size, run.fault);
+  const std::vector<std::string> all = channel.all_gather(serialise(mine), "verdict gather", context.timeout);
+  ExchangeVerdict verdict;
+  for (int r = 0; r < world; ++r)
+    for (const ExchangeResult& result : deserialise(all[static_cast<size_t>(r)])) {
+      verdict.elements += result.elements;
+      verdict.wrong += result.wrong;
+      ++verdict.exchanges;
+      char line[640];
+      std::snprintf(line, sizeof(line), "%-4d %-40s %10lld %8lld  %s\n", r, result.exchange.c_str(),
+                    static_cast<long long>(result.elements), static_cast<long long>(result.wrong),
+                    result.wrong ? result.first_wrong.c_str() : "ok");
+      verdict.table += line;
+    }
+  return verdict;
 }
 
 std::string serialise(const std::vector<ExchangeResult>& results) {

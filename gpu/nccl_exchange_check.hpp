@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "gpu/nccl_communicator.hpp"
+#include "gpu/nccl_ranks.hpp"
 
 namespace cpgold::gpu {
 
@@ -38,6 +39,20 @@ std::vector<ExchangeResult> check_exchanges(NcclCommunicator& world, int a2a_siz
 
 // The layout the check runs on (padded lengths multiples of 2W for W up to 8), as a text for case agreement.
 std::string exchange_layout_description(int world_size, int a2a_size);
+
+// One rank's whole run of `cpgold nccl-check`: case agreement (mismatch_rank describes another case, as a self-test),
+// the world communicator, check_exchanges, and every rank's results gathered on every rank.
+struct ExchangeCheckRun {
+  int a2a_size = 2;
+  ExchangeFault fault;
+  int mismatch_rank = -1;
+};
+struct ExchangeVerdict {
+  std::string table;  // one line per (rank, exchange)
+  int64_t exchanges = 0, elements = 0, wrong = 0;
+  bool pass() const { return wrong == 0 && exchanges > 0; }
+};
+ExchangeVerdict run_exchange_check(RankContext& context, const ExchangeCheckRun& run);
 
 // One result line per rank result, rendered on rank 0 from every rank's serialised results.
 std::string serialise(const std::vector<ExchangeResult>& results);

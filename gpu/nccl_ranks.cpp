@@ -23,7 +23,8 @@ int visible_devices() {
 std::mutex print_mutex;
 
 // One rank: runs the body, turns an exception into a posted fault and an error line. Returns the rank's exit code.
-int run_one_rank(RankChannel& channel, int device, Seconds timeout, const std::function<int(RankContext&)>& body) {
+int run_one_rank(RankChannel& channel, int device, const RankLaunch& launch, const std::function<int(RankContext&)>& body) {
+  const Seconds timeout = launch.timeout;
   const int rank = channel.rank();
   std::string message;
   int code = 0;
@@ -32,7 +33,9 @@ int run_one_rank(RankChannel& channel, int device, Seconds timeout, const std::f
     if (const cudaError_t error = cudaSetDevice(device); error != cudaSuccess)
       throw std::runtime_error("cudaSetDevice(" + std::to_string(device) + ") failed: " + cudaGetErrorString(error));
     RankContext context{channel, device, timeout};
-    return body(context);
+    const int verdict = body(context);
+    if (launch.on_rank_end) launch.on_rank_end(rank, verdict, "");
+    return verdict;
   } catch (const RankFailure& failure) {
     // Another rank failed first (or nobody can tell: a timeout): pass its identity on.
     message = failure.what();
@@ -52,6 +55,7 @@ int run_one_rank(RankChannel& channel, int device, Seconds timeout, const std::f
     std::fprintf(stderr, "rank %d: error: %s\n", rank, message.c_str());
     std::fflush(stderr);
   }
+  if (launch.on_rank_end) launch.on_rank_end(rank, code, message);
   return code;
 }
 
@@ -93,7 +97,7 @@ int run_ranks(const RankLaunch& launch, const std::function<int(RankContext&)>& 
     for (int r = 0; r < ranks; ++r)
       threads.emplace_back([&, r] {
         std::unique_ptr<RankChannel> channel = rendezvous.channel(r);
-        codes[static_cast<size_t>(r)] = run_one_rank(*channel, r, launch.timeout, body);
+        codes[static_cast<size_t>(r)] = run_one_rank(*channel, r, launch, body);
       });
     for (std::thread& t : threads) t.join();
     int worst = 0;
@@ -102,7 +106,7 @@ int run_ranks(const RankLaunch& launch, const std::function<int(RankContext&)>& 
   }
   if (mode == "mpi") {
     std::unique_ptr<RankChannel> channel = make_mpi_channel();
-    const int code = run_one_rank(*channel, pick_device(launch, channel->rank()), launch.timeout, body);
+    const int code = run_one_rank(*channel, pick_device(launch, channel->rank()), launch, body);
     if (code >= 2) {
       // Faulted: stay until every rank has said why it stops, then end the job (a plain exit would let mpirun kill
       // ranks that have not printed yet; MPI_Finalize could wait on a rank that never comes).
@@ -116,7 +120,7 @@ int run_ranks(const RankLaunch& launch, const std::function<int(RankContext&)>& 
   if (mode == "folder") {
     if (launch.world_size < 1) fail_input("--world-size", "folder launch needs the number of ranks, got ", launch.world_size);
     std::unique_ptr<RankChannel> channel = make_folder_channel(launch.rendezvous, launch.rank, launch.world_size);
-    return run_one_rank(*channel, pick_device(launch, launch.rank), launch.timeout, body);
+    return run_one_rank(*channel, pick_device(launch, launch.rank), launch, body);
   }
   fail_input("--launch", "expected auto, threads, mpi or folder, got \"", launch.launch, "\"");
 }

@@ -21,6 +21,8 @@ struct RankLaunch {
   int rank = -1, world_size = -1;  // folder: this process's rank and the number of ranks
   int device = -1;              // folder/mpi: CUDA device of this process (-1: node-local rank mod device count)
   Seconds timeout{60};          // every wait of the run
+  // Called on every rank of this process when its body ends: its exit code and, for a fault, its error line.
+  std::function<void(int rank, int code, const std::string& error)> on_rank_end;
 };
 
 // What one rank's body gets.
