@@ -1,0 +1,55 @@
+#!/bin/bash
+# Multi-GPU runs on the device: build, the NCCL test suite, coded-value exchanges and fault cases in every launch
+# mode, then (when asked) `verify --backend nccl` on fixtures. Usage: nccl_device_run.sh [check] [verify] [bench]
+# Run from the repository root of a source snapshot; $OUT is where logs go; CPGOLD_PREFIX names header-only deps.
+# NVLink multicast stays off in every process (KINDS.md): exported here and passed through mpirun with -x.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+MODES="${*:-check}"
+B=/tmp/b
+OUT=${OUT:-/tmp/out}
+mkdir -p $OUT
+echo "== commit $(cat .commit 2>/dev/null)"
+nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader
+nvidia-smi topo -m 2>/dev/null | head -8
+MPIRUN="mpirun --allow-run-as-root --oversubscribe --bind-to none -x NCCL_NVLS_ENABLE=0 -x TORCH_SYMM_MEM_DISABLE_MULTICAST=1 -x NVSHMEM_DISABLE_NVLS=1"
+which mpirun && mpirun --version | head -1
+cmake -S . -B $B -DCMAKE_BUILD_TYPE=Release ${CPGOLD_PREFIX:+-DCMAKE_PREFIX_PATH=$CPGOLD_PREFIX} > $OUT/configure.log 2>&1 || { tail -30 $OUT/configure.log; exit 1; }
+grep -E "CUDA  |NCCL  |MPI" $OUT/configure.log
+TARGETS="cpgold test_nccl"
+case "$MODES" in *bench*) TARGETS="$TARGETS bench_gpu_cp";; esac
+cmake --build $B -j16 --target $TARGETS > $OUT/build.log 2>&1 || { grep -E "error" $OUT/build.log | head -30; exit 1; }
+echo "== build ok"
+C=$B/bin/cpgold
+# run NAME TIMEOUT CMD...: runs with a wall-clock guard, prints rc and seconds, keeps the log.
+run() {
+  local name=$1 limit=$2; shift 2
+  local t0=$(date +%s%N)
+  timeout $limit "$@" > $OUT/$name.log 2>&1
+  local rc=$?
+  local ms=$(( ($(date +%s%N) - t0) / 1000000 ))
+  printf "== %-34s rc=%d %d.%03d s\n" "$name" $rc $((ms / 1000)) $((ms % 1000))
+}
+if [[ "$MODES" == *check* ]]; then
+  run test_nccl 240 $B/bin/test_nccl
+  grep -E "SKIPPED|test cases|assertions|ERROR|rror" $OUT/test_nccl.log | head -12
+  run check_w2_threads 60 env CUDA_VISIBLE_DEVICES=0,1 $C nccl-check
+  run check_w4_threads 60 $C nccl-check --a2a-size 2
+  run check_w2_mpi 90 env CUDA_VISIBLE_DEVICES=0,1 $MPIRUN -np 2 $C nccl-check
+  run check_w4_mpi 90 $MPIRUN -np 4 $C nccl-check --a2a-size 2
+  rm -rf /tmp/rv4; run check_w4_folder 60 bash -c "for r in 0 1 2 3; do $C nccl-check --launch folder --rendezvous /tmp/rv4 --rank \$r --world-size 4 --a2a-size 2 & done; wait"
+  grep -h "VERDICT" $OUT/check_*.log
+  # Faults: every rank must exit non-zero naming the cause, well inside the 20 s timeout.
+  run fault_throw_threads 60 $C nccl-check --inject-failure 1:exception --timeout 20
+  run fault_cuda_mpi 90 $MPIRUN -np 4 $C nccl-check --inject-failure 2:cuda --timeout 20
+  run fault_input_mpi 90 env CUDA_VISIBLE_DEVICES=0,1 $MPIRUN -np 2 $C nccl-check --inject-failure 1:input --timeout 20
+  run mismatch_threads 60 $C nccl-check --inject-mismatch 1 --timeout 20
+  run mismatch_mpi 90 $MPIRUN -np 4 $C nccl-check --inject-mismatch 3 --timeout 20
+  rm -rf /tmp/rvf; run fault_folder 60 bash -c "for r in 0 1; do $C nccl-check --launch folder --rendezvous /tmp/rvf --rank \$r --world-size 2 --inject-failure 0:exception --timeout 20 & done; wait"
+  rm -rf /tmp/rvm; run missing_rank_folder 60 $C nccl-check --launch folder --rendezvous /tmp/rvm --rank 0 --world-size 2 --timeout 5
+  for f in fault_throw_threads fault_cuda_mpi fault_input_mpi mismatch_threads mismatch_mpi fault_folder missing_rank_folder; do
+    echo "-- $f"; grep -E "^rank [0-9]+: error" $OUT/$f.log | cut -c1-300 | sort | head -4
+  done
+fi
+if [[ "$MODES" == *verify* ]] && [ -x bench/gpu/nccl_verify_run.sh ]; then bash bench/gpu/nccl_verify_run.sh; fi
+cd $OUT && tar -czf logs.tar.gz *.log && rm -f *.log
