@@ -31,22 +31,22 @@ run() {
   printf "== %-34s rc=%d %d.%03d s\n" "$name" $rc $((ms / 1000)) $((ms % 1000))
 }
 if [[ "$MODES" == *check* ]]; then
-  run test_nccl 240 $B/bin/test_nccl
+  run test_nccl 150 $B/bin/test_nccl
   grep -E "SKIPPED|test cases|assertions|ERROR|rror" $OUT/test_nccl.log | head -12
-  run check_w2_threads 60 env CUDA_VISIBLE_DEVICES=0,1 $C nccl-check
-  run check_w4_threads 60 $C nccl-check --a2a-size 2
-  run check_w2_mpi 90 env CUDA_VISIBLE_DEVICES=0,1 $MPIRUN -np 2 $C nccl-check
-  run check_w4_mpi 90 $MPIRUN -np 4 $C nccl-check --a2a-size 2
-  rm -rf /tmp/rv4; run check_w4_folder 60 bash -c "for r in 0 1 2 3; do $C nccl-check --launch folder --rendezvous /tmp/rv4 --rank \$r --world-size 4 --a2a-size 2 & done; wait"
+  run check_w2_threads 45 env CUDA_VISIBLE_DEVICES=0,1 $C nccl-check
+  run check_w4_threads 45 $C nccl-check --a2a-size 2
+  run check_w2_mpi 45 env CUDA_VISIBLE_DEVICES=0,1 $MPIRUN -np 2 $C nccl-check
+  run check_w4_mpi 45 $MPIRUN -np 4 $C nccl-check --a2a-size 2
+  rm -rf /tmp/rv4; run check_w4_folder 45 bash -c "for r in 0 1 2 3; do $C nccl-check --launch folder --rendezvous /tmp/rv4 --rank \$r --world-size 4 --a2a-size 2 & done; wait"
   grep -h "VERDICT" $OUT/check_*.log
   # Faults: every rank must exit non-zero naming the cause, well inside the 20 s timeout.
-  run fault_throw_threads 60 $C nccl-check --inject-failure 1:exception --timeout 20
-  run fault_cuda_mpi 90 $MPIRUN -np 4 $C nccl-check --inject-failure 2:cuda --timeout 20
-  run fault_input_mpi 90 env CUDA_VISIBLE_DEVICES=0,1 $MPIRUN -np 2 $C nccl-check --inject-failure 1:input --timeout 20
-  run mismatch_threads 60 $C nccl-check --inject-mismatch 1 --timeout 20
-  run mismatch_mpi 90 $MPIRUN -np 4 $C nccl-check --inject-mismatch 3 --timeout 20
-  rm -rf /tmp/rvf; run fault_folder 60 bash -c "for r in 0 1; do $C nccl-check --launch folder --rendezvous /tmp/rvf --rank \$r --world-size 2 --inject-failure 0:exception --timeout 20 & done; wait"
-  rm -rf /tmp/rvm; run missing_rank_folder 60 $C nccl-check --launch folder --rendezvous /tmp/rvm --rank 0 --world-size 2 --timeout 5
+  run fault_throw_threads 45 $C nccl-check --inject-failure 1:exception --timeout 20
+  run fault_cuda_mpi 45 $MPIRUN -np 4 $C nccl-check --inject-failure 2:cuda --timeout 20
+  run fault_input_mpi 45 env CUDA_VISIBLE_DEVICES=0,1 $MPIRUN -np 2 $C nccl-check --inject-failure 1:input --timeout 20
+  run mismatch_threads 45 $C nccl-check --inject-mismatch 1 --timeout 20
+  run mismatch_mpi 45 $MPIRUN -np 4 $C nccl-check --inject-mismatch 3 --timeout 20
+  rm -rf /tmp/rvf; run fault_folder 45 bash -c "for r in 0 1; do $C nccl-check --launch folder --rendezvous /tmp/rvf --rank \$r --world-size 2 --inject-failure 0:exception --timeout 20 & done; wait"
+  rm -rf /tmp/rvm; run missing_rank_folder 45 $C nccl-check --launch folder --rendezvous /tmp/rvm --rank 0 --world-size 2 --timeout 5
   for f in fault_throw_threads fault_cuda_mpi fault_input_mpi mismatch_threads mismatch_mpi fault_folder missing_rank_folder; do
     echo "-- $f"; grep -E "^rank [0-9]+: error" $OUT/$f.log | cut -c1-300 | sort | head -4
   done
