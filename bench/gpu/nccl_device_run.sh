@@ -37,7 +37,7 @@ if [[ "$MODES" == *check* ]]; then
   run check_w4_threads 45 $C nccl-check --a2a-size 2
   run check_w2_mpi 45 env CUDA_VISIBLE_DEVICES=0,1 $MPIRUN -np 2 $C nccl-check
   run check_w4_mpi 45 $MPIRUN -np 4 $C nccl-check --a2a-size 2
-  rm -rf /tmp/rv4; run check_w4_folder 45 bash -c "for r in 0 1 2 3; do $C nccl-check --launch folder --rendezvous /tmp/rv4 --rank \$r --world-size 4 --a2a-size 2 & done; wait"
+  run check_w4_folder 45 bench/gpu/folder_ranks.sh 4 /tmp/rv4 $C nccl-check --a2a-size 2
   grep -h "VERDICT" $OUT/check_*.log
   # Faults: every rank must exit non-zero naming the cause, well inside the 20 s timeout.
   run fault_throw_threads 45 $C nccl-check --inject-failure 1:exception --timeout 20
@@ -45,10 +45,10 @@ if [[ "$MODES" == *check* ]]; then
   run fault_input_mpi 45 env CUDA_VISIBLE_DEVICES=0,1 $MPIRUN -np 2 $C nccl-check --inject-failure 1:input --timeout 20
   run mismatch_threads 45 $C nccl-check --inject-mismatch 1 --timeout 20
   run mismatch_mpi 45 $MPIRUN -np 4 $C nccl-check --inject-mismatch 3 --timeout 20
-  rm -rf /tmp/rvf; run fault_folder 45 bash -c "for r in 0 1; do $C nccl-check --launch folder --rendezvous /tmp/rvf --rank \$r --world-size 2 --inject-failure 0:exception --timeout 20 & done; wait"
+  run fault_folder 45 env CUDA_VISIBLE_DEVICES=0,1 bench/gpu/folder_ranks.sh 2 /tmp/rvf $C nccl-check --inject-failure 0:exception --timeout 20
   rm -rf /tmp/rvm; run missing_rank_folder 45 $C nccl-check --launch folder --rendezvous /tmp/rvm --rank 0 --world-size 2 --timeout 5
   for f in fault_throw_threads fault_cuda_mpi fault_input_mpi mismatch_threads mismatch_mpi fault_folder missing_rank_folder; do
-    echo "-- $f"; grep -E "^rank [0-9]+: error" $OUT/$f.log | cut -c1-300 | sort | head -4
+    echo "-- $f"; grep -E "^rank [0-9]+: error|^folder rank|exited on signal|MPI_ABORT was invoked" $OUT/$f.log | cut -c1-260 | sort | head -6
   done
 fi
 if [[ "$MODES" == *verify* ]] && [ -x bench/gpu/nccl_verify_run.sh ]; then bash bench/gpu/nccl_verify_run.sh; fi
