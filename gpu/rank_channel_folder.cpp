@@ -45,7 +45,11 @@ class FolderChannel final : public RankChannel {
 
   std::vector<std::string> all_gather(const std::string& mine, const std::string& what, Seconds timeout) override {
     const long number = next_exchange_++;
-    auto file = [&](int r) { return folder_ / ("x" + std::to_string(number) + ".r" + std::to_string(r)); };
+    auto file = [&](int r) {
+      std::ostringstream name;
+      name << "x" << number << ".r" << r;
+      return folder_ / name.str();
+    };
     write_atomically(file(rank_), mine);
     std::vector<std::optional<std::string>> slots(static_cast<size_t>(size_));
     const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(timeout);
