@@ -260,3 +260,49 @@ TEST_CASE("nccl faults: a rank given another case stops every rank before any co
     CHECK(ends.errors[static_cast<size_t>(r)].find("different cases") != std::string::npos);
   }
 }
+
+// --- per-rank checks on the rank that ran, one combined table on rank 0 (CPU: the CP peer stands in for a rank) --
+
+#include "fixtures/fixture_writer.hpp"
+#include "fixtures/golden_run.hpp"
+#include "gpu/rank_check.hpp"
+#include "sim/case_inputs.hpp"
+#include "sim/case_spec.hpp"
+#include "sim/plan.hpp"
+
+TEST_CASE("rank check: each rank checks its own outputs; rank 0's table has every rank's rows and one verdict") {
+  const auto folder = fresh_folder("rank-check");
+  std::filesystem::create_directories(folder);
+  const std::string golden = (folder / "golden.h5").string();
+  const sim::CaseSpec spec = sim::parse_case_text(
+      R"({"seqlens_q":[13,0,6],"heads_q":2,"heads_kv":1,"dim_qk":16,"mask":"causal","cp_size":2,"comm":"p2p","seed":5})");
+  fx::write_fixture(fx::generate(spec), golden);
+  const sim::CpRun<float> run = sim::run_cp_peer(sim::make_plan(spec), sim::make_case_inputs(spec), spec.dtype);
+  std::vector<RankCheck> checks;
+  for (int r = 0; r < 2; ++r) {
+    const RankCheck check = check_rank_outputs(golden, r, run.ranks[static_cast<size_t>(r)],
+                                               (folder / ("rank" + std::to_string(r) + ".h5")).string());
+    CHECK(check.pass);
+    CHECK(check.rows.find("o@r" + std::to_string(r)) != std::string::npos);
+    CHECK(check.rows.find("@r" + std::to_string(1 - r)) == std::string::npos);  // only its own tensors
+    checks.push_back(deserialise_rank_check(serialise(check)));
+    CHECK(checks.back().rows == check.rows);
+  }
+  std::string table = combined_report(golden, checks);
+  CHECK(table.find("dv@r0") != std::string::npos);
+  CHECK(table.find("dv@r1") != std::string::npos);
+  CHECK(table.find("verdict: PASS") != std::string::npos);
+  // One wrong element of rank 1's dK: rank 1 fails and names it, the combined verdict fails.
+  sim::RankOutputs<float> wrong = run.ranks[1];
+  wrong.dk.values[3] += 1.0f;
+  const RankCheck bad = check_rank_outputs(golden, 1, wrong, (folder / "bad.h5").string());
+  CHECK_FALSE(bad.pass);
+  checks[1] = deserialise_rank_check(serialise(bad));
+  CHECK_FALSE(checks[1].pass);
+  table = combined_report(golden, checks);
+  INFO(table);
+  CHECK(table.find("verdict: FAIL") != std::string::npos);
+  CHECK(table.find("rank 1:") != std::string::npos);
+  CHECK(table.find("worst element") != std::string::npos);
+  std::filesystem::remove_all(folder);
+}
