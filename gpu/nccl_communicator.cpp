@@ -1,6 +1,7 @@
 // NcclCommunicator: non-blocking NCCL communicators with bounded waits (see the header for the contract).
 #include "gpu/nccl_communicator.hpp"
 
+#include <atomic>
 #include <cstring>
 #include <exception>
 #include <sstream>
@@ -17,12 +18,6 @@ ncclConfig_t non_blocking_config() {
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
   config.blocking = 0;
   return config;
-}
-
-std::string seconds_text(Seconds s) {
-  std::ostringstream out;
-  out << s.count() << " s";
-  return out.str();
 }
 
 // How long a poll loop sleeps between looks: short, since NCCL transfers between GPUs of one host take microseconds.
@@ -108,7 +103,11 @@ NcclCommunicator NcclCommunicator::split(int color, int key, const std::string& 
   const std::string operation = "ncclCommSplit(" + name + ")";
   ncclConfig_t config = non_blocking_config();
   check_call(ncclCommSplit(comm_, color, key, &result.comm_, &config), operation, "ncclCommSplit");
-  if (result.comm_ == nullptr) fail(operation, "ncclCommSplit returned no communicator", world_rank());
+  // Non-blocking split: the parent reports the split's progress, and NCCL stores the new communicator into
+  // result.comm_ from its own thread when the split completes.
+  poll_until_ready(operation, "ncclCommSplit");
+  if (std::atomic_ref<ncclComm_t>(result.comm_).load(std::memory_order_acquire) == nullptr)
+    fail(operation, "ncclCommSplit completed without a communicator for color " + std::to_string(color), world_rank());
   result.poll_until_ready(operation, "ncclCommSplit");
   result.check_call(ncclCommUserRank(result.comm_, &result.rank_), operation, "ncclCommUserRank");
   result.check_call(ncclCommCount(result.comm_, &result.size_), operation, "ncclCommCount");

@@ -58,6 +58,9 @@ class RankChannel {
   virtual std::vector<int> wait_for_all_faults(Seconds timeout) = 0;
 };
 
+// "60 s", "0.5 s": a timeout in errors.
+std::string seconds_text(Seconds seconds);
+
 // Throws RankFailure naming the peer if another rank posted a fault.
 void throw_if_peer_failed(RankChannel& channel, const std::string& operation);
 

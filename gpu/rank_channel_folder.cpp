@@ -71,7 +71,7 @@ class FolderChannel final : public RankChannel {
             if (first_silent < 0) first_silent = r;
           }
         throw RankFailure(first_silent, "rank " + std::to_string(rank_) + ": " + what + " timed out after " +
-                                            std::to_string(timeout.count()) + " s waiting for rank(s) " + silent.str() +
+                                            seconds_text(timeout) + " waiting for rank(s) " + silent.str() +
                                             " (folder " + folder_.string() + ")");
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(2));

@@ -115,7 +115,7 @@ class MpiChannel final : public RankChannel {
       throw_if_peer_failed(*this, what);
       if (Clock::now() > deadline)
         throw RankFailure(-1, "rank " + std::to_string(rank_) + ": " + what + " timed out after " +
-                                  std::to_string(timeout.count()) + " s (MPI): a rank did not take part");
+                                  seconds_text(timeout) + " (MPI): a rank did not take part");
       std::this_thread::sleep_for(std::chrono::microseconds(200));
     }
   }

@@ -53,7 +53,7 @@ class ThreadChannel final : public RankChannel {
             if (first_silent < 0) first_silent = r;
           }
         throw RankFailure(first_silent, "rank " + std::to_string(rank_) + ": " + what + " timed out after " +
-                                            std::to_string(timeout.count()) + " s waiting for rank(s) " + silent.str());
+                                            seconds_text(timeout) + " waiting for rank(s) " + silent.str());
       }
     }
     std::vector<std::string> out;
@@ -106,6 +106,12 @@ ThreadRendezvous::~ThreadRendezvous() = default;
 std::unique_ptr<RankChannel> ThreadRendezvous::channel(int rank) {
   if (rank < 0 || rank >= state_->size) fail_input("rank", "expected 0..", state_->size - 1, ", got ", rank);
   return std::make_unique<ThreadChannel>(state_, rank);
+}
+
+std::string seconds_text(Seconds seconds) {
+  std::ostringstream out;
+  out << seconds.count() << " s";
+  return out.str();
 }
 
 void throw_if_peer_failed(RankChannel& channel, const std::string& operation) {
