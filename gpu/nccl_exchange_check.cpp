@@ -117,7 +117,7 @@ std::vector<T> concat(const std::vector<std::vector<T>>& parts) {
 // A ring over `ring` (ring index = ring.rank()): `buffers` tensors per step travel to ring index + 1, W - 1 steps.
 // Tensor t of ring member p starts as coded rows of member p's shard (global rank `origin_of(p)`), heads
 // [head_begin, +head_count); after step s, member p must hold member (p - s - 1)'s.
-void check_ring(NcclCommunicator& ring, const sim::SidePartition& shards, int buffers, int head_begin, int head_count,
+void check_ring(Communicator& ring, const sim::SidePartition& shards, int buffers, int head_begin, int head_count,
                 const std::function<int(int)>& origin_of, const std::string& name, std::vector<ExchangeResult>& results) {
   const int n = ring.size(), me = ring.rank();
   if (n < 2) return;
@@ -129,18 +129,16 @@ void check_ring(NcclCommunicator& ring, const sim::SidePartition& shards, int bu
     // Tensor t carries a different origin code (origin + 16 t) so that KV and dKV cannot be swapped unnoticed.
     upload(*current.back(), coded_rows(origin_of(me) + 16 * t, shards.gather_indices(me), head_begin, head_count));
   }
-  cudaStream_t stream;
-  cuda_check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
   for (int step = 0; step + 1 < n; ++step) {
-    std::vector<NcclCommunicator::Send> sends;
-    std::vector<NcclCommunicator::Receive> receives;
+    std::vector<SendTo> sends;
+    std::vector<RecvFrom> receives;
     for (int t = 0; t < buffers; ++t) {
       sends.push_back({(me + 1) % n, current[static_cast<size_t>(t)]->get(), count * sizeof(Code)});
       receives.push_back({(me + n - 1) % n, next[static_cast<size_t>(t)]->get(), count * sizeof(Code)});
     }
     const std::string operation = name + " step " + std::to_string(step);
-    ring.send_receive(sends, receives, stream, operation);
-    ring.wait(stream, operation);
+    ring.send_recv(sends, receives);
+    ring.synchronize();
     std::swap(current, next);
     const int owner = ((me - step - 1) % n + n) % n;
     for (int t = 0; t < buffers; ++t)
@@ -149,12 +147,11 @@ void check_ring(NcclCommunicator& ring, const sim::SidePartition& shards, int bu
                                 coded_rows(origin_of(owner) + 16 * t, shards.gather_indices(owner), head_begin, head_count),
                                 head_count));
   }
-  cudaStreamDestroy(stream);
 }
 
 // Head-scatter / sequence-gather inside `group` (group member j gets heads slice j of every member's rows) and the
 // reverse. Member m's rows: `shards` index `shard_of(m)`, origin = shard_of(m).
-void check_a2a(NcclCommunicator& group, const sim::SidePartition& shards, const std::function<int(int)>& shard_of,
+void check_a2a(Communicator& group, const sim::SidePartition& shards, const std::function<int(int)>& shard_of,
                const std::string& name, std::vector<ExchangeResult>& results) {
   const int n = group.size(), me = group.rank(), slice = kHeads / n;
   const std::vector<int64_t> my_rows = shards.gather_indices(shard_of(me));
@@ -164,39 +161,33 @@ void check_a2a(NcclCommunicator& group, const sim::SidePartition& shards, const 
   for (int j = 0; j < n; ++j) blocks.push_back(coded_rows(shard_of(me), my_rows, j * slice, slice));
   Device send(n * block * sizeof(Code)), gathered(n * block * sizeof(Code)), back(n * block * sizeof(Code));
   upload(send, concat(blocks));
-  cudaStream_t stream;
-  cuda_check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
-  group.all_to_all(send.get(), gathered.get(), block * sizeof(Code), stream, name + " head scatter");
-  group.wait(stream, name + " head scatter");
+  group.all_to_all(send.get(), gathered.get(), block * sizeof(Code));
+  group.synchronize();
   // Block i must be member i's rows, my heads slice.
   std::vector<std::vector<Code>> expected;
   for (int i = 0; i < n; ++i) expected.push_back(coded_rows(shard_of(i), shards.gather_indices(shard_of(i)), me * slice, slice));
   results.push_back(compare(name + " head scatter", download<Code>(gathered, n * block), concat(expected), slice));
   // Reverse: block i goes back to member i, which must get its own rows with heads slice j in block j.
-  group.all_to_all(gathered.get(), back.get(), block * sizeof(Code), stream, name + " reverse");
-  group.wait(stream, name + " reverse");
+  group.all_to_all(gathered.get(), back.get(), block * sizeof(Code));
+  group.synchronize();
   results.push_back(compare(name + " reverse", download<Code>(back, n * block), concat(blocks), slice));
-  cudaStreamDestroy(stream);
 }
 
-void check_all_gather(NcclCommunicator& world, const sim::SidePartition& shards, std::vector<ExchangeResult>& results) {
+void check_all_gather(Communicator& world, const sim::SidePartition& shards, std::vector<ExchangeResult>& results) {
   const int n = world.size(), me = world.rank();
   const size_t count = static_cast<size_t>(shards.local_rows() * kHeads * kDim);
   Device mine(count * sizeof(Code)), all(n * count * sizeof(Code));
   upload(mine, coded_rows(me, shards.gather_indices(me), 0, kHeads));
-  cudaStream_t stream;
-  cuda_check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
-  world.all_gather(mine.get(), all.get(), count * sizeof(Code), stream, "all_gather kv");
-  world.wait(stream, "all_gather kv");
+  world.all_gather(mine.get(), all.get(), count * sizeof(Code));
+  world.synchronize();
   std::vector<std::vector<Code>> expected;
   for (int j = 0; j < n; ++j) expected.push_back(coded_rows(j, shards.gather_indices(j), 0, kHeads));
   results.push_back(compare("all_gather kv", download<Code>(all, n * count), concat(expected), kHeads));
-  cudaStreamDestroy(stream);
 }
 
 // Reduce-scatter of float32 sums: every rank holds a full-sequence dK-like partial [W x local_rows, h, d] (block j:
 // rank j's rows), element = (rank + 1) x small code (an integer below 2^24 / (W (W + 1) / 2), so sums are exact).
-void check_reduce_scatter(NcclCommunicator& world, const sim::SidePartition& shards, std::vector<ExchangeResult>& results) {
+void check_reduce_scatter(Communicator& world, const sim::SidePartition& shards, std::vector<ExchangeResult>& results) {
   const int n = world.size(), me = world.rank();
   const size_t count = static_cast<size_t>(shards.local_rows() * kHeads * kDim);
   auto small_code = [](int64_t row, int h, int d) { return static_cast<float>((row * kHeads + h) * kDim + d); };
@@ -207,11 +198,8 @@ void check_reduce_scatter(NcclCommunicator& world, const sim::SidePartition& sha
         for (int d = 0; d < kDim; ++d) contribution.push_back(static_cast<float>(me + 1) * small_code(row, h, d));
   Device send(n * count * sizeof(float)), recv(count * sizeof(float));
   upload(send, contribution);
-  cudaStream_t stream;
-  cuda_check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
-  world.reduce_scatter_sum(static_cast<const float*>(send.get()), static_cast<float*>(recv.get()), count, stream,
-                           "reduce_scatter dkv");
-  world.wait(stream, "reduce_scatter dkv");
+  world.reduce_scatter_sum(static_cast<const float*>(send.get()), static_cast<float*>(recv.get()), count);
+  world.synchronize();
   const std::vector<float> got = download<float>(recv, count);
   const float ranks_sum = static_cast<float>(n * (n + 1) / 2);
   ExchangeResult result{"reduce_scatter dkv (float32 sum)", static_cast<int64_t>(count), 0, ""};
@@ -228,7 +216,6 @@ void check_reduce_scatter(NcclCommunicator& world, const sim::SidePartition& sha
         }
       }
   results.push_back(result);
-  cudaStreamDestroy(stream);
 }
 
 void inject(const ExchangeFault& fault, int rank) {
@@ -257,7 +244,7 @@ std::string exchange_layout_description(int world_size, int a2a_size) {
   return out.str();
 }
 
-std::vector<ExchangeResult> check_exchanges(NcclCommunicator& world, int a2a_size, const ExchangeFault& fault) {
+std::vector<ExchangeResult> check_exchanges(Communicator& world, int a2a_size, const ExchangeFault& fault) {
   const int n = world.size(), me = world.rank();
   std::vector<ExchangeResult> results;
   const sim::SidePartition shards = side_partition(n);
@@ -272,13 +259,12 @@ std::vector<ExchangeResult> check_exchanges(NcclCommunicator& world, int a2a_siz
   if (a2a_size > 1 && a2a_size < n && n % a2a_size == 0 && kHeads % a2a_size == 0) {
     // a2a groups of consecutive ranks; the p2p ring joins the ranks with the same position in their group.
     const int group = me / a2a_size, member = me % a2a_size, rings = n / a2a_size;
-    NcclCommunicator a2a = world.split(group, member, "a2a group " + std::to_string(group));
-    NcclCommunicator ring = world.split(member, group, "p2p ring " + std::to_string(member));
-    check_a2a(a2a, shards, [&](int m) { return group * a2a_size + m; }, "a2a+p2p: a2a", results);
+    CpGroups groups = split_cp_groups(world, a2a_size);
+    check_a2a(*groups.a2a, shards, [&](int m) { return group * a2a_size + m; }, "a2a+p2p: a2a", results);
     // After the a2a the ring runs on the P-way shards with the group's heads slice.
     const sim::SidePartition ring_shards = side_partition(rings);
     const int slice = kHeads / a2a_size;
-    check_ring(ring, ring_shards, 2, member * slice, slice, [](int p) { return p; }, "a2a+p2p: kv+dkv ring", results);
+    check_ring(*groups.p2p, ring_shards, 2, member * slice, slice, [](int p) { return p; }, "a2a+p2p: kv+dkv ring", results);
   }
   return results;
 }
@@ -289,8 +275,10 @@ ExchangeVerdict run_exchange_check(RankContext& context, const ExchangeCheckRun&
   const int described_a2a = me == run.mismatch_rank ? run.a2a_size + 1 : run.a2a_size;
   agree_on_case(channel, exchange_layout_description(world, described_a2a),
                 "nccl-check W=" + std::to_string(world) + " a2a_size=" + std::to_string(described_a2a), context.timeout);
-  NcclCommunicator comm = NcclCommunicator::create(channel, context.device, context.timeout);
-  const std::vector<ExchangeResult> mine = check_exchanges(comm, run.a2a_size, run.fault);
+  CommOptions options;
+  options.timeout = std::chrono::duration_cast<std::chrono::milliseconds>(context.timeout);
+  std::unique_ptr<NcclCommunicator> comm = NcclCommunicator::create(channel, context.device, options);
+  const std::vector<ExchangeResult> mine = check_exchanges(*comm, run.a2a_size, run.fault);
   const std::vector<std::string> all = channel.all_gather(serialise(mine), "verdict gather", context.timeout);
   ExchangeVerdict verdict;
   for (int r = 0; r < world; ++r)

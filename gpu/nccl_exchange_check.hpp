@@ -35,7 +35,8 @@ struct ExchangeFault {
 
 // Runs every exchange on `world` (all ranks call it) with a2a groups of `a2a_size` consecutive ranks for a2a+p2p
 // (skipped when a2a_size does not divide W or is 1). Returns this rank's results.
-std::vector<ExchangeResult> check_exchanges(NcclCommunicator& world, int a2a_size, const ExchangeFault& fault = {});
+// Runs on any implementation of the communicator contract (NCCL here, the local one alike).
+std::vector<ExchangeResult> check_exchanges(Communicator& world, int a2a_size, const ExchangeFault& fault = {});
 
 // The layout the check runs on (padded lengths multiples of 2W for W up to 8), as a text for case agreement.
 std::string exchange_layout_description(int world_size, int a2a_size);

@@ -9,6 +9,7 @@
 
 #include <cuda_runtime.h>
 
+#include "gpu/communicator.hpp"
 #include "reference/input_error.hpp"
 
 namespace cpgold::gpu {
@@ -44,6 +45,12 @@ int run_one_rank(RankChannel& channel, int device, const RankLaunch& launch, con
   } catch (const InputError& error) {
     message = std::string("rank ") + std::to_string(rank) + ": " + error.what();
     code = 2;
+  } catch (const CommError& error) {
+    message = error.what();  // names the rank already
+    code = kExitRankFault;
+    // A communicator aborted on a peer's fault, or out of time: pass the failing rank on where one is known.
+    if (error.fault() == CommFault::aborted || error.fault() == CommFault::timeout)
+      if (const std::optional<RankFault> peer = channel.poll_fault()) fault.rank = peer->rank;
   } catch (const std::exception& error) {
     message = std::string("rank ") + std::to_string(rank) + ": " + error.what();
     code = kExitRankFault;
