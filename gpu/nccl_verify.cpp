@@ -1,0 +1,98 @@
+// verify_fixture_on_rank: agree, run this rank, check it here, one report on rank 0 (see the header).
+#include "gpu/nccl_verify.hpp"
+
+#include <unistd.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <sstream>
+
+#include "fixtures/fixture_reader.hpp"
+#include "fixtures/hdf5_file.hpp"
+#include "gpu/case_agreement.hpp"
+#include "gpu/rank_check.hpp"
+#include "reference/input_error.hpp"
+#include "sim/case_spec.hpp"
+
+namespace cpgold::gpu {
+namespace {
+
+Tensor3<float> read_input(const fx::h5::Reader& reader, const char* name) {
+  const std::string dataset = std::string("/inputs/") + name;
+  const fx::h5::DatasetInfo info = reader.info(dataset);
+  if (info.dims.size() != 3)
+    fail_input(reader.where(dataset), "expected a [t, h, d] tensor, found ", fx::h5::dims_text(info.dims));
+  Tensor3<float> t(info.dims[0], info.dims[1], info.dims[2]);
+  t.values = reader.read_float(dataset);
+  return t;
+}
+
+// Rank 0 prints; every rank learns the verdict. reason: why the fixture is unsupported ("" when it ran).
+void print_unsupported(int rank, const std::string& path, const std::string& reason) {
+  if (rank != 0) return;
+  std::printf("fixture    %s\nUNSUPPORTED on the GPU: %s\n\n", path.c_str(), reason.c_str());
+  std::fflush(stdout);
+}
+
+}  // namespace
+
+FixtureVerdict verify_fixture_on_rank(RankContext& context, Communicator& comm, const std::string& fixture_path,
+                                      const NcclVerifyOptions& options, const RankRun& run) {
+  RankChannel& channel = context.channel;
+  const int rank = channel.rank(), world = channel.size();
+  const fx::h5::Reader reader(fixture_path);
+  const fx::FixtureFile fixture = fx::open_fixture(reader, fx::OpenOptions{false});
+  // Everything the ranks must share: the case (layout, heads, dims, mask, comm type, W, seed), the run's options.
+  std::ostringstream description;
+  description << fixture.case_json << " | backend nccl, " << world << " ranks, backward "
+              << (options.mode == BackwardMode::deterministic ? "deterministic" : "atomic");
+  if (rank == options.inject_mismatch) description << " (self-test: a different case on this rank)";
+  agree_on_case(channel, description.str(), fixture_path + (rank == options.inject_mismatch ? " (altered)" : ""),
+                context.timeout);
+
+  const sim::CaseSpec& spec = fixture.spec;
+  AttentionShape shape{spec.dtype, spec.heads_q, sim::heads_kv(spec), spec.dim_qk, sim::dim_v(spec)};
+  if (const Outcome cap = check_capability(shape); !cap.ok()) {
+    print_unsupported(rank, fixture_path, std::string(status_name(cap.status)) + ": " + cap.message);
+    return FixtureVerdict::unsupported;
+  }
+  if (fixture.plan.cp_size != world) {
+    print_unsupported(rank, fixture_path, "cp_size " + std::to_string(fixture.plan.cp_size) + " needs as many ranks; this run has " +
+                                              std::to_string(world));
+    return FixtureVerdict::unsupported;
+  }
+  const sim::CaseInputs inputs{read_input(reader, "q"), read_input(reader, "k"), read_input(reader, "v"),
+                               read_input(reader, "dout")};
+  if (options.inject_failure.rank == rank) {
+    if (options.inject_failure.kind == "input") fail_input("--inject-failure", "injected bad input on rank ", rank);
+    throw std::runtime_error("injected failure (--inject-failure " + std::to_string(rank) + ":" +
+                             options.inject_failure.kind + ") before the first exchange of " + fixture_path);
+  }
+  const sim::RankOutputs<float> outputs = run(fixture.plan, inputs, rank, comm, options.mode);
+
+  namespace fs = std::filesystem;
+  const fs::path candidate = fs::temp_directory_path() /
+                             ("cpgold-verify-nccl-" + std::to_string(::getpid()) + "-r" + std::to_string(rank) + ".h5");
+  RankCheck check;
+  try {
+    check = check_rank_outputs(fixture_path, rank, outputs, candidate.string());
+  } catch (...) {
+    fs::remove(candidate);
+    throw;
+  }
+  fs::remove(candidate);
+  const std::vector<std::string> all = channel.all_gather(serialise(check), "verdict gather", context.timeout);
+  std::vector<RankCheck> checks;
+  bool pass = true;
+  for (const std::string& bytes : all) {
+    checks.push_back(deserialise_rank_check(bytes));
+    pass = pass && checks.back().pass;
+  }
+  if (rank == 0) {
+    std::printf("%s\n", combined_report(fixture_path, checks).c_str());
+    std::fflush(stdout);
+  }
+  return pass ? FixtureVerdict::pass : FixtureVerdict::fail;
+}
+
+}  // namespace cpgold::gpu
