@@ -10,6 +10,7 @@
 #include "fixtures/fixture_reader.hpp"
 #include "fixtures/hdf5_file.hpp"
 #include "gpu/case_agreement.hpp"
+#include "gpu/nccl_communicator.hpp"
 #include "gpu/rank_check.hpp"
 #include "reference/input_error.hpp"
 #include "sim/case_spec.hpp"
@@ -93,6 +94,29 @@ FixtureVerdict verify_fixture_on_rank(RankContext& context, Communicator& comm, 
     std::fflush(stdout);
   }
   return pass ? FixtureVerdict::pass : FixtureVerdict::fail;
+}
+
+int verify_fixtures_nccl(const std::vector<std::string>& fixtures, const NcclVerifyOptions& options,
+                         const RankLaunch& launch, const RankRun& run) {
+  return run_ranks(launch, [&](RankContext& context) {
+    CommOptions comm_options;
+    comm_options.timeout = std::chrono::duration_cast<std::chrono::milliseconds>(context.timeout);
+    std::unique_ptr<NcclCommunicator> comm = NcclCommunicator::create(context.channel, context.device, comm_options);
+    int passed = 0, failed = 0, unsupported = 0;
+    for (const std::string& path : fixtures) {
+      const FixtureVerdict verdict = verify_fixture_on_rank(context, *comm, path, options, run);
+      (verdict == FixtureVerdict::pass ? passed : verdict == FixtureVerdict::fail ? failed : unsupported) += 1;
+    }
+    if (context.channel.rank() == 0) {
+      std::printf("verify: %d passed, %d failed, %d unsupported (of %zu fixtures; backend nccl, %d ranks (%s), NCCL %s; "
+                  "backward mode %s)\n",
+                  passed, failed, unsupported, fixtures.size(), context.channel.size(),
+                  context.channel.transport().c_str(), nccl_version().c_str(),
+                  options.mode == BackwardMode::deterministic ? "deterministic" : "atomic");
+      std::fflush(stdout);
+    }
+    return failed == 0 && unsupported == 0 ? 0 : 1;
+  });
 }
 
 }  // namespace cpgold::gpu

@@ -5,6 +5,7 @@
 // table and one verdict line. The same verdict is returned on every rank.
 #include <functional>
 #include <string>
+#include <vector>
 
 #include "gpu/attention.hpp"
 #include "gpu/communicator.hpp"
@@ -33,5 +34,12 @@ struct NcclVerifyOptions {
 // cp_size != the number of ranks (named in the reason). InputError for unusable fixtures and a case mismatch.
 FixtureVerdict verify_fixture_on_rank(RankContext& context, Communicator& comm, const std::string& fixture_path,
                                       const NcclVerifyOptions& options, const RankRun& run);
+
+// The whole `verify --backend nccl` on the ranks of this process (run_ranks): one NCCL communicator per rank for
+// all fixtures, verify_fixture_on_rank for each, and rank 0's summary line "verify: P passed, F failed, U
+// unsupported (of N fixtures; backend nccl, W ranks (launch); backward mode M)". Returns the process's exit code:
+// 0 when every fixture passed, 1 when one failed or was unsupported, 2/3 for bad input / a failed rank.
+int verify_fixtures_nccl(const std::vector<std::string>& fixtures, const NcclVerifyOptions& options,
+                         const RankLaunch& launch, const RankRun& run);
 
 }  // namespace cpgold::gpu
