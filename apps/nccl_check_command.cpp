@@ -30,23 +30,8 @@ struct NcclCheckArgs {
 
 #if CPGOLD_HAVE_NCCL
 
-gpu::ExchangeFault parse_fault(const std::string& text) {
-  gpu::ExchangeFault fault;
-  if (text.empty()) return fault;
-  const size_t colon = text.find(':');
-  try {
-    fault.rank = std::stoi(text.substr(0, colon));
-  } catch (const std::exception&) {
-    fail_input("--inject-failure", "expected RANK:KIND (KIND exception, cuda or input), got \"", text, "\"");
-  }
-  fault.kind = colon == std::string::npos ? "exception" : text.substr(colon + 1);
-  if (fault.kind != "exception" && fault.kind != "cuda" && fault.kind != "input")
-    fail_input("--inject-failure", "kind \"", fault.kind, "\": expected exception, cuda or input");
-  return fault;
-}
-
 int run_nccl_check(const NcclCheckArgs& args, const RankLaunchOptions& options) {
-  const gpu::ExchangeFault fault = parse_fault(args.inject_failure);
+  const gpu::ExchangeFault fault = gpu::parse_exchange_fault(args.inject_failure);
   gpu::RankLaunch launch{options.launch, options.ranks,  options.rendezvous,         options.rank,
                          options.world_size, options.device, gpu::Seconds(options.timeout_s)};
   const gpu::ExchangeCheckRun run{args.a2a_size, fault, args.inject_mismatch};

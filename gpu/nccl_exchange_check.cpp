@@ -218,7 +218,24 @@ void check_reduce_scatter(Communicator& world, const sim::SidePartition& shards,
   results.push_back(result);
 }
 
-void inject(const ExchangeFault& fault, int rank) {
+}  // namespace
+
+ExchangeFault parse_exchange_fault(const std::string& text) {
+  ExchangeFault fault;
+  if (text.empty()) return fault;
+  const size_t colon = text.find(':');
+  try {
+    fault.rank = std::stoi(text.substr(0, colon));
+  } catch (const std::exception&) {
+    fail_input("--inject-failure", "expected RANK:KIND (KIND exception, cuda or input), got \"", text, "\"");
+  }
+  fault.kind = colon == std::string::npos ? "exception" : text.substr(colon + 1);
+  if (fault.kind != "exception" && fault.kind != "cuda" && fault.kind != "input")
+    fail_input("--inject-failure", "kind \"", fault.kind, "\": expected exception, cuda or input");
+  return fault;
+}
+
+void inject_fault(const ExchangeFault& fault, int rank) {
   if (fault.rank != rank) return;
   if (fault.kind == "exception")
     throw std::runtime_error("injected failure (--inject-failure " + std::to_string(rank) + ":exception)");
@@ -232,8 +249,6 @@ void inject(const ExchangeFault& fault, int rank) {
   }
   fail_input("--inject-failure", "kind \"", fault.kind, "\": expected exception, cuda or input");
 }
-
-}  // namespace
 
 std::string exchange_layout_description(int world_size, int a2a_size) {
   std::ostringstream out;
@@ -252,7 +267,7 @@ std::vector<ExchangeResult> check_exchanges(Communicator& world, int a2a_size, c
   // p2p: the forward KV ring and the backward KV + dKV ring.
   check_ring(world, shards, 1, 0, kHeads, identity, "p2p kv ring", results);
   check_ring(world, shards, 2, 0, kHeads, identity, "p2p kv+dkv ring", results);
-  inject(fault, me);  // a failing rank stops here; the others are inside the all-gather below
+  inject_fault(fault, me);  // a failing rank stops here; the others are inside the all-gather below
   check_all_gather(world, shards, results);
   check_reduce_scatter(world, shards, results);
   if (kHeads % n == 0) check_a2a(world, shards, identity, "a2a", results);

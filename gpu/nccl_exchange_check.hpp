@@ -35,6 +35,13 @@ struct ExchangeFault {
 
 // Runs every exchange on `world` (all ranks call it) with a2a groups of `a2a_size` consecutive ranks for a2a+p2p
 // (skipped when a2a_size does not divide W or is 1). Returns this rank's results.
+// "RANK:KIND" of --inject-failure ("" = none; KIND defaults to exception). InputError naming the flag otherwise.
+ExchangeFault parse_exchange_fault(const std::string& text);
+
+// Makes rank `rank` fail as `fault` says when fault.rank == rank: throws (exception), reports bad input
+// (InputError), or hits and reports a real CUDA error (a copy from an address that is no allocation).
+void inject_fault(const ExchangeFault& fault, int rank);
+
 // Runs on any implementation of the communicator contract (NCCL here, the local one alike).
 std::vector<ExchangeResult> check_exchanges(Communicator& world, int a2a_size, const ExchangeFault& fault = {});
 

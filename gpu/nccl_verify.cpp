@@ -64,11 +64,7 @@ FixtureVerdict verify_fixture_on_rank(RankContext& context, Communicator& comm, 
   }
   const sim::CaseInputs inputs{read_input(reader, "q"), read_input(reader, "k"), read_input(reader, "v"),
                                read_input(reader, "dout")};
-  if (options.inject_failure.rank == rank) {
-    if (options.inject_failure.kind == "input") fail_input("--inject-failure", "injected bad input on rank ", rank);
-    throw std::runtime_error("injected failure (--inject-failure " + std::to_string(rank) + ":" +
-                             options.inject_failure.kind + ") before the first exchange of " + fixture_path);
-  }
+  inject_fault(options.inject_failure, rank);  // self-test: before the first exchange of the run
   const sim::RankOutputs<float> outputs = run(fixture.plan, inputs, rank, comm, options.mode);
 
   namespace fs = std::filesystem;
