@@ -51,5 +51,5 @@ if [[ "$MODES" == *check* ]]; then
     echo "-- $f"; grep -E "^rank [0-9]+: error|^folder rank|exited on signal|MPI_ABORT was invoked" $OUT/$f.log | cut -c1-260 | sort | head -6
   done
 fi
-if [[ "$MODES" == *verify* ]] && [ -x bench/gpu/nccl_verify_run.sh ]; then bash bench/gpu/nccl_verify_run.sh; fi
+if [[ "$MODES" == *verify* ]]; then source bench/gpu/nccl_verify_run.sh; fi
 cd $OUT && tar -czf logs.tar.gz *.log && rm -f *.log
