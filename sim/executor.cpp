@@ -1,22 +1,22 @@
-// CPU executor of a Plan. Two families:
-//  - ring family (p2p, a2a+p2p, and a2a as a ring of one step): optional a2a inside groups of consecutive ranks,
-//    then the ring steps with KV (forward) and KV + dKV (backward) travelling between rank buffers, then the reverse
-//    a2a;
-//  - all_gather: KV gathered to sequence order, two Q chunk steps, dK/dV reduce-scattered.
-// Every exchange is driven by the Plan's messages: a rank only ever reads tensors it holds or has received.
+// CPU executor of a Plan: the one CP orchestration (sim/cp_program.hpp) over a host backend. Every simulated rank
+// runs the per-rank program on its own thread with only its own shards; exchanges are host copies matched by a
+// Rendezvous, so a wrong send/receive schedule shows up in the results (or as an error naming rank and operation).
+// Results do not depend on the thread count: each rank's arithmetic is sequential in plan order, the traces are
+// ordered by (step, rank) afterwards.
 #include "sim/executor.hpp"
 
 #include <algorithm>
-#include <exception>
+#include <chrono>
+#include <cstring>
 #include <limits>
-#include <map>
 #include <omp.h>
 #include <stdexcept>
 #include <string>
-#include <tuple>
 
 #include "reference/attention.hpp"
 #include "reference/lse_merge.hpp"
+#include "sim/cp_program.hpp"
+#include "sim/rendezvous.hpp"
 
 namespace cpgold::sim {
 
@@ -27,7 +27,6 @@ constexpr T neg_inf() {
   return -std::numeric_limits<T>::infinity();
 }
 
-[[noreturn]] void plan_error(const std::string& what) { throw std::logic_error("executor: " + what); }
 
 // out: [rows.size(), h, d]; out[i] = x[rows[i]] (rows < 0 give zero rows).
 template <class T>
@@ -49,60 +48,6 @@ LseTensor<T> take_lse_rows(const LseTensor<T>& x, const std::vector<int64_t>& ro
   return out;
 }
 
-// x: [t, h, d] -> [t, h1 - h0, d]
-template <class T>
-Tensor3<T> slice_heads(const Tensor3<T>& x, int h0, int h1, int64_t rows) {
-  Tensor3<T> out(rows, h1 - h0, x.dim);
-  for (int64_t r = 0; r < rows; ++r)
-    for (int h = h0; h < h1; ++h) std::copy_n(x.at(r, h), x.dim, out.at(r, h - h0));
-  return out;
-}
-
-// dst: [t, H, d] gets src [t', h1-h0, d] at heads h0.. for rows [0, min(t, t')).
-template <class T>
-void put_heads(Tensor3<T>& dst, const Tensor3<T>& src, int h0) {
-  const int64_t rows = std::min(dst.rows, src.rows);
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t h = 0; h < src.heads; ++h) std::copy_n(src.at(r, h), src.dim, dst.at(r, h0 + h));
-}
-
-template <class T>
-void put_lse_heads(LseTensor<T>& dst, const LseTensor<T>& src, int h0) {
-  const int64_t rows = std::min(dst.rows, src.rows);
-  for (int64_t h = 0; h < src.heads; ++h)
-    for (int64_t r = 0; r < rows; ++r) dst(h0 + h, r) = src(h, r);
-}
-
-std::vector<int64_t> identity_rows(int64_t n) {
-  std::vector<int64_t> rows(static_cast<size_t>(n));
-  for (int64_t i = 0; i < n; ++i) rows[static_cast<size_t>(i)] = i;
-  return rows;
-}
-
-// Rows of the step tensor -> rows of the full tensor for a HalfSelect (read_half map).
-std::vector<int64_t> half_rows(const SidePartition& side, HalfSelect half) {
-  if (half == HalfSelect::full) return identity_rows(side.local_rows());
-  return side.read_half_rows(half == HalfSelect::first ? 0 : 1);
-}
-
-// Runs f(rank) for every rank, ranks spread over OpenMP threads (the attention inside then runs on one thread;
-// results are independent of the split). The first exception is rethrown after the loop.
-template <class F>
-void parallel_over_ranks(int W, F&& f) {
-  std::exception_ptr error;
-  // With fewer ranks than threads, ranks run one after another and each tile uses the threads itself.
-  const bool by_rank = W > 1 && W >= omp_get_max_threads();
-#pragma omp parallel for schedule(dynamic, 1) if (by_rank)
-  for (int g = 0; g < W; ++g) {
-    try {
-      f(g);
-    } catch (...) {
-#pragma omp critical(cpgold_sim_error)
-      if (!error) error = std::current_exception();
-    }
-  }
-  if (error) std::rethrow_exception(error);
-}
 
 // Arithmetic policies: the oracle (float64) and the CP peer (reference peer per tile, float32 merges).
 struct OracleArith {
@@ -181,29 +126,6 @@ void add_rows(Tensor3<T>& dst, const Tensor3<T>& src, const std::vector<int64_t>
   }
 }
 
-// The a2a group geometry: the P-level sequences of ring rank p, partitioned A ways (rank order <-> sequence order).
-SidePartition group_side(const PackedSequences& global, int P, int A, const std::string& side) {
-  PackedSequences level;
-  for (int32_t x : global.cu_seqlens_padded) level.cu_seqlens_padded.push_back(x / P);
-  level.cu_seqlens = level.cu_seqlens_padded;  // only the padded geometry matters for the reorder
-  level.total_rows = level.cu_seqlens_padded.back();
-  return SidePartition(level, A, side);
-}
-
-using MailKey = std::tuple<int, Payload, int, int>;  // (to, payload, shard_owner, head_begin)
-
-template <class T>
-struct RingRank {
-  // Group-local (or rank-local for p2p) tensors the ring reads; heads of this rank's a2a group.
-  Tensor3<T> q, dout, o;
-  LseTensor<T> lse;
-  int kv_owner = -1;
-  Tensor3<T> k, v;
-  int dkv_owner = -1;
-  Tensor3<T> dk, dv;
-  Tensor3<T> dq;
-};
-
 // Each rank starts with only its own rows of the global inputs: [W] shards of q, k, v, dout in the rank-local layout.
 template <class T>
 struct RankShards {
@@ -226,433 +148,165 @@ RankShards<T> shard_inputs(const Plan& plan, const CaseInputs& inputs) {
   return shards;
 }
 
+struct HostCopy {};  // host exchanges carry no events
+
+// The host backend of the per-rank program for one simulated rank: Tensor3 / LseTensor storage of the arithmetic's
+// type (the accumulator kind is the same type), the arithmetic's attention per tile, memcpy exchanges.
 template <class Arith>
-CpRun<typename Arith::T> run_ring_family(const Plan& plan, const CaseInputs& inputs, const Arith& arith,
-                                         const ExecutorOptions& options) {
+class HostRankBackend {
+ public:
   using T = typename Arith::T;
-  const int W = plan.cp_size, A = plan.comm == CommType::p2p ? 1 : plan.a2a_size;
-  const int P = W / A;
-  const bool exchange = plan.comm != CommType::p2p;
-  const SidePartition& qs = plan.partition.q;
-  const SidePartition& ks = plan.partition.kv;
-  const SidePartition& gq = plan.group_partition.q;  // the ring's partition
-  const SidePartition& gk = plan.group_partition.kv;
-  const int64_t group_rows_q = plan.comm == CommType::a2a ? qs.global().cu_seqlens_padded.back() : gq.local_rows();
-  const int64_t group_rows_kv = plan.comm == CommType::a2a ? ks.global().cu_seqlens_padded.back() : gk.local_rows();
-  const SidePartition level_q = group_side(qs.global(), P, A, "q"), level_kv = group_side(ks.global(), P, A, "kv");
-  const std::vector<int64_t> level_map_q = level_q.rank_order_to_sequence_order();
-  const std::vector<int64_t> level_map_kv = level_kv.rank_order_to_sequence_order();
-  const int hq = plan.heads_q, hk = plan.heads_kv;
+  using Tensor = Tensor3<T>;
+  using Lse = LseTensor<T>;
+  using Forward = ForwardResult<T>;
+  using Backward = BackwardResult<T>;
 
-  // Shards: each rank starts with only its own rows.
-  const RankShards<T> shards = shard_inputs<T>(plan, inputs);
-  const auto &q_l = shards.q, &k_l = shards.k, &v_l = shards.v, &dout_l = shards.dout;
+  HostRankBackend(int rank, const RankShards<T>& shards, const Arith& arith, Rendezvous<HostCopy>& rendezvous,
+                  bool record_trace)
+      : rank_(rank), shards_(shards), arith_(arith), rendezvous_(rendezvous), record_trace_(record_trace) {}
 
-  // a2a before the ring: deliver the pieces named by the messages, then assemble rank order -> sequence order.
-  auto scatter_to_groups = [&](const PassPlan& pass, Payload payload, const std::vector<Tensor3<T>>& local,
-                               const std::vector<int64_t>& level_map, int64_t group_rows) {
-    std::map<MailKey, Tensor3<T>> mail;
-    for (const Message& m : pass.messages) {
-      if (m.after_step != -1 || m.payload != payload) continue;
-      if (m.shard_owner != m.from_rank) plan_error("a2a message sends a shard its sender does not hold");
-      mail[{m.to_rank, payload, m.shard_owner, m.head_begin}] = slice_heads(local[m.from_rank], m.head_begin, m.head_end, m.rows);
+  int rank() const { return rank_; }
+  const Tensor& input(Payload payload) const {
+    const size_t r = static_cast<size_t>(rank_);
+    switch (payload) {
+      case Payload::q: return shards_.q[r];
+      case Payload::k: return shards_.k[r];
+      case Payload::v: return shards_.v[r];
+      case Payload::dout: return shards_.dout[r];
+      default: program_error("no input shard for payload " + std::string(payload_name(payload)));
     }
-    std::vector<Tensor3<T>> out(W);
-    for (int g = 0; g < W; ++g) {
-      const int p = g / A, j = g % A;
-      const int h = local[g].heads / A;
-      Tensor3<T> seq(group_rows, h, local[g].dim);
-      const int64_t piece_rows = static_cast<int64_t>(level_map.size()) / A;
-      for (int a = 0; a < A; ++a) {
-        auto it = mail.find({g, payload, p * A + a, j * h});
-        if (it == mail.end())
-          plan_error("rank " + std::to_string(g) + " never received " + std::string(payload_name(payload)) +
-                     " of rank " + std::to_string(p * A + a));
-        const int64_t s = seq.row_stride();
-        for (int64_t i = 0; i < piece_rows; ++i) {
-          const int64_t dst = level_map[static_cast<size_t>(a * piece_rows + i)];
-          std::copy_n(it->second.values.begin() + i * s, s, seq.values.begin() + dst * s);
-        }
-      }
-      out[g] = std::move(seq);
-    }
+  }
+  Tensor zeros(int64_t rows, int64_t heads, int64_t dim, BufferKind) const { return Tensor(rows, heads, dim); }
+  Lse lse_empty(int64_t heads, int64_t rows) const { return Lse(heads, rows, neg_inf<T>()); }
+  Shape shape(const Tensor& x) const { return {x.rows, x.heads, x.dim}; }
+
+  // out: [rows.size(), h1 - h0, d]; out[i] = x[rows[i], h0:h1] (rows < 0 give zero rows).
+  Tensor gather(const Tensor& x, const std::vector<int64_t>& rows, int h0, int h1) const {
+    if (h0 == 0 && h1 == x.heads) return take_rows(x, rows);
+    Tensor out(static_cast<int64_t>(rows.size()), h1 - h0, x.dim);
+    for (size_t i = 0; i < rows.size(); ++i)
+      if (rows[i] >= 0)
+        for (int h = h0; h < h1; ++h) std::copy_n(x.at(rows[i], h), x.dim, out.at(static_cast<int64_t>(i), h - h0));
     return out;
-  };
-
-  std::vector<RingRank<T>> ranks(W);
-  if (exchange) {
-    auto q_s = scatter_to_groups(plan.forward, Payload::q, q_l, level_map_q, group_rows_q);
-    auto k_s = scatter_to_groups(plan.forward, Payload::k, k_l, level_map_kv, group_rows_kv);
-    auto v_s = scatter_to_groups(plan.forward, Payload::v, v_l, level_map_kv, group_rows_kv);
-    for (int g = 0; g < W; ++g) {
-      ranks[g].q = std::move(q_s[g]);
-      ranks[g].k = std::move(k_s[g]);
-      ranks[g].v = std::move(v_s[g]);
-      ranks[g].kv_owner = g;
-    }
-  } else {
-    for (int g = 0; g < W; ++g) {
-      ranks[g].q = q_l[g];
-      ranks[g].k = k_l[g];
-      ranks[g].v = v_l[g];
-      ranks[g].kv_owner = g;
-    }
   }
-
-  CpRun<T> run;
-  // Ring messages of one step: KV (and dKV) held by the sender move to the receiver's buffers.
-  auto deliver_ring = [&](const PassPlan& pass, int step) {
-    std::map<int, std::pair<int, std::pair<Tensor3<T>, Tensor3<T>>>> kv_in, dkv_in;
-    for (const Message& m : pass.messages) {
-      if (m.after_step != step || (m.payload != Payload::kv && m.payload != Payload::dkv)) continue;
-      RingRank<T>& from = ranks[m.from_rank];
-      if (m.payload == Payload::kv) {
-        if (from.kv_owner != m.shard_owner)
-          plan_error("rank " + std::to_string(m.from_rank) + " step " + std::to_string(step) + " sends KV of " +
-                     std::to_string(m.shard_owner) + " but holds KV of " + std::to_string(from.kv_owner));
-        kv_in[m.to_rank] = {m.shard_owner, {from.k, from.v}};
-      } else {
-        if (from.dkv_owner != m.shard_owner)
-          plan_error("rank " + std::to_string(m.from_rank) + " step " + std::to_string(step) + " sends dKV of " +
-                     std::to_string(m.shard_owner) + " but holds dKV of " + std::to_string(from.dkv_owner));
-        dkv_in[m.to_rank] = {m.shard_owner, {from.dk, from.dv}};
-      }
-    }
-    for (auto& [to, x] : kv_in) {
-      ranks[to].kv_owner = x.first;
-      ranks[to].k = std::move(x.second.first);
-      ranks[to].v = std::move(x.second.second);
-    }
-    for (auto& [to, x] : dkv_in) {
-      ranks[to].dkv_owner = x.first;
-      ranks[to].dk = std::move(x.second.first);
-      ranks[to].dv = std::move(x.second.second);
-    }
-  };
-  auto check_owner = [&](const Tile& t) {
-    if (t.kv_owner >= 0 && ranks[t.rank].kv_owner != t.kv_owner)
-      plan_error("rank " + std::to_string(t.rank) + " step " + std::to_string(t.step) + " reads KV of " +
-                 std::to_string(t.kv_owner) + " but holds KV of " + std::to_string(ranks[t.rank].kv_owner));
-  };
-
-  // Forward ring.
-  const PassPlan& fwd = plan.forward;
-  std::vector<std::vector<ForwardResult<T>>> results(W);
-  std::vector<std::vector<ForwardPart<T>>> parts(W);
-  for (int g = 0; g < W; ++g) results[g].reserve(fwd.steps);
-  for (int i = 0; i < fwd.steps; ++i) {
-    for (int g = 0; g < W; ++g)
-      if (fwd.tile(g, i).computed) check_owner(fwd.tile(g, i));
-    // The ranks of one step are independent: simulated concurrently (each tile's result does not depend on the
-    // thread count), recorded in rank order afterwards.
-    std::vector<ForwardResult<T>> step_results(static_cast<size_t>(W));
-    std::vector<std::vector<int64_t>> step_rows(static_cast<size_t>(W));
-    parallel_over_ranks(W, [&](int g) {
-      const Tile& t = fwd.tile(g, i);
-      if (!t.computed) return;
-      const RingRank<T>& rk = ranks[g];
-      const bool qfull = t.q_half == HalfSelect::full, kfull = t.kv_half == HalfSelect::full;
-      std::vector<int64_t> qrows = qfull ? identity_rows(rk.q.rows) : half_rows(gq, t.q_half);
-      const std::vector<int64_t> krows = kfull ? std::vector<int64_t>{} : half_rows(gk, t.kv_half);
-      step_results[g] = qfull && kfull ? arith.forward(t.call, rk.q, rk.k, rk.v)
-                                       : arith.forward(t.call, qfull ? rk.q : take_rows(rk.q, qrows),
-                                                       kfull ? rk.k : take_rows(rk.k, krows),
-                                                       kfull ? rk.v : take_rows(rk.v, krows));
-      step_rows[g] = std::move(qrows);
-    });
-    for (int g = 0; g < W; ++g) {
-      if (!fwd.tile(g, i).computed) continue;
-      if (options.record_trace) run.trace.forward.push_back({g, i, step_results[g].o, step_results[g].lse});
-      results[g].push_back(std::move(step_results[g]));
-      parts[g].push_back({nullptr, nullptr, std::move(step_rows[g])});
-    }
-    deliver_ring(fwd, i);
-  }
-  for (int g = 0; g < W; ++g) {
-    for (size_t s = 0; s < parts[g].size(); ++s) {
-      parts[g][s].o = &results[g][s].o;
-      parts[g][s].lse = &results[g][s].lse;
-    }
-    ranks[g].o = Tensor3<T>(ranks[g].q.rows, hq / A, plan.comm == CommType::p2p ? inputs.dout.dim : inputs.dout.dim);
-    ranks[g].lse = LseTensor<T>(hq / A, ranks[g].q.rows, neg_inf<T>());
-    merge_forward(parts[g], ranks[g].o, ranks[g].lse, arith);
-  }
-  results.clear();
-
-  // Back to rank-local rows (reverse a2a driven by the messages).
-  auto gather_from_groups = [&](const PassPlan& pass, Payload payload, const std::vector<Tensor3<T>>& group,
-                                const std::vector<int64_t>& level_map, const SidePartition& side, int heads,
-                                int after_step) {
-    std::vector<Tensor3<T>> out(W);
-    for (int g = 0; g < W; ++g) out[g] = Tensor3<T>(side.local_rows(), heads, group[0].dim);
-    const int64_t piece_rows = static_cast<int64_t>(level_map.size()) / A;
-    std::vector<int> seen(static_cast<size_t>(W), 0);
-    for (const Message& m : pass.messages) {
-      if (m.after_step != after_step || m.payload != payload) continue;
-      const int a = m.to_rank % A;
-      const Tensor3<T>& src = group[m.from_rank];
-      if (src.heads != m.head_end - m.head_begin) plan_error("a2a message heads do not match the sender's head group");
-      Tensor3<T> piece(piece_rows, src.heads, src.dim);
-      const int64_t s = src.row_stride();
-      for (int64_t i = 0; i < piece_rows; ++i)
-        std::copy_n(src.values.begin() + level_map[static_cast<size_t>(a * piece_rows + i)] * s, s,
-                    piece.values.begin() + i * s);
-      put_heads(out[m.to_rank], piece, m.head_begin);
-      seen[static_cast<size_t>(m.to_rank)] += src.heads;
-    }
-    for (int g = 0; g < W; ++g)
-      if (seen[static_cast<size_t>(g)] != heads)
-        plan_error("rank " + std::to_string(g) + " received " + std::to_string(seen[static_cast<size_t>(g)]) + " of " +
-                   std::to_string(heads) + " heads of " + std::string(payload_name(payload)));
-    return out;
-  };
-  auto gather_lse_from_groups = [&](const PassPlan& pass, int after_step) {
-    std::vector<LseTensor<T>> out(W);
-    for (int g = 0; g < W; ++g) out[g] = LseTensor<T>(hq, qs.local_rows(), neg_inf<T>());
-    const int64_t piece_rows = static_cast<int64_t>(level_map_q.size()) / A;
-    for (const Message& m : pass.messages) {
-      if (m.after_step != after_step || m.payload != Payload::lse) continue;
-      const int a = m.to_rank % A;
-      const LseTensor<T>& src = ranks[m.from_rank].lse;
+  // dst: [t, H, d]; dst[rows[i], h0 + h] = src[i, h] for i < rows.size().
+  void scatter(Tensor& dst, const std::vector<int64_t>& rows, int h0, const Tensor& src) const {
+    for (size_t i = 0; i < rows.size(); ++i)
       for (int64_t h = 0; h < src.heads; ++h)
-        for (int64_t i = 0; i < piece_rows; ++i)
-          out[m.to_rank](m.head_begin + h, i) = src(h, level_map_q[static_cast<size_t>(a * piece_rows + i)]);
-    }
-    return out;
-  };
+        std::copy_n(src.at(static_cast<int64_t>(i), h), src.dim, dst.at(rows[i], h0 + h));
+  }
+  void scatter_add(Tensor& dst, const std::vector<int64_t>& rows, const Tensor& src) const { add_rows(dst, src, rows); }
+  Lse lse_gather(const Lse& x, const std::vector<int64_t>& rows) const { return take_lse_rows(x, rows); }
+  // dst: [H, t]; dst(h0 + h, rows[i]) = src(h, i).
+  void lse_scatter(Lse& dst, const std::vector<int64_t>& rows, int h0, const Lse& src) const {
+    for (int64_t h = 0; h < src.heads; ++h)
+      for (size_t i = 0; i < rows.size(); ++i) dst(h0 + h, rows[i]) = src(h, static_cast<int64_t>(i));
+  }
 
-  run.ranks.resize(W);
-  if (exchange) {
-    std::vector<Tensor3<T>> o_group(W);
-    for (int g = 0; g < W; ++g) o_group[g] = ranks[g].o;
-    auto o_local = gather_from_groups(fwd, Payload::o, o_group, level_map_q, qs, hq, fwd.steps - 1);
-    auto lse_local = gather_lse_from_groups(fwd, fwd.steps - 1);
-    for (int g = 0; g < W; ++g) {
-      run.ranks[g].o = std::move(o_local[g]);
-      run.ranks[g].lse = std::move(lse_local[g]);
-    }
-  } else {
-    for (int g = 0; g < W; ++g) {
-      run.ranks[g].o = ranks[g].o;
-      run.ranks[g].lse = ranks[g].lse;
-    }
+  Forward forward(const Tile& t, const Tensor& q, const Tensor& k, const Tensor& v) const {
+    return arith_.forward(t.call, q, k, v);
   }
-  if (!options.backward) return run;
+  Backward backward(const Tile& t, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o, const Lse& lse,
+                    const Tensor& dout) const {
+    return arith_.backward(t.call, q, k, v, o, lse, dout);
+  }
+  void merge_forward(const std::vector<MergePart<HostRankBackend>>& parts, Tensor& o, Lse& lse) const {
+    std::vector<ForwardPart<T>> host_parts;
+    host_parts.reserve(parts.size());
+    for (const auto& part : parts) host_parts.push_back({part.o, part.lse, part.rows});
+    cpgold::sim::merge_forward(host_parts, o, lse, arith_);
+  }
+  void finalize(Tensor& x) const { round_all(x, arith_); }
 
-  // Backward: dO through the a2a, then the reversed ring with dKV travelling with KV.
-  const PassPlan& bwd = plan.backward;
-  if (exchange) {
-    auto dout_s = scatter_to_groups(bwd, Payload::dout, dout_l, level_map_q, group_rows_q);
-    for (int g = 0; g < W; ++g) ranks[g].dout = std::move(dout_s[g]);
-  } else {
-    for (int g = 0; g < W; ++g) ranks[g].dout = dout_l[g];
+  void exchange(const std::vector<Outgoing<HostRankBackend>>& sends,
+                const std::vector<Incoming<HostRankBackend>>& recvs) {
+    std::vector<PostedSend> posted;
+    std::vector<WantedRecv> wanted;
+    for (const auto& s : sends)
+      posted.push_back(s.tensor ? PostedSend{s.peer, s.tensor->values.data(), s.tensor->values.size() * sizeof(T)}
+                                : PostedSend{s.peer, s.lse->values.data(), s.lse->values.size() * sizeof(T)});
+    for (const auto& r : recvs)
+      wanted.push_back(r.tensor ? WantedRecv{r.peer, r.tensor->values.data(), r.tensor->values.size() * sizeof(T)}
+                                : WantedRecv{r.peer, r.lse->values.data(), r.lse->values.size() * sizeof(T)});
+    rendezvous_.exchange(
+        rank_, "send_recv", posted, wanted, [] { return HostCopy{}; },
+        [](void* dst, const void* src, size_t bytes, const HostCopy&) {
+          if (bytes > 0) std::memcpy(dst, src, bytes);
+          return HostCopy{};
+        },
+        [](const HostCopy&) {});
   }
-  for (int g = 0; g < W; ++g) {
-    ranks[g].dq = Tensor3<T>(ranks[g].q.rows, ranks[g].q.heads, ranks[g].q.dim);
-    ranks[g].dkv_owner = -1;
-  }
-  for (int i = 0; i < bwd.steps; ++i) {
-    for (int g = 0; g < W; ++g) {
-      const Tile& t = bwd.tile(g, i);
-      RingRank<T>& rk = ranks[g];
-      if (rk.dkv_owner < 0) {  // first step: a fresh zero dKV for the KV held
-        rk.dkv_owner = rk.kv_owner;
-        rk.dk = Tensor3<T>(rk.k.rows, rk.k.heads, rk.k.dim);
-        rk.dv = Tensor3<T>(rk.v.rows, rk.v.heads, rk.v.dim);
-      }
-      if (!t.computed) continue;
-      check_owner(t);
-      if (t.kv_owner >= 0 && rk.dkv_owner != t.kv_owner)
-        plan_error("rank " + std::to_string(g) + " step " + std::to_string(i) + " holds dKV of " +
-                   std::to_string(rk.dkv_owner) + " but computes for " + std::to_string(t.kv_owner));
-    }
-    std::vector<BackwardStepTrace<T>> step_trace(static_cast<size_t>(W));
-    parallel_over_ranks(W, [&](int g) {
-      const Tile& t = bwd.tile(g, i);
-      if (!t.computed) return;
-      RingRank<T>& rk = ranks[g];
-      const bool qfull = t.q_half == HalfSelect::full, kfull = t.kv_half == HalfSelect::full;
-      const std::vector<int64_t> qrows = qfull ? identity_rows(rk.q.rows) : half_rows(gq, t.q_half);
-      const std::vector<int64_t> krows = kfull ? identity_rows(rk.k.rows) : half_rows(gk, t.kv_half);
-      BackwardResult<T> res = arith.backward(
-          t.call, qfull ? rk.q : take_rows(rk.q, qrows), kfull ? rk.k : take_rows(rk.k, krows),
-          kfull ? rk.v : take_rows(rk.v, krows), qfull ? rk.o : take_rows(rk.o, qrows),
-          qfull ? rk.lse : take_lse_rows(rk.lse, qrows), qfull ? rk.dout : take_rows(rk.dout, qrows));
-      add_rows(rk.dq, res.dq, qrows);
-      add_rows(rk.dk, res.dk, krows);
-      add_rows(rk.dv, res.dv, krows);
-      if (options.record_trace) {
-        BackwardStepTrace<T> rec{g, i, std::move(res.dq), std::move(res.dk), std::move(res.dv), {}, {}};
-        if (P > 1) {
-          rec.dk_in_flight = rk.dk;
-          rec.dv_in_flight = rk.dv;
-        }
-        step_trace[g] = std::move(rec);
-      }
-    });
-    if (options.record_trace)
-      for (int g = 0; g < W; ++g)
-        if (bwd.tile(g, i).computed) run.trace.backward.push_back(std::move(step_trace[g]));
-    deliver_ring(bwd, i);
-  }
-  for (int g = 0; g < W; ++g) {
-    if (ranks[g].dkv_owner != g)
-      plan_error("after the backward ring rank " + std::to_string(g) + " holds the dKV of " +
-                 std::to_string(ranks[g].dkv_owner));
-  }
-  if (exchange) {
-    std::vector<Tensor3<T>> dq_g(W), dk_g(W), dv_g(W);
-    for (int g = 0; g < W; ++g) {
-      dq_g[g] = ranks[g].dq;
-      dk_g[g] = ranks[g].dk;
-      dv_g[g] = ranks[g].dv;
-    }
-    auto dq = gather_from_groups(bwd, Payload::dq, dq_g, level_map_q, qs, hq, bwd.steps - 1);
-    auto dk = gather_from_groups(bwd, Payload::dk, dk_g, level_map_kv, ks, hk, bwd.steps - 1);
-    auto dv = gather_from_groups(bwd, Payload::dv, dv_g, level_map_kv, ks, hk, bwd.steps - 1);
-    for (int g = 0; g < W; ++g) {
-      run.ranks[g].dq = std::move(dq[g]);
-      run.ranks[g].dk = std::move(dk[g]);
-      run.ranks[g].dv = std::move(dv[g]);
-    }
-  } else {
-    for (int g = 0; g < W; ++g) {
-      run.ranks[g].dq = std::move(ranks[g].dq);
-      run.ranks[g].dk = std::move(ranks[g].dk);
-      run.ranks[g].dv = std::move(ranks[g].dv);
-    }
-  }
-  for (auto& r : run.ranks) {
-    round_all(r.dq, arith);
-    round_all(r.dk, arith);
-    round_all(r.dv, arith);
-  }
-  return run;
-}
 
-template <class Arith>
-CpRun<typename Arith::T> run_all_gather(const Plan& plan, const CaseInputs& inputs, const Arith& arith,
-                                        const ExecutorOptions& options) {
-  using T = typename Arith::T;
-  const int W = plan.cp_size;
-  const SidePartition& qs = plan.partition.q;
-  const SidePartition& ks = plan.partition.kv;
-  const std::vector<int64_t> kv_map = ks.rank_order_to_sequence_order();
-  const int64_t rk = ks.local_sequence_rows();
-  const RankShards<T> shards = shard_inputs<T>(plan, inputs);
-  const auto &q = shards.q, &k = shards.k, &v = shards.v, &dout = shards.dout;
-  // All-gather K and V (rank order, as the messages deliver them) and reorder to sequence order.
-  auto all_gather = [&](const PassPlan& pass, Payload payload, const std::vector<Tensor3<T>>& local) {
-    std::vector<Tensor3<T>> seq(W);
-    for (int r = 0; r < W; ++r) {
-      seq[r] = Tensor3<T>(static_cast<int64_t>(kv_map.size()), local[r].heads, local[r].dim);
-      std::vector<int> have(static_cast<size_t>(W), 0);
-      have[static_cast<size_t>(r)] = 1;
-      auto place = [&](const Tensor3<T>& src, int owner) {
-        const int64_t s = src.row_stride();
-        for (int64_t i = 0; i < rk; ++i)
-          std::copy_n(src.values.begin() + i * s, s, seq[r].values.begin() + kv_map[static_cast<size_t>(owner * rk + i)] * s);
-      };
-      place(local[r], r);
-      for (const Message& m : pass.messages)
-        if (m.after_step == -1 && m.payload == payload && m.to_rank == r) {
-          place(local[m.from_rank], m.shard_owner);
-          have[static_cast<size_t>(m.shard_owner)] = 1;
-        }
-      for (int o = 0; o < W; ++o)
-        if (!have[static_cast<size_t>(o)])
-          plan_error("rank " + std::to_string(r) + " never received " + std::string(payload_name(payload)) +
-                     " of rank " + std::to_string(o));
-    }
-    return seq;
-  };
-  CpRun<T> run;
-  run.ranks.resize(W);
-  auto k_seq = all_gather(plan.forward, Payload::k, k);
-  auto v_seq = all_gather(plan.forward, Payload::v, v);
-  // Each step writes the rows of its Q segments (copy of valid tokens); no merge.
-  auto segment_rows = [](const AttentionCall& call) {
-    std::vector<int64_t> rows;
-    for (const SequenceTile& s : call.sequences)
-      for (const RowSegment& seg : s.q)
-        for (int32_t j = 0; j < seg.count; ++j) rows.push_back(seg.first_row + j);
-    return rows;
-  };
-  for (int r = 0; r < W; ++r) {
-    run.ranks[r].o = Tensor3<T>(qs.local_rows(), plan.heads_q, inputs.v.dim);
-    run.ranks[r].lse = LseTensor<T>(plan.heads_q, qs.local_rows(), neg_inf<T>());
+  void record_forward(int step, const Forward& res) {
+    if (record_trace_) trace.forward.push_back({rank_, step, res.o, res.lse});
   }
-  for (int s = 0; s < plan.forward.steps; ++s)
-    for (int r = 0; r < W; ++r) {
-      const Tile& t = plan.forward.tile(r, s);
-      ForwardResult<T> res = arith.forward(t.call, q[r], k_seq[r], v_seq[r]);
-      for (int64_t row : segment_rows(t.call)) {
-        std::copy_n(res.o.at(row, 0), res.o.row_stride(), run.ranks[r].o.at(row, 0));
-        for (int h = 0; h < plan.heads_q; ++h) run.ranks[r].lse(h, row) = res.lse(h, row);
-      }
-      if (options.record_trace) run.trace.forward.push_back({r, s, std::move(res.o), std::move(res.lse)});
-    }
-  if (!options.backward) return run;
-  auto k_seq_b = all_gather(plan.backward, Payload::k, k);
-  auto v_seq_b = all_gather(plan.backward, Payload::v, v);
-  std::vector<Tensor3<T>> dk_seq(W), dv_seq(W);
-  for (int r = 0; r < W; ++r) {
-    run.ranks[r].dq = Tensor3<T>(qs.local_rows(), plan.heads_q, inputs.q.dim);
-    dk_seq[r] = Tensor3<T>(static_cast<int64_t>(kv_map.size()), plan.heads_kv, inputs.k.dim);
-    dv_seq[r] = Tensor3<T>(static_cast<int64_t>(kv_map.size()), plan.heads_kv, inputs.v.dim);
+  void record_backward(int step, Backward&& res, const Tensor* dk_in_flight, const Tensor* dv_in_flight) {
+    if (!record_trace_) return;
+    BackwardStepTrace<T> rec{rank_, step, std::move(res.dq), std::move(res.dk), std::move(res.dv), {}, {}};
+    if (dk_in_flight) rec.dk_in_flight = *dk_in_flight;
+    if (dv_in_flight) rec.dv_in_flight = *dv_in_flight;
+    trace.backward.push_back(std::move(rec));
   }
-  for (int s = 0; s < plan.backward.steps; ++s)
-    for (int r = 0; r < W; ++r) {
-      const Tile& t = plan.backward.tile(r, s);
-      BackwardResult<T> res =
-          arith.backward(t.call, q[r], k_seq_b[r], v_seq_b[r], run.ranks[r].o, run.ranks[r].lse, dout[r]);
-      for (int64_t row : segment_rows(t.call))
-        std::copy_n(res.dq.at(row, 0), res.dq.row_stride(), run.ranks[r].dq.at(row, 0));
-      add_rows(dk_seq[r], res.dk, identity_rows(res.dk.rows));
-      add_rows(dv_seq[r], res.dv, identity_rows(res.dv.rows));
-      if (options.record_trace)
-        run.trace.backward.push_back({r, s, std::move(res.dq), std::move(res.dk), std::move(res.dv), {}, {}});
-    }
-  // Reduce-scatter: rank `to` sums, in rank order, the rows of its shard from every rank's sequence-order buffer.
-  auto reduce_scatter = [&](Payload payload, const std::vector<Tensor3<T>>& seq) {
-    std::vector<Tensor3<T>> out(W);
-    for (int to = 0; to < W; ++to) {
-      std::vector<const Tensor3<T>*> from(static_cast<size_t>(W), nullptr);
-      from[static_cast<size_t>(to)] = &seq[to];
-      for (const Message& m : plan.backward.messages)
-        if (m.payload == payload && m.to_rank == to && m.after_step == plan.backward.steps - 1) {
-          if (m.shard_owner != to) plan_error("reduce-scatter message for the wrong shard");
-          from[static_cast<size_t>(m.from_rank)] = &seq[m.from_rank];
-        }
-      out[to] = Tensor3<T>(ks.local_rows(), seq[to].heads, seq[to].dim);
-      std::vector<int64_t> rows(kv_map.begin() + to * rk, kv_map.begin() + (to + 1) * rk);
-      for (int r = 0; r < W; ++r) {
-        if (!from[static_cast<size_t>(r)])
-          plan_error("rank " + std::to_string(to) + " misses the " + std::string(payload_name(payload)) +
-                     " contribution of rank " + std::to_string(r));
-        const Tensor3<T> piece = take_rows(*from[static_cast<size_t>(r)], rows);
-        add_rows(out[to], piece, identity_rows(rk));
-      }
-    }
-    return out;
-  };
-  auto dk = reduce_scatter(Payload::dk, dk_seq);
-  auto dv = reduce_scatter(Payload::dv, dv_seq);
-  for (int r = 0; r < W; ++r) {
-    run.ranks[r].dk = std::move(dk[r]);
-    run.ranks[r].dv = std::move(dv[r]);
-    round_all(run.ranks[r].dq, arith);
-    round_all(run.ranks[r].dk, arith);
-    round_all(run.ranks[r].dv, arith);
-  }
-  return run;
+
+  Trace<T> trace;
+
+ private:
+  int rank_;
+  const RankShards<T>& shards_;
+  const Arith& arith_;
+  Rendezvous<HostCopy>& rendezvous_;
+  bool record_trace_;
+};
+
+// Concatenates per-rank records and orders them by (step, rank) (stable: each rank's records are in step order).
+template <class Record>
+std::vector<Record> by_step_then_rank(std::vector<std::vector<Record>>& per_rank) {
+  std::vector<Record> all;
+  for (auto& records : per_rank)
+    for (auto& rec : records) all.push_back(std::move(rec));
+  std::stable_sort(all.begin(), all.end(), [](const Record& a, const Record& b) { return a.step < b.step; });
+  return all;
 }
 
 template <class Arith>
 CpRun<typename Arith::T> run_cp(const Plan& plan, const CaseInputs& inputs, const Arith& arith,
                                 const ExecutorOptions& options) {
-  if (plan.comm == CommType::all_gather) return run_all_gather(plan, inputs, arith, options);
-  return run_ring_family(plan, inputs, arith, options);
+  using T = typename Arith::T;
+  using Backend = HostRankBackend<Arith>;
+  const int W = plan.cp_size;
+  const RankShards<T> shards = shard_inputs<T>(plan, inputs);
+  // A simulated exchange never legitimately waits long: the peers are threads of this process.
+  Rendezvous<HostCopy> rendezvous(W, std::chrono::minutes(10));
+  std::vector<std::unique_ptr<Backend>> backends;
+  for (int g = 0; g < W; ++g) backends.push_back(std::make_unique<Backend>(g, shards, arith, rendezvous, options.record_trace));
+  CpRun<T> run;
+  run.ranks.resize(static_cast<size_t>(W));
+  // Ranks share the OpenMP threads: each rank's tiles use threads / W of them (results do not depend on the count).
+  const int threads_per_rank = std::max(1, omp_get_max_threads() / W);
+  run_rank_threads(
+      W,
+      [&](int g) {
+        if (W > 1) omp_set_num_threads(threads_per_rank);
+        RankResult<Backend> r = run_rank(plan, *backends[static_cast<size_t>(g)], options.backward);
+        RankOutputs<T>& out = run.ranks[static_cast<size_t>(g)];
+        out.o = std::move(r.o);
+        out.lse = std::move(r.lse);
+        out.dq = std::move(r.dq);
+        out.dk = std::move(r.dk);
+        out.dv = std::move(r.dv);
+      },
+      [&] { rendezvous.abort(); });
+  if (options.record_trace) {
+    std::vector<std::vector<ForwardStepTrace<T>>> fwd;
+    std::vector<std::vector<BackwardStepTrace<T>>> bwd;
+    for (auto& b : backends) {
+      fwd.push_back(std::move(b->trace.forward));
+      bwd.push_back(std::move(b->trace.backward));
+    }
+    run.trace.forward = by_step_then_rank(fwd);
+    run.trace.backward = by_step_then_rank(bwd);
+  }
+  return run;
 }
 
 }  // namespace
