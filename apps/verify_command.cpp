@@ -3,12 +3,16 @@
 // A fixture outside the GPU capability table is reported UNSUPPORTED with the reason, never passed.
 // Exit codes: 0 every fixture passed; 1 a fixture failed or was unsupported; 2 unusable input or no GPU.
 // `--dump FILE` (one fixture) writes the GPU outputs as a candidate file that `cpgold check` accepts.
+// `--backend local`: runs each fixture's CP comm type with W virtual ranks on one GPU (gpu/cp_executor.hpp) and
+// checks every rank's outputs, the gathered outputs and, for traced fixtures, every step's partials.
+// `--inject rank,step` (with --backend local): self-test of the checker; corrupts that step's forward partial.
 #include <cstdio>
 #include <unistd.h>
 
 #include <filesystem>
 #include <iostream>
 #include <memory>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -30,13 +34,37 @@ struct VerifyArgs {
   std::string dump;
   std::string format = "text";
   bool deterministic = false;
+  std::string backend;  // empty: the non-CP path; "local": CP with W ranks on one GPU
+  std::string inject;   // "rank,step"
 };
+
+#if CPGOLD_HAVE_CUDA
+std::optional<gpu::StepRef> parse_inject(const std::string& text) {
+  if (text.empty()) return std::nullopt;
+  const size_t comma = text.find(',');
+  gpu::StepRef ref;
+  try {
+    if (comma == std::string::npos) throw std::invalid_argument("no comma");
+    size_t used = 0;
+    ref.rank = std::stoi(text.substr(0, comma), &used);
+    if (used != comma) throw std::invalid_argument("rank");
+    const std::string step = text.substr(comma + 1);
+    ref.step = std::stoi(step, &used);
+    if (used != step.size()) throw std::invalid_argument("step");
+  } catch (const std::exception&) {
+    fail_input("--inject", "expected RANK,STEP (two integers), got \"", text, "\"");
+  }
+  return ref;
+}
+#endif
 
 #if CPGOLD_HAVE_CUDA
 
 gpu::FixtureVerdict verify_one(const std::string& path, const VerifyArgs& args, const std::string& dump_path) {
-  const gpu::FixtureVerification result = gpu::verify_fixture(
-      path, args.deterministic ? gpu::BackwardMode::deterministic : gpu::BackwardMode::atomic, dump_path);
+  const gpu::BackwardMode mode = args.deterministic ? gpu::BackwardMode::deterministic : gpu::BackwardMode::atomic;
+  const gpu::FixtureVerification result =
+      args.backend == "local" ? gpu::verify_fixture_local(path, mode, dump_path, parse_inject(args.inject))
+                              : gpu::verify_fixture(path, mode, dump_path);
   if (result.verdict == gpu::FixtureVerdict::unsupported) {
     std::cout << "fixture    " << path << "\nUNSUPPORTED on the GPU: " << result.unsupported_reason << "\n\n";
     return result.verdict;
@@ -50,6 +78,10 @@ int run_verify(const VerifyArgs& args) {
   if (args.format != "text" && args.format != "json") fail_input("--format", "expected text or json, got \"", args.format, "\"");
   if (!args.dump.empty() && args.fixtures.size() != 1)
     fail_input("--dump", "writes the outputs of one fixture; got ", args.fixtures.size(), " fixtures");
+  if (!args.backend.empty() && args.backend != "local")
+    fail_input("--backend", "expected local, got \"", args.backend, "\"");
+  if (!args.inject.empty() && args.backend != "local") fail_input("--inject", "needs --backend local");
+  parse_inject(args.inject);
   if (gpu::cuda_device_count() == 0) fail_input("verify", "no CUDA device (the GPU path needs one)");
   int passed = 0, failed = 0, unsupported = 0;
   namespace fs = std::filesystem;
@@ -70,8 +102,10 @@ int run_verify(const VerifyArgs& args) {
     if (temporary) fs::remove(dump);
     (verdict == gpu::FixtureVerdict::pass ? passed : verdict == gpu::FixtureVerdict::fail ? failed : unsupported) += 1;
   }
-  std::printf("verify: %d passed, %d failed, %d unsupported (of %zu fixtures; backward mode %s)\n", passed, failed,
-              unsupported, args.fixtures.size(), args.deterministic ? "deterministic" : "atomic");
+  std::printf("verify: %d passed, %d failed, %d unsupported (of %zu fixtures; %s; backward mode %s)\n", passed,
+              failed, unsupported, args.fixtures.size(),
+              args.backend == "local" ? "CP, W ranks on one GPU" : "non-CP GPU path",
+              args.deterministic ? "deterministic" : "atomic");
   return failed == 0 && unsupported == 0 ? kExitPass : kExitFail;
 }
 
@@ -90,6 +124,10 @@ const RegisterCommand registered("verify", [](CLI::App& app) -> std::function<in
   sub->add_option("--dump", args->dump, "write the GPU outputs as a candidate file (one fixture)");
   sub->add_option("--format", args->format, "text or json");
   sub->add_flag("--deterministic", args->deterministic, "bitwise reproducible backward (dQ by a separate pass)");
+  sub->add_option("--backend", args->backend,
+                  "local: run the fixture's CP comm type with W ranks on one GPU and check ranks and steps");
+  sub->add_option("--inject", args->inject,
+                  "RANK,STEP (with --backend local): self-test of the checker, corrupts that forward partial");
   return [=] { return run_verify(*args); };
 });
 

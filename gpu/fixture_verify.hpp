@@ -4,6 +4,8 @@
 #include <optional>
 #include <string>
 
+#include "gpu/cp_executor.hpp"
+
 #include "fixtures/check.hpp"
 #include "gpu/attention.hpp"
 
@@ -21,5 +23,13 @@ struct FixtureVerification {
 // Bad fixtures raise InputError (file and dataset named); a CUDA failure raises std::runtime_error.
 FixtureVerification verify_fixture(const std::string& fixture_path, BackwardMode mode,
                                    const std::string& candidate_path);
+
+// `verify --backend local`: runs the fixture's comm type with W virtual ranks on one GPU (gpu/cp_executor.hpp) from
+// the fixture's own Plan and inputs, writes every rank's outputs (/ranks/<r>/...), the gathered outputs (scope
+// cp_gathered) and, for a traced fixture, every step's partials (/ranks/<r>/steps/<s>/...) as one candidate file and
+// checks it with the engine of `cpgold check`, so the report names the first wrong rank and step.
+// inject: the checker's self-test (CpGpuOptions::inject). Exchange faults raise CommError (rank and operation).
+FixtureVerification verify_fixture_local(const std::string& fixture_path, BackwardMode mode,
+                                         const std::string& candidate_path, std::optional<StepRef> inject = {});
 
 }  // namespace cpgold::gpu

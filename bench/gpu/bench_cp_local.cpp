@@ -1,0 +1,156 @@
+// Local CP (W virtual ranks on one GPU, gpu/cp_executor.hpp) against the non-CP GPU path on the same tokens:
+// forward + backward wall time of one whole run (shard exchanges, per-step attention calls on the Plan's segments,
+// merges, dKV ring, reverse exchanges, all ranks' host threads) over the non-CP forward + backward. The ratio is the
+// overhead of splitting, merging and copying (target <= 1.25x); both sides run the same attention kernels.
+// Prints one table; numbers go to docs/PERF.md with the command, device and date.
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "gpu/attention.hpp"
+#include "gpu/cp_executor.hpp"
+#include "reference/attention_call.hpp"
+#include "sim/case_inputs.hpp"
+#include "sim/case_spec.hpp"
+#include "sim/plan.hpp"
+
+using namespace cpgold;
+
+namespace {
+
+void check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) {
+    std::fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(e));
+    std::exit(2);
+  }
+}
+void check(const gpu::Outcome& o, const char* what) {
+  if (!o.ok()) {
+    std::fprintf(stderr, "%s: %s %s\n", what, std::string(gpu::status_name(o.status)).c_str(), o.message.c_str());
+    std::exit(2);
+  }
+}
+
+// Varlen batch of `total` tokens (the cycle of bench_attention.cpp), lengths multiples of 2W*... padded by the spec.
+std::vector<int32_t> varlen_lengths(int64_t total) {
+  static const int32_t cycle[] = {512, 1536, 2560, 3584, 1024, 3072, 2048, 4096};
+  std::vector<int32_t> lens;
+  int64_t sum = 0;
+  for (int i = 0; sum < total; ++i) {
+    const int32_t len = static_cast<int32_t>(std::min<int64_t>(cycle[i % 8], total - sum));
+    lens.push_back(len);
+    sum += len;
+  }
+  return lens;
+}
+
+template <class F>
+double median_ms(F&& f, int reps) {
+  for (int i = 0; i < 2; ++i) f();
+  std::vector<double> times;
+  for (int i = 0; i < reps; ++i) {
+    const auto a = std::chrono::steady_clock::now();
+    f();
+    check(cudaDeviceSynchronize(), "timed run");
+    times.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - a).count());
+  }
+  std::sort(times.begin(), times.end());
+  return times[times.size() / 2];
+}
+
+void* upload(const Tensor3<float>& x) {
+  std::vector<uint16_t> bits(x.values.size());
+  for (size_t i = 0; i < bits.size(); ++i) {
+    uint32_t b;
+    std::memcpy(&b, &x.values[i], 4);
+    bits[i] = static_cast<uint16_t>(b >> 16);  // the inputs hold bf16 values: exact
+  }
+  void* d = nullptr;
+  check(cudaMalloc(&d, bits.size() * 2), "cudaMalloc");
+  check(cudaMemcpy(d, bits.data(), bits.size() * 2, cudaMemcpyHostToDevice), "upload");
+  return d;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int W = 4, heads = 16, dim = 128, reps = 10;
+  int64_t tokens = 32768;
+  std::string comm = "p2p";
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string a = argv[i], v = argv[i + 1];
+    if (a == "--cp-size") W = std::stoi(v);
+    else if (a == "--heads") heads = std::stoi(v);
+    else if (a == "--dim") dim = std::stoi(v);
+    else if (a == "--tokens") tokens = std::stoll(v);
+    else if (a == "--comm") comm = v;
+    else if (a == "--reps") reps = std::stoi(v);
+    else {
+      std::fprintf(stderr, "usage: bench_cp_local [--cp-size W] [--heads h] [--dim d] [--tokens t] [--comm c] [--reps n]\n");
+      return 2;
+    }
+  }
+  if (gpu::cuda_device_count() == 0) {
+    std::fprintf(stderr, "bench_cp_local: no CUDA device\n");
+    return 2;
+  }
+  sim::CaseSpec s;
+  s.seqlens_q = varlen_lengths(tokens);
+  s.cp_size = W;
+  s.comm = sim::parse_comm(comm);
+  s.causal = true;
+  s.window = normalize_window(true, {});
+  s.heads_q = heads;
+  s.heads_kv = heads;
+  s.dim_qk = dim;
+  s.dim_v = dim;
+  s.dtype = DType::bf16;
+  s.a2a_size = 2;
+  const sim::Plan plan = sim::make_plan(s);
+  const sim::CaseInputs in = sim::make_case_inputs(s);
+  const ThdLayout lay = sim::layout(s);
+
+  // Non-CP: one call over the whole batch, plans built once.
+  const AttentionCall call = non_cp_call(lay, sim::mask_window(s), sim::softmax_scale(s));
+  gpu::AttentionPlan full;
+  check(full.build(call, {DType::bf16, heads, heads, dim, dim}), "plan");
+  void *q = upload(in.q), *k = upload(in.k), *v = upload(in.v), *dout = upload(in.dout);
+  void *o, *dq, *dk, *dv;
+  float* lse;
+  const size_t rows_q = static_cast<size_t>(in.q.rows), rows_kv = static_cast<size_t>(in.k.rows);
+  check(cudaMalloc(&o, rows_q * heads * dim * 2), "cudaMalloc");
+  check(cudaMalloc(&dq, rows_q * heads * dim * 2), "cudaMalloc");
+  check(cudaMalloc(&dk, rows_kv * heads * dim * 2), "cudaMalloc");
+  check(cudaMalloc(&dv, rows_kv * heads * dim * 2), "cudaMalloc");
+  check(cudaMalloc(reinterpret_cast<void**>(&lse), rows_q * heads * 4), "cudaMalloc");
+  const double non_cp = median_ms(
+      [&] {
+        check(gpu::attention_forward(full, {q, k, v, o, lse}), "forward");
+        check(gpu::attention_backward(full, {q, k, v, o, dout, lse, dq, dk, dv}), "backward");
+      },
+      reps);
+
+  gpu::CpGpuOptions options;
+  gpu::LocalCpExecutor executor(plan, in, DType::bf16, options);
+  const double cp = median_ms([&] { executor.run(false); }, reps);
+  gpu::CpGpuOptions fwd_only;
+  fwd_only.backward = false;
+  gpu::LocalCpExecutor executor_fwd(plan, in, DType::bf16, fwd_only);
+  const double cp_fwd = median_ms([&] { executor_fwd.run(false); }, reps);
+  const double non_cp_fwd = median_ms([&] { check(gpu::attention_forward(full, {q, k, v, o, lse}), "forward"); }, reps);
+
+  cudaDeviceProp prop{};
+  cudaGetDeviceProperties(&prop, 0);
+  std::printf("device: %s; case: %lld tokens in %zu sequences, causal, bf16, h=%d, d=%d, %s W=%d; median of %d\n",
+              prop.name, static_cast<long long>(tokens), s.seqlens_q.size(), heads, dim, comm.c_str(), W, reps);
+  std::printf("| path | forward ms | forward + backward ms | ratio (fwd+bwd) |\n|---|---|---|---|\n");
+  std::printf("| non-CP GPU (one call) | %.3f | %.3f | 1.00 |\n", non_cp_fwd, non_cp);
+  std::printf("| local CP %s W=%d (one GPU) | %.3f | %.3f | %.2f |\n", comm.c_str(), W, cp_fwd, cp, cp / non_cp);
+  return 0;
+}

@@ -1,0 +1,62 @@
+#pragma once
+// GPU CP executor: the one CP orchestration (sim/cp_program.hpp) over a device backend, one backend per rank, each
+// exchanging through a Communicator (gpu/communicator.hpp) on its own stream. With make_local_communicators all W
+// ranks run on one device (one host thread each); the NCCL executor drives the same backend with NCCL communicators.
+// Numerics: attention partials in the case dtype with float32 LSE (the kernels of gpu/attention.hpp), merges and
+// dQ/dK/dV/dKV accumulation in float32, outputs rounded once to the dtype, pad rows exactly zero (LSE -inf).
+#include <chrono>
+#include <memory>
+#include <optional>
+#include <utility>
+#include <vector>
+
+#include "gpu/attention.hpp"
+#include "gpu/communicator.hpp"
+#include "sim/case_inputs.hpp"
+#include "sim/executor.hpp"
+#include "sim/plan.hpp"
+
+namespace cpgold::gpu {
+
+struct StepRef {
+  int rank = 0, step = 0;
+};
+
+struct CpGpuOptions {
+  bool backward = true;
+  bool record_trace = false;  // download every step's partials into CpRun::trace (synchronises per step)
+  BackwardMode mode = BackwardMode::atomic;
+  // Self-test of the checkers: adds 1 to the forward partial O of this rank and step (the first row of the tile's
+  // first Q segment, all heads and dims) right after its attention call, before the trace and the merge see it.
+  std::optional<StepRef> inject;
+  std::chrono::milliseconds timeout{std::chrono::seconds(120)};
+};
+
+// The shape check of a plan's case: Status::unsupported outside the kernels' capability table.
+Outcome cp_capability(const sim::Plan& plan, DType dtype, const sim::CaseInputs& inputs);
+
+// W ranks of `plan` on the current device. Holds the ranks' communicators, streams, uploaded shards and the attention
+// plans of their tiles, so that run() can be repeated (benchmarks). Throws CommError (rank, operation) for exchange
+// faults, std::runtime_error for CUDA / kernel failures naming rank and step, std::logic_error for plan faults.
+class LocalCpExecutor {
+ public:
+  LocalCpExecutor(const sim::Plan& plan, const sim::CaseInputs& inputs, DType dtype, const CpGpuOptions& options);
+  ~LocalCpExecutor();
+  LocalCpExecutor(const LocalCpExecutor&) = delete;
+  LocalCpExecutor& operator=(const LocalCpExecutor&) = delete;
+
+  // Runs every rank once; with download, returns the per-rank outputs (host float holding dtype values) and the
+  // trace; without, waits for the device and returns an empty run (timing).
+  sim::CpRun<float> run(bool download = true);
+
+  struct State;
+
+ private:
+  std::unique_ptr<State> state_;
+};
+
+// One-shot form of LocalCpExecutor.
+sim::CpRun<float> run_cp_local(const sim::Plan& plan, const sim::CaseInputs& inputs, DType dtype,
+                               const CpGpuOptions& options);
+
+}  // namespace cpgold::gpu

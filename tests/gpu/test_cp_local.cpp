@@ -1,0 +1,284 @@
+// The GPU CP executors with W virtual ranks on one device (gpu/cp_executor.hpp) through `verify --backend local`'s
+// library entry: every GPU-capable case of the quick, edge and te suites (NaN-filled pads) passes per rank and
+// gathered, forward and backward, in both backward modes; traced cases pass per step; the checker's self-test
+// (--inject) is caught and located at its rank and step for every comm type; the deterministic mode repeats bit for
+// bit; a faulty schedule fails with a timeout naming rank and operation instead of hanging.
+// Without a GPU every case prints "SKIPPED: no CUDA device" (CTest reports it as skipped).
+#include <doctest/doctest.h>
+
+#include <unistd.h>
+
+#include <cuda_runtime_api.h>
+
+#include <chrono>
+#include <cstring>
+#include <cstdio>
+#include <filesystem>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "fixtures/check.hpp"
+#include "fixtures/fixture_writer.hpp"
+#include "fixtures/golden_run.hpp"
+#include "fixtures/suites.hpp"
+#include "gpu/communicator.hpp"
+#include "gpu/cp_executor.hpp"
+#include "gpu/fixture_verify.hpp"
+#include "gpu/local_communicator.hpp"
+#include "sim/case_inputs.hpp"
+#include "sim/cp_program.hpp"
+
+using namespace cpgold;
+namespace fs = std::filesystem;
+
+namespace {
+
+bool have_device() {
+  static const int count = gpu::cuda_device_count();
+  return count > 0;
+}
+
+#define CPGOLD_REQUIRE_DEVICE()                 \
+  do {                                          \
+    if (!have_device()) {                       \
+      std::printf("SKIPPED: no CUDA device\n"); \
+      return;                                   \
+    }                                           \
+  } while (0)
+
+struct TempDir {
+  fs::path path = fs::temp_directory_path() / ("cpgold-cp-local-" + std::to_string(::getpid()));
+  TempDir() { fs::create_directories(path); }
+  ~TempDir() { fs::remove_all(path); }
+};
+
+// Writes the fixture of `spec` (NaN pads) and returns its path.
+std::string make_fixture(const TempDir& dir, const std::string& name, sim::CaseSpec spec, bool trace) {
+  spec.pad_fill = sim::PadFill::nan;
+  const std::string path = (dir.path / (name + (trace ? "_trace" : "") + ".h5")).string();
+  fx::write_fixture(fx::generate(spec, fx::GenerateOptions{trace}), path, fx::WriteOptions{true});
+  return path;
+}
+
+std::string first_failure(const fx::CheckReport& report) {
+  for (const auto& r : report.results)
+    if (!r.ok()) return r.tensor + " rank " + std::to_string(r.rank) + " step " + std::to_string(r.step);
+  return "none";
+}
+
+void verify_suite(const std::string& suite, gpu::BackwardMode mode) {
+  TempDir dir;
+  int checked = 0;
+  for (const fx::SuiteCase& c : fx::suite_cases(suite)) {
+    if (c.cpu_only || !fx::inside_gpu_table(c.spec)) continue;
+    CAPTURE(c.name);
+    const std::string fixture = make_fixture(dir, c.name, c.spec, false);
+    const gpu::FixtureVerification v =
+        gpu::verify_fixture_local(fixture, mode, (dir.path / (c.name + ".cand.h5")).string());
+    if (v.verdict == gpu::FixtureVerdict::unsupported) {
+      MESSAGE("unsupported: " << c.name << ": " << v.unsupported_reason);
+      continue;
+    }
+    REQUIRE(v.report.has_value());
+    INFO(fx::render_text(*v.report));
+    CHECK_MESSAGE(v.verdict == gpu::FixtureVerdict::pass, first_failure(*v.report));
+    int per_rank = 0;
+    for (const auto& r : v.report->results) per_rank += r.rank >= 0;
+    CHECK(per_rank >= 5 * c.spec.cp_size);  // every rank's five outputs were checked
+    ++checked;
+  }
+  MESSAGE(suite << ": " << checked << " cases verified");
+  CHECK(checked > 0);
+}
+
+// The first quick case of each comm type inside the GPU table.
+std::vector<fx::SuiteCase> one_case_per_comm() {
+  std::vector<fx::SuiteCase> out;
+  for (sim::CommType comm : {sim::CommType::p2p, sim::CommType::a2a, sim::CommType::all_gather, sim::CommType::a2a_p2p})
+    for (const std::string suite : {"quick", "edge"}) {
+      bool found = false;
+      for (const fx::SuiteCase& c : fx::suite_cases(suite))
+        if (!c.cpu_only && fx::inside_gpu_table(c.spec) && c.spec.comm == comm && c.spec.cp_size >= 2) {
+          out.push_back(c);
+          found = true;
+          break;
+        }
+      if (found) break;
+    }
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("local CP: every GPU-capable quick case passes per rank and gathered (atomic backward)") {
+  CPGOLD_REQUIRE_DEVICE();
+  verify_suite("quick", gpu::BackwardMode::atomic);
+}
+
+TEST_CASE("local CP: every GPU-capable edge case passes (deterministic backward)") {
+  CPGOLD_REQUIRE_DEVICE();
+  verify_suite("edge", gpu::BackwardMode::deterministic);
+}
+
+TEST_CASE("local CP: every GPU-capable te case passes") {
+  CPGOLD_REQUIRE_DEVICE();
+  verify_suite("te", gpu::BackwardMode::atomic);
+}
+
+TEST_CASE("local CP: traced cases pass step by step; --inject is caught and located for every comm type") {
+  CPGOLD_REQUIRE_DEVICE();
+  TempDir dir;
+  const std::vector<fx::SuiteCase> cases = one_case_per_comm();
+  CHECK(cases.size() == 4);
+  for (const fx::SuiteCase& c : cases) {
+    CAPTURE(c.name);
+    const std::string fixture = make_fixture(dir, c.name, c.spec, true);
+    const std::string cand = (dir.path / (c.name + ".cand.h5")).string();
+    const gpu::FixtureVerification clean = gpu::verify_fixture_local(fixture, gpu::BackwardMode::atomic, cand);
+    REQUIRE(clean.report.has_value());
+    INFO(fx::render_text(*clean.report));
+    CHECK_MESSAGE(clean.verdict == gpu::FixtureVerdict::pass, first_failure(*clean.report));
+    int steps_checked = 0;
+    for (const auto& r : clean.report->results) steps_checked += r.step >= 0;
+    CHECK(steps_checked > 0);
+
+    // Corrupt the last rank's partial at its last computed forward step.
+    const sim::Plan plan = sim::make_plan(c.spec);
+    const int rank = plan.cp_size - 1;
+    int step = -1;
+    for (int s = 0; s < plan.forward.steps; ++s)
+      if (plan.forward.tile(rank, s).computed) step = s;
+    REQUIRE(step >= 0);
+    const gpu::FixtureVerification bad =
+        gpu::verify_fixture_local(fixture, gpu::BackwardMode::atomic, cand, gpu::StepRef{rank, step});
+    REQUIRE(bad.report.has_value());
+    CHECK(bad.verdict == gpu::FixtureVerdict::fail);
+    // Exactly that forward partial fails among the step partials, and its rank's outputs fail.
+    bool located = false, other_step_failed = false, rank_output_failed = false;
+    for (const auto& r : bad.report->results) {
+      if (r.step >= 0 && r.pass == "forward" && !r.ok()) {
+        if (r.rank == rank && r.step == step) located = true;
+        else other_step_failed = true;
+      }
+      if (r.step < 0 && r.rank == rank && !r.ok()) rank_output_failed = true;
+    }
+    CHECK_MESSAGE(located, first_failure(*bad.report));
+    CHECK(!other_step_failed);
+    CHECK(rank_output_failed);
+  }
+}
+
+TEST_CASE("local CP: the deterministic backward gives the same bits on 5 reruns, every comm type") {
+  CPGOLD_REQUIRE_DEVICE();
+  for (const fx::SuiteCase& c : one_case_per_comm()) {
+    CAPTURE(c.name);
+    const sim::Plan plan = sim::make_plan(c.spec);
+    const sim::CaseInputs inputs = sim::make_case_inputs(c.spec);
+    gpu::CpGpuOptions options;
+    options.mode = gpu::BackwardMode::deterministic;
+    gpu::LocalCpExecutor executor(plan, inputs, c.spec.dtype, options);
+    const sim::CpRun<float> first = executor.run(true);
+    for (int rerun = 0; rerun < 4; ++rerun) {
+      const sim::CpRun<float> again = executor.run(true);
+      for (int r = 0; r < plan.cp_size; ++r) {
+        const auto& a = first.ranks[static_cast<size_t>(r)];
+        const auto& b = again.ranks[static_cast<size_t>(r)];
+        CHECK(std::memcmp(a.o.values.data(), b.o.values.data(), a.o.values.size() * 4) == 0);
+        CHECK(std::memcmp(a.lse.values.data(), b.lse.values.data(), a.lse.values.size() * 4) == 0);
+        CHECK(std::memcmp(a.dq.values.data(), b.dq.values.data(), a.dq.values.size() * 4) == 0);
+        CHECK(std::memcmp(a.dk.values.data(), b.dk.values.data(), a.dk.values.size() * 4) == 0);
+        CHECK(std::memcmp(a.dv.values.data(), b.dv.values.data(), a.dv.values.size() * 4) == 0);
+      }
+    }
+  }
+}
+
+TEST_CASE("local communicator: a receive without a matching send times out naming rank and operation") {
+  CPGOLD_REQUIRE_DEVICE();
+  gpu::CommOptions options;
+  options.timeout = std::chrono::milliseconds(300);
+  auto comms = gpu::make_local_communicators(2, options);
+  std::vector<std::string> errors(2);
+  const auto start = std::chrono::steady_clock::now();
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r)
+    threads.emplace_back([&, r] {
+      try {
+        if (r == 0) {
+          float* buffer = nullptr;
+          cudaMalloc(reinterpret_cast<void**>(&buffer), 64);
+          const gpu::RecvFrom recv{1, buffer, 64};
+          comms[0]->send_recv({}, {&recv, 1});
+          cudaFree(buffer);
+        }
+        // rank 1 never sends
+      } catch (const gpu::CommError& e) {
+        errors[static_cast<size_t>(r)] = e.what();
+        CHECK(e.rank() == 0);
+        CHECK(e.operation() == gpu::CommOp::send_recv);
+        CHECK(e.fault() == gpu::CommFault::timeout);
+      }
+    });
+  for (auto& t : threads) t.join();
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  MESSAGE(errors[0]);
+  CHECK(errors[0].find("rank 0") != std::string::npos);
+  CHECK(errors[0].find("send_recv") != std::string::npos);
+  CHECK(errors[0].find("rank 1") != std::string::npos);
+  CHECK(seconds < 5.0);
+  // The communicator is aborted afterwards: the next call fails at once.
+  CHECK_THROWS_AS(comms[1]->all_gather(nullptr, nullptr, 0), gpu::CommError);
+}
+
+TEST_CASE("local communicator: ring shift, all-gather, reduce-scatter (rank order) and all-to-all move the right bytes") {
+  CPGOLD_REQUIRE_DEVICE();
+  const int W = 4;
+  const size_t n = 8;
+  auto comms = gpu::make_local_communicators(W);
+  std::vector<std::vector<float>> got_ring(W), got_ag(W), got_rs(W), got_a2a(W);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < W; ++r)
+    threads.emplace_back([&, r] {
+      gpu::Communicator& c = *comms[static_cast<size_t>(r)];
+      auto stream = static_cast<cudaStream_t>(c.stream());
+      std::vector<float> mine(n * W);
+      for (size_t i = 0; i < mine.size(); ++i) mine[i] = static_cast<float>(r * 1000 + static_cast<int>(i));
+      float *send = nullptr, *recv = nullptr;
+      cudaMalloc(reinterpret_cast<void**>(&send), mine.size() * 4);
+      cudaMalloc(reinterpret_cast<void**>(&recv), mine.size() * 4);
+      cudaMemcpy(send, mine.data(), mine.size() * 4, cudaMemcpyHostToDevice);
+      auto read = [&](std::vector<float>& out, size_t count) {
+        c.synchronize();
+        out.resize(count);
+        cudaMemcpy(out.data(), recv, count * 4, cudaMemcpyDeviceToHost);
+      };
+      const gpu::SendTo s{(r + 1) % W, send, n * 4};
+      const gpu::RecvFrom v{(r + W - 1) % W, recv, n * 4};
+      c.send_recv({&s, 1}, {&v, 1});
+      read(got_ring[static_cast<size_t>(r)], n);
+      c.all_gather(send, recv, n * 4);
+      read(got_ag[static_cast<size_t>(r)], n * W);
+      c.reduce_scatter_sum(send, recv, n);
+      read(got_rs[static_cast<size_t>(r)], n);
+      c.all_to_all(send, recv, n * 4);
+      read(got_a2a[static_cast<size_t>(r)], n * W);
+      (void)stream;
+      cudaFree(send);
+      cudaFree(recv);
+    });
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < W; ++r) {
+    const int prev = (r + W - 1) % W;
+    for (size_t i = 0; i < n; ++i) {
+      CHECK(got_ring[r][i] == static_cast<float>(prev * 1000 + static_cast<int>(i)));
+      float sum = 0.0f;
+      for (int x = 0; x < W; ++x) sum += static_cast<float>(x * 1000 + r * static_cast<int>(n) + static_cast<int>(i));
+      CHECK(got_rs[r][i] == sum);
+      for (int x = 0; x < W; ++x) {
+        CHECK(got_ag[r][x * n + i] == static_cast<float>(x * 1000 + static_cast<int>(i)));
+        CHECK(got_a2a[r][x * n + i] == static_cast<float>(x * 1000 + r * static_cast<int>(n) + static_cast<int>(i)));
+      }
+    }
+  }
+}
