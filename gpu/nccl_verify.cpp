@@ -5,6 +5,7 @@
 
 #include <cstdio>
 #include <filesystem>
+#include <mutex>
 #include <sstream>
 
 #include "fixtures/fixture_reader.hpp"
@@ -28,6 +29,10 @@ Tensor3<float> read_input(const fx::h5::Reader& reader, const char* name) {
   return t;
 }
 
+// HDF5 as Debian and most distributions build it is not thread-safe: the ranks of a threads launch take turns
+// at every file access (reading the fixture, writing and checking the candidate); their GPU work overlaps.
+std::mutex hdf5_mutex;
+
 // Rank 0 prints; every rank learns the verdict. reason: why the fixture is unsupported ("" when it ran).
 void print_unsupported(int rank, const std::string& path, const std::string& reason) {
   if (rank != 0) return;
@@ -41,8 +46,15 @@ FixtureVerdict verify_fixture_on_rank(RankContext& context, Communicator& comm, 
                                       const NcclVerifyOptions& options, const RankRun& run) {
   RankChannel& channel = context.channel;
   const int rank = channel.rank(), world = channel.size();
-  const fx::h5::Reader reader(fixture_path);
-  const fx::FixtureFile fixture = fx::open_fixture(reader, fx::OpenOptions{false});
+  // Read under the lock, the file closed before it is released.
+  auto [fixture, inputs] = [&] {
+    std::lock_guard lock(hdf5_mutex);
+    const fx::h5::Reader reader(fixture_path);
+    fx::FixtureFile file = fx::open_fixture(reader, fx::OpenOptions{false});
+    sim::CaseInputs tensors{read_input(reader, "q"), read_input(reader, "k"), read_input(reader, "v"),
+                            read_input(reader, "dout")};
+    return std::make_pair(std::move(file), std::move(tensors));
+  }();
   // Everything the ranks must share: the case (layout, heads, dims, mask, comm type, W, seed), the run's options.
   std::ostringstream description;
   description << fixture.case_json << " | backend nccl, " << world << " ranks, backward "
@@ -62,16 +74,15 @@ FixtureVerdict verify_fixture_on_rank(RankContext& context, Communicator& comm, 
                                               std::to_string(world));
     return FixtureVerdict::unsupported;
   }
-  const sim::CaseInputs inputs{read_input(reader, "q"), read_input(reader, "k"), read_input(reader, "v"),
-                               read_input(reader, "dout")};
   inject_fault(options.inject_failure, rank);  // self-test: before the first exchange of the run
-  const sim::RankOutputs<float> outputs = run(fixture.plan, inputs, rank, comm, options.mode);
+  const sim::RankOutputs<float> outputs = run(fixture.plan, inputs, rank, comm, spec.dtype, options.mode);
 
   namespace fs = std::filesystem;
   const fs::path candidate = fs::temp_directory_path() /
                              ("cpgold-verify-nccl-" + std::to_string(::getpid()) + "-r" + std::to_string(rank) + ".h5");
   RankCheck check;
   try {
+    std::lock_guard lock(hdf5_mutex);
     check = check_rank_outputs(fixture_path, rank, outputs, candidate.string());
   } catch (...) {
     fs::remove(candidate);

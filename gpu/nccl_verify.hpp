@@ -22,7 +22,7 @@ namespace cpgold::gpu {
 // calling thread's current device through `comm` (the CP communicator of the run, size = plan.cp_size).
 // inputs: the global inputs (each rank takes its own shards).
 using RankRun = std::function<sim::RankOutputs<float>(const sim::Plan& plan, const sim::CaseInputs& inputs, int rank,
-                                                      Communicator& comm, BackwardMode mode)>;
+                                                      Communicator& comm, DType dtype, BackwardMode mode)>;
 
 struct NcclVerifyOptions {
   BackwardMode mode = BackwardMode::atomic;
