@@ -306,3 +306,53 @@ TEST_CASE("rank check: each rank checks its own outputs; rank 0's table has ever
   CHECK(table.find("worst element") != std::string::npos);
   std::filesystem::remove_all(folder);
 }
+
+// --- the CP program over NCCL: each comm type on 2 (and 4) GPUs, every rank checked against /ranks/<r> ----------
+
+#include "gpu/nccl_executor.hpp"
+#include "gpu/nccl_verify.hpp"
+
+namespace {
+
+void verify_on_gpus(int ranks, const std::vector<std::string>& cases) {
+  const auto folder = fresh_folder(("nccl-cp-w" + std::to_string(ranks)).c_str());
+  std::filesystem::create_directories(folder);
+  std::vector<std::string> fixtures;
+  for (size_t i = 0; i < cases.size(); ++i) {
+    fixtures.push_back((folder / ("case" + std::to_string(i) + ".h5")).string());
+    fx::write_fixture(fx::generate(sim::parse_case_text(cases[i])), fixtures.back());
+  }
+  RankEnds ends(ranks);
+  RankLaunch launch = thread_launch(ranks, 60, ends);
+  const int code = verify_fixtures_nccl(fixtures, {}, launch,
+                                        [](const sim::Plan& plan, const sim::CaseInputs& inputs, int rank,
+                                           Communicator& comm, DType dtype, BackwardMode mode) {
+                                          CpGpuOptions options;
+                                          options.mode = mode;
+                                          return run_cp_rank(plan, inputs, rank, comm, dtype, options);
+                                        });
+  for (int r = 0; r < ranks; ++r) INFO("rank " << r << ": " << ends.errors[static_cast<size_t>(r)]);
+  CHECK(code == 0);
+  std::filesystem::remove_all(folder);
+}
+
+}  // namespace
+
+TEST_CASE("nccl CP W=2: p2p, a2a and all_gather pass on every rank, forward and backward") {
+  if (skip_unless_devices(2)) return;
+  verify_on_gpus(2, {
+      R"({"seqlens_q":[113,0,203,9],"heads_q":4,"heads_kv":2,"dim_qk":64,"mask":"causal","cp_size":2,"comm":"p2p","seed":11,"pad_fill":"nan"})",
+      R"({"seqlens_q":[77,130],"heads_q":4,"heads_kv":2,"dim_qk":128,"mask":"causal","cp_size":2,"comm":"a2a","seed":12})",
+      R"({"seqlens_q":[64,1,150],"heads_q":2,"heads_kv":1,"dim_qk":128,"dtype":"fp16","mask":"causal","window":[32,0],"cp_size":2,"comm":"all_gather","seed":13})",
+  });
+}
+
+TEST_CASE("nccl CP W=4: p2p, a2a, all_gather and a2a+p2p (a2a_size 2) pass on every rank") {
+  if (skip_unless_devices(4)) return;
+  verify_on_gpus(4, {
+      R"({"seqlens_q":[113,0,203,9],"heads_q":4,"heads_kv":2,"dim_qk":64,"mask":"causal","cp_size":4,"comm":"p2p","seed":21})",
+      R"({"seqlens_q":[77,130],"heads_q":4,"heads_kv":4,"dim_qk":128,"mask":"causal","cp_size":4,"comm":"a2a","seed":22})",
+      R"({"seqlens_q":[64,1,150],"heads_q":4,"heads_kv":2,"dim_qk":64,"mask":"causal","cp_size":4,"comm":"all_gather","seed":23})",
+      R"({"seqlens_q":[211,57],"heads_q":4,"heads_kv":2,"dim_qk":128,"mask":"causal","cp_size":4,"comm":"a2a+p2p","a2a_size":2,"seed":24})",
+  });
+}
