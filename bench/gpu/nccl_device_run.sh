@@ -31,24 +31,20 @@ run() {
   printf "== %-34s rc=%d %d.%03d s\n" "$name" $rc $((ms / 1000)) $((ms % 1000))
 }
 if [[ "$MODES" == *check* ]]; then
+  # The test suite covers the threads launch: coded-value exchanges (W=2, W=4), a failing rank (exception, CUDA
+  # error), a mismatched case, and the CP program over NCCL on small fixtures of every comm type.
   run test_nccl 150 $B/bin/test_nccl
-  grep -E "SKIPPED|test cases|assertions|ERROR|rror" $OUT/test_nccl.log | head -12
-  run check_w2_threads 45 env CUDA_VISIBLE_DEVICES=0,1 $C nccl-check
-  run check_w4_threads 45 $C nccl-check --a2a-size 2
+  grep -E "SKIPPED|test cases|assertions|ERROR" $OUT/test_nccl.log | head -12
   run check_w2_mpi 45 env CUDA_VISIBLE_DEVICES=0,1 $MPIRUN -np 2 $C nccl-check
   run check_w4_mpi 45 $MPIRUN -np 4 $C nccl-check --a2a-size 2
   run check_w4_folder 45 bench/gpu/folder_ranks.sh 4 /tmp/rv4 $C nccl-check --a2a-size 2
-  grep -h "VERDICT" $OUT/check_*.log
-  # Faults: every rank must exit non-zero naming the cause, well inside the 20 s timeout.
-  run fault_throw_threads 45 $C nccl-check --inject-failure 1:exception --timeout 20
+  grep -h "VERDICT\|folder rank" $OUT/check_*.log
+  # Faults in the process launches: every rank must exit non-zero naming the cause, well inside the 20 s timeout.
   run fault_cuda_mpi 45 $MPIRUN -np 4 $C nccl-check --inject-failure 2:cuda --timeout 20
-  run fault_input_mpi 45 env CUDA_VISIBLE_DEVICES=0,1 $MPIRUN -np 2 $C nccl-check --inject-failure 1:input --timeout 20
-  run mismatch_threads 45 $C nccl-check --inject-mismatch 1 --timeout 20
   run mismatch_mpi 45 $MPIRUN -np 4 $C nccl-check --inject-mismatch 3 --timeout 20
   run fault_folder 45 env CUDA_VISIBLE_DEVICES=0,1 bench/gpu/folder_ranks.sh 2 /tmp/rvf $C nccl-check --inject-failure 0:exception --timeout 20
-  rm -rf /tmp/rvm; run missing_rank_folder 45 $C nccl-check --launch folder --rendezvous /tmp/rvm --rank 0 --world-size 2 --timeout 5
-  for f in fault_throw_threads fault_cuda_mpi fault_input_mpi mismatch_threads mismatch_mpi fault_folder missing_rank_folder; do
-    echo "-- $f"; grep -E "^rank [0-9]+: error|^folder rank|exited on signal|MPI_ABORT was invoked" $OUT/$f.log | cut -c1-260 | sort | head -6
+  for f in fault_cuda_mpi mismatch_mpi fault_folder; do
+    echo "-- $f"; grep -E "^rank [0-9]+: error|^folder rank" $OUT/$f.log | cut -c1-200 | sort | head -6
   done
 fi
 if [[ "$MODES" == *verify* ]]; then source bench/gpu/nccl_verify_run.sh; fi

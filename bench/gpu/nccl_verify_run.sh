@@ -31,5 +31,5 @@ run verify_mismatch_mpi 60 env CUDA_VISIBLE_DEVICES=0,1 $MPIRUN -np 2 bash -c "i
 run verify_fail_threads 60 $C verify --backend nccl $W4 --inject-failure 2:exception --timeout 20
 run verify_fail_mpi 60 $MPIRUN -np 4 $C verify --backend nccl $W4 --inject-failure 1:cuda --timeout 20
 for f in verify_mismatch_threads verify_mismatch_mpi verify_fail_threads verify_fail_mpi; do
-  echo "-- $f"; grep -E "^rank [0-9]+: error" $OUT/$f.log | cut -c1-240 | sort | head -4
+  echo "-- $f"; grep -E "^rank [0-9]+: error" $OUT/$f.log | cut -c1-200 | sort | head -4
 done
