@@ -17,7 +17,6 @@ which mpirun && mpirun --version | head -1
 cmake -S . -B $B -DCMAKE_BUILD_TYPE=Release ${CPGOLD_PREFIX:+-DCMAKE_PREFIX_PATH=$CPGOLD_PREFIX} > $OUT/configure.log 2>&1 || { tail -30 $OUT/configure.log; exit 1; }
 grep -E "CUDA  |NCCL  |MPI" $OUT/configure.log
 TARGETS="cpgold test_nccl"
-case "$MODES" in *bench*) TARGETS="$TARGETS bench_gpu_cp";; esac
 cmake --build $B -j16 --target $TARGETS > $OUT/build.log 2>&1 || { grep -E "error" $OUT/build.log | head -30; exit 1; }
 echo "== build ok"
 C=$B/bin/cpgold
@@ -30,7 +29,7 @@ run() {
   local ms=$(( ($(date +%s%N) - t0) / 1000000 ))
   printf "== %-34s rc=%d %d.%03d s\n" "$name" $rc $((ms / 1000)) $((ms % 1000))
 }
-if [[ "$MODES" == *check* ]]; then
+check_part() {
   # The test suite covers the threads launch: coded-value exchanges (W=2, W=4), a failing rank (exception, CUDA
   # error), a mismatched case, and the CP program over NCCL on small fixtures of every comm type.
   run test_nccl 150 $B/bin/test_nccl
@@ -46,6 +45,13 @@ if [[ "$MODES" == *check* ]]; then
   for f in fault_cuda_mpi mismatch_mpi fault_folder; do
     echo "-- $f"; grep -E "^rank [0-9]+: error|^folder rank" $OUT/$f.log | cut -c1-200 | sort | head -6
   done
-fi
-if [[ "$MODES" == *verify* ]]; then source bench/gpu/nccl_verify_run.sh; fi
-cd $OUT && tar -czf logs.tar.gz *.log && rm -f *.log
+}
+# Parts in the order asked (the first ones are kept when a guard stops the run).
+for mode in $MODES; do
+  case $mode in
+    check) check_part ;;
+    verify) source bench/gpu/nccl_verify_run.sh ;;
+  esac
+  (cd $OUT && tar -czf logs.tar.gz *.log)
+done
+cd $OUT && rm -f *.log

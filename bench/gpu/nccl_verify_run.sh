@@ -17,10 +17,10 @@ select_fixtures() {
 W2=$(select_fixtures 2 p2p a2a all_gather)
 W4=$(select_fixtures 4 p2p a2a all_gather a2a+p2p)
 echo "== W=2 fixtures: $(echo $W2 | wc -w); W=4 fixtures: $(echo $W4 | wc -w)"
-run verify_w2_threads 120 env CUDA_VISIBLE_DEVICES=0,1 $C verify --backend nccl $W2
-run verify_w2_mpi 120 env CUDA_VISIBLE_DEVICES=0,1 $MPIRUN -np 2 $C verify --backend nccl $W2
-run verify_w4_threads 120 $C verify --backend nccl $W4
-run verify_w4_mpi 120 $MPIRUN -np 4 $C verify --backend nccl $W4
+run verify_w2_threads 75 env CUDA_VISIBLE_DEVICES=0,1 $C verify --backend nccl --timeout 30 $W2
+run verify_w2_mpi 75 env CUDA_VISIBLE_DEVICES=0,1 $MPIRUN -np 2 $C verify --backend nccl --timeout 30 $W2
+run verify_w4_threads 60 $C verify --backend nccl --timeout 30 $W4
+run verify_w4_mpi 60 $MPIRUN -np 4 $C verify --backend nccl --timeout 30 $W4
 for f in verify_w2_threads verify_w2_mpi verify_w4_threads verify_w4_mpi; do
   echo "-- $f"; grep -E "^verify:|^verdict: FAIL|UNSUPPORTED|error" $OUT/$f.log | head -8
   echo "   per-fixture verdicts: $(grep -c '^verdict: PASS' $OUT/$f.log) PASS, $(grep -c '^verdict: FAIL' $OUT/$f.log) FAIL"
