@@ -6,6 +6,9 @@
 // `--backend local`: runs each fixture's CP comm type with W virtual ranks on one GPU (gpu/cp_executor.hpp) and
 // checks every rank's outputs, the gathered outputs and, for traced fixtures, every step's partials.
 // `--inject rank,step` (with --backend local): self-test of the checker; corrupts that step's forward partial.
+// `--backend nccl`: one GPU per rank (gpu/nccl_verify.hpp), ranks started as threads, by mpirun or through a shared
+// folder (apps/rank_launch_options.hpp); every rank checks its own outputs, rank 0 prints one table per fixture.
+// `--inject-failure RANK:KIND` / `--inject-mismatch RANK` (with --backend nccl): self-tests of the fault contract.
 #include <cstdio>
 #include <unistd.h>
 
@@ -18,12 +21,17 @@
 #include <vector>
 
 #include "apps/command_registry.hpp"
+#include "apps/rank_launch_options.hpp"
 #include "reference/input_error.hpp"
 
 #if CPGOLD_HAVE_CUDA
 #include "fixtures/check.hpp"
 #include "gpu/attention.hpp"
 #include "gpu/fixture_verify.hpp"
+#endif
+#if CPGOLD_HAVE_NCCL
+#include "gpu/nccl_executor.hpp"
+#include "gpu/nccl_verify.hpp"
 #endif
 
 namespace cpgold::app {
@@ -36,6 +44,8 @@ struct VerifyArgs {
   bool deterministic = false;
   std::string backend;  // empty: the non-CP path; "local": CP with W ranks on one GPU
   std::string inject;   // "rank,step"
+  std::string inject_failure;  // --backend nccl: "RANK:KIND"
+  int inject_mismatch = -1;    // --backend nccl
 };
 
 #if CPGOLD_HAVE_CUDA
@@ -74,12 +84,40 @@ gpu::FixtureVerdict verify_one(const std::string& path, const VerifyArgs& args, 
   return result.verdict;
 }
 
-int run_verify(const VerifyArgs& args) {
+#if CPGOLD_HAVE_NCCL
+int run_verify_nccl(const VerifyArgs& args, const RankLaunchOptions& launch_options) {
+  if (args.format != "text") fail_input("--format", "--backend nccl prints text (rank 0's combined table)");
+  if (!args.dump.empty()) fail_input("--dump", "not with --backend nccl: every rank checks its own outputs");
+  if (!args.inject.empty()) fail_input("--inject", "needs --backend local");
+  gpu::NcclVerifyOptions options;
+  options.mode = args.deterministic ? gpu::BackwardMode::deterministic : gpu::BackwardMode::atomic;
+  options.inject_failure = gpu::parse_exchange_fault(args.inject_failure);
+  options.inject_mismatch = args.inject_mismatch;
+  const RankLaunchOptions& o = launch_options;
+  const gpu::RankLaunch launch{o.launch, o.ranks, o.rendezvous, o.rank, o.world_size, o.device, gpu::Seconds(o.timeout_s)};
+  return gpu::verify_fixtures_nccl(args.fixtures, options, launch,
+                                   [](const sim::Plan& plan, const sim::CaseInputs& inputs, int rank,
+                                      gpu::Communicator& comm, DType dtype, gpu::BackwardMode mode) {
+                                     gpu::CpGpuOptions cp;
+                                     cp.mode = mode;
+                                     return gpu::run_cp_rank(plan, inputs, rank, comm, dtype, cp);
+                                   });
+}
+#endif
+
+int run_verify(const VerifyArgs& args, const RankLaunchOptions& launch) {
   if (args.format != "text" && args.format != "json") fail_input("--format", "expected text or json, got \"", args.format, "\"");
   if (!args.dump.empty() && args.fixtures.size() != 1)
     fail_input("--dump", "writes the outputs of one fixture; got ", args.fixtures.size(), " fixtures");
-  if (!args.backend.empty() && args.backend != "local")
-    fail_input("--backend", "expected local, got \"", args.backend, "\"");
+  if (!args.backend.empty() && args.backend != "local" && args.backend != "nccl")
+    fail_input("--backend", "expected local or nccl, got \"", args.backend, "\"");
+  if ((!args.inject_failure.empty() || args.inject_mismatch >= 0) && args.backend != "nccl")
+    fail_input("--inject-failure", "the fault self-tests need --backend nccl");
+#if CPGOLD_HAVE_NCCL
+  if (args.backend == "nccl") return run_verify_nccl(args, launch);
+#else
+  if (args.backend == "nccl") fail_input("--backend", "nccl: this cpgold was built without NCCL");
+#endif
   if (!args.inject.empty() && args.backend != "local") fail_input("--inject", "needs --backend local");
   parse_inject(args.inject);
   if (gpu::cuda_device_count() == 0) fail_input("verify", "no CUDA device (the GPU path needs one)");
@@ -111,7 +149,7 @@ int run_verify(const VerifyArgs& args) {
 
 #else
 
-int run_verify(const VerifyArgs&) {
+int run_verify(const VerifyArgs&, const RankLaunchOptions&) {
   fail_input("verify", "this cpgold was built without CUDA (no nvcc at configure time)");
 }
 
@@ -125,10 +163,17 @@ const RegisterCommand registered("verify", [](CLI::App& app) -> std::function<in
   sub->add_option("--format", args->format, "text or json");
   sub->add_flag("--deterministic", args->deterministic, "bitwise reproducible backward (dQ by a separate pass)");
   sub->add_option("--backend", args->backend,
-                  "local: run the fixture's CP comm type with W ranks on one GPU and check ranks and steps");
+                  "local: run the fixture's CP comm type with W ranks on one GPU and check ranks and steps; "
+                  "nccl: one GPU per rank through NCCL, every rank checks its own outputs");
   sub->add_option("--inject", args->inject,
                   "RANK,STEP (with --backend local): self-test of the checker, corrupts that forward partial");
-  return [=] { return run_verify(*args); };
+  sub->add_option("--inject-failure", args->inject_failure,
+                  "RANK:KIND (with --backend nccl; KIND exception, cuda, input): self-test, that rank fails before its first exchange");
+  sub->add_option("--inject-mismatch", args->inject_mismatch,
+                  "RANK (with --backend nccl): self-test, that rank describes another case");
+  auto launch = std::make_shared<RankLaunchOptions>();
+  add_rank_launch_options(sub, launch);
+  return [=] { return run_verify(*args, *launch); };
 });
 
 }  // namespace

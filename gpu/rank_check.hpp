@@ -1,0 +1,32 @@
+#pragma once
+// Checking a multi-GPU run where it runs: every rank checks its own outputs (rank-local layout) against
+// /ranks/<r> of the fixture with the engine of `cpgold check`, and sends a summary to rank 0, which prints one
+// combined table (every rank's rows under one header), the details of every failing tensor and one verdict.
+#include <string>
+#include <vector>
+
+#include "sim/executor.hpp"
+
+namespace cpgold::gpu {
+
+struct RankCheck {
+  int rank = -1;
+  bool pass = false;
+  std::string rows;     // the check table's rows of this rank's tensors (o@r1, lse@r1, ...)
+  std::string details;  // worst element and first divergence of each failing tensor
+};
+
+// outputs: this rank's O [rows_q, h_q, d_v], LSE [h_q, rows_q], dQ, dK [rows_kv, h_kv, d_qk], dV as float32;
+// candidate_path: where the per-rank candidate file is written (root attribute rank = `rank`).
+// InputError for unusable fixtures.
+RankCheck check_rank_outputs(const std::string& fixture_path, int rank, const sim::RankOutputs<float>& outputs,
+                             const std::string& candidate_path);
+
+std::string serialise(const RankCheck& check);
+RankCheck deserialise_rank_check(const std::string& bytes);
+
+// Rank 0's report: the header of `cpgold check`'s table once, every rank's rows in rank order, the failures'
+// details, and "verdict: PASS|FAIL".
+std::string combined_report(const std::string& fixture_path, const std::vector<RankCheck>& ranks);
+
+}  // namespace cpgold::gpu
