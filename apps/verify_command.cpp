@@ -30,7 +30,7 @@
 #include "gpu/fixture_verify.hpp"
 #endif
 #if CPGOLD_HAVE_NCCL
-#include "gpu/nccl_executor.hpp"
+#include "gpu/cp_executor.hpp"
 #include "gpu/nccl_verify.hpp"
 #endif
 
@@ -100,7 +100,7 @@ int run_verify_nccl(const VerifyArgs& args, const RankLaunchOptions& launch_opti
                                       gpu::Communicator& comm, DType dtype, gpu::BackwardMode mode) {
                                      gpu::CpGpuOptions cp;
                                      cp.mode = mode;
-                                     return gpu::run_cp_rank(plan, inputs, rank, comm, dtype, cp);
+                                     return gpu::run_cp_rank(plan, inputs, dtype, comm, cp).outputs;
                                    });
 }
 #endif

@@ -1,7 +1,8 @@
 #pragma once
 // GPU CP executor: the one CP orchestration (sim/cp_program.hpp) over a device backend, one backend per rank, each
 // exchanging through a Communicator (gpu/communicator.hpp) on its own stream. With make_local_communicators all W
-// ranks run on one device (one host thread each); the NCCL executor drives the same backend with NCCL communicators.
+// ranks run on one device (one host thread each); run_cp_rank runs one rank of the same backend over any
+// communicator (NCCL: one rank per GPU thread or process, gpu/nccl_verify.hpp).
 // Numerics: attention partials in the case dtype with float32 LSE (the kernels of gpu/attention.hpp), merges and
 // dQ/dK/dV/dKV accumulation in float32, outputs rounded once to the dtype, pad rows exactly zero (LSE -inf).
 #include <chrono>
@@ -55,7 +56,7 @@ class LocalCpExecutor {
   std::unique_ptr<State> state_;
 };
 
-// One rank of a CP run, for drivers with one rank per thread or process (the NCCL executor): `comm` is this rank's
+// One rank of a CP run, for drivers with one rank per thread or process (`verify --backend nccl`): `comm` is this rank's
 // communicator (size = plan.cp_size, rank = the CP rank) on the current device. Uploads the rank's shards of
 // `inputs`, runs the per-rank program on comm.stream(), waits for it and returns the rank's outputs (host float of
 // the dtype's values) and, with options.record_trace, its step records (in step order). Errors as LocalCpExecutor.

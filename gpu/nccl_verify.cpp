@@ -43,7 +43,7 @@ void print_unsupported(int rank, const std::string& path, const std::string& rea
 }  // namespace
 
 FixtureVerdict verify_fixture_on_rank(RankContext& context, Communicator& comm, const std::string& fixture_path,
-                                      const NcclVerifyOptions& options, const RankRun& run) {
+                                      const NcclVerifyOptions& options, const RankRunner& run) {
   RankChannel& channel = context.channel;
   const int rank = channel.rank(), world = channel.size();
   // Read under the lock, the file closed before it is released.
@@ -104,7 +104,7 @@ FixtureVerdict verify_fixture_on_rank(RankContext& context, Communicator& comm, 
 }
 
 int verify_fixtures_nccl(const std::vector<std::string>& fixtures, const NcclVerifyOptions& options,
-                         const RankLaunch& launch, const RankRun& run) {
+                         const RankLaunch& launch, const RankRunner& run) {
   return run_ranks(launch, [&](RankContext& context) {
     CommOptions comm_options;
     comm_options.timeout = std::chrono::duration_cast<std::chrono::milliseconds>(context.timeout);

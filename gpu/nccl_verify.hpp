@@ -21,7 +21,7 @@ namespace cpgold::gpu {
 // One rank's run of a plan: this rank's outputs in the rank-local layout (float32 on the host), computed on the
 // calling thread's current device through `comm` (the CP communicator of the run, size = plan.cp_size).
 // inputs: the global inputs (each rank takes its own shards).
-using RankRun = std::function<sim::RankOutputs<float>(const sim::Plan& plan, const sim::CaseInputs& inputs, int rank,
+using RankRunner = std::function<sim::RankOutputs<float>(const sim::Plan& plan, const sim::CaseInputs& inputs, int rank,
                                                       Communicator& comm, DType dtype, BackwardMode mode)>;
 
 struct NcclVerifyOptions {
@@ -33,13 +33,13 @@ struct NcclVerifyOptions {
 // Returns the verdict of `fixture_path` (the same on every rank). Unsupported: outside the GPU capability table, or
 // cp_size != the number of ranks (named in the reason). InputError for unusable fixtures and a case mismatch.
 FixtureVerdict verify_fixture_on_rank(RankContext& context, Communicator& comm, const std::string& fixture_path,
-                                      const NcclVerifyOptions& options, const RankRun& run);
+                                      const NcclVerifyOptions& options, const RankRunner& run);
 
 // The whole `verify --backend nccl` on the ranks of this process (run_ranks): one NCCL communicator per rank for
 // all fixtures, verify_fixture_on_rank for each, and rank 0's summary line "verify: P passed, F failed, U
 // unsupported (of N fixtures; backend nccl, W ranks (launch); backward mode M)". Returns the process's exit code:
 // 0 when every fixture passed, 1 when one failed or was unsupported, 2/3 for bad input / a failed rank.
 int verify_fixtures_nccl(const std::vector<std::string>& fixtures, const NcclVerifyOptions& options,
-                         const RankLaunch& launch, const RankRun& run);
+                         const RankLaunch& launch, const RankRunner& run);
 
 }  // namespace cpgold::gpu
