@@ -126,7 +126,7 @@ TEST_CASE("local CP: every GPU-capable te case passes") {
   verify_suite("te", gpu::BackwardMode::atomic);
 }
 
-TEST_CASE("local CP: traced cases pass step by step; --inject is caught and located for every comm type") {
+TEST_CASE("local CP: traced cases pass step by step, --inject is caught and located for every comm type") {
   CPGOLD_REQUIRE_DEVICE();
   TempDir dir;
   const std::vector<fx::SuiteCase> cases = one_case_per_comm();

@@ -68,7 +68,7 @@ bool skip_unless_devices(int needed) {
 
 }  // namespace
 
-TEST_CASE("rank channel (threads): all_gather in rank order; a posted fault stops the others naming the rank") {
+TEST_CASE("rank channel (threads): all_gather in rank order, a posted fault stops the others naming the rank") {
   ThreadRendezvous rendezvous(3);
   auto make = [&](int r) { return rendezvous.channel(r); };
   std::vector<std::vector<std::string>> seen(3);
@@ -270,7 +270,7 @@ TEST_CASE("nccl faults: a rank given another case stops every rank before any co
 #include "sim/case_spec.hpp"
 #include "sim/plan.hpp"
 
-TEST_CASE("rank check: each rank checks its own outputs; rank 0's table has every rank's rows and one verdict") {
+TEST_CASE("rank check: each rank checks its own outputs, rank 0's table has every rank's rows and one verdict") {
   const auto folder = fresh_folder("rank-check");
   std::filesystem::create_directories(folder);
   const std::string golden = (folder / "golden.h5").string();

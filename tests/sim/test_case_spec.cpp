@@ -45,7 +45,7 @@ TEST_CASE("causal with a window keeps the left side and forces right = 0") {
   CHECK(mask_window(s) == Window{128, 0});
 }
 
-TEST_CASE("the window (-1, 0) under mask none is stored as causal; (wl, 0) stays a window") {
+TEST_CASE("the window (-1, 0) under mask none is stored as causal, (wl, 0) stays a window") {
   const CaseSpec s = parse_case_text(R"({"seqlens_q": [4], "mask": "none", "window": [-1, 0]})");
   CHECK(s.causal);
   CHECK(normalized_json(s).find(R"("mask":"causal")") != std::string::npos);
@@ -112,7 +112,7 @@ TEST_CASE("inputs: deterministic, in [-1, 1], dtype values, pad fill") {
 
 #include "apps/case_options.hpp"
 
-TEST_CASE("CLI flags map one to one to case keys; flags override --case") {
+TEST_CASE("CLI flags map one to one to case keys, flags override --case") {
   cpgold::app::CaseFlags flags;
   flags.case_json = R"({"seqlens_q": [4, 4], "cp_size": 2, "heads_q": 8})";
   flags.values["seqlens_q"] = "5,8";

@@ -46,7 +46,7 @@ TEST_CASE("seed: the same range as a flag and in JSON, up to INT64_MAX (stored a
   CHECK(flag_error({{"seqlens_q", "5"}, {"seed", "-1"}}) == json_error(R"({"seqlens_q":[5],"seed":-1})"));
 }
 
-TEST_CASE("softmax_scale: one supported range for flags and JSON; overflow is bad input, not an internal error") {
+TEST_CASE("softmax_scale: one supported range for flags and JSON, overflow is bad input, not an internal error") {
   for (const std::string value : {"5e-324", "1e300", "1000", "0", "-1", "65"}) {
     CAPTURE(value);
     const std::string from_json = json_error(R"({"seqlens_q":[5],"softmax_scale":)" + value + "}");
@@ -62,7 +62,7 @@ TEST_CASE("softmax_scale: one supported range for flags and JSON; overflow is ba
   CHECK(flag_error({{"seqlens_q", "5"}, {"softmax_scale", "1e400"}}).find("softmax_scale") == 0);
 }
 
-TEST_CASE("list flags: an empty item anywhere is an error naming its index; seqlens_q needs one sequence") {
+TEST_CASE("list flags: an empty item anywhere is an error naming its index, seqlens_q needs one sequence") {
   CHECK(flag_error({{"seqlens_q", "5,8,"}}).find("seqlens_q[2]") == 0);
   CHECK(flag_error({{"seqlens_q", "5,,8"}}).find("seqlens_q[1]") == 0);
   CHECK(flag_error({{"seqlens_q", ",5"}}).find("seqlens_q[0]") == 0);

@@ -72,7 +72,7 @@ TEST_CASE("rendezvous: a receive without a matching send is a timeout naming ran
   CHECK(errors[1].empty());
 }
 
-TEST_CASE("rendezvous: a send nobody receives times out on the sender; a size mismatch is named on both sides") {
+TEST_CASE("rendezvous: a send nobody receives times out on the sender, a size mismatch is named on both sides") {
   {
     HostRendezvous rv(2, std::chrono::milliseconds(200));
     const auto errors = on_threads(2, [&](int r) {
