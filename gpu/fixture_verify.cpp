@@ -114,7 +114,7 @@ FixtureVerification verify_fixture_local(const std::string& fixture_path, Backwa
   options.inject = inject;
   const sim::CpRun<float> run = run_cp_local(fixture.plan, inputs, fixture.spec.dtype, options);
   write_cp_candidate(candidate_path, fixture.plan, run);
-  result.report = fx::check(fixture_path, {candidate_path});
+  result.report = fx::check(reader, fixture, {candidate_path});  // the version the inputs came from
   result.verdict = result.report->pass() ? FixtureVerdict::pass : FixtureVerdict::fail;
   return result;
 }
@@ -150,7 +150,7 @@ FixtureVerification verify_fixture(const std::string& fixture_path, BackwardMode
     throw std::runtime_error("GPU run on " + fixture_path + ": " + std::string(status_name(run.status)) + ": " +
                              run.message);
   write_candidate(candidate_path, fwd, bwd);
-  result.report = fx::check(fixture_path, {candidate_path});
+  result.report = fx::check(reader, fixture, {candidate_path});  // the version the inputs came from
   result.verdict = result.report->pass() ? FixtureVerdict::pass : FixtureVerdict::fail;
   return result;
 }
