@@ -1,5 +1,7 @@
 #!/bin/bash
-# Build + tests + sanitizers + benches on the device. Usage: device_run.sh [tests|bench|all]
+# Build + tests + sanitizers + benches on the device. Usage: device_run.sh [tests|bench|all|cp]
+# cp: test_gpu, then `verify` (non-CP) and `verify --backend local` on every fixture of quick, edge and te,
+# the deterministic local CP path on quick twice (bits compared), and one --inject per comm type.
 MODE=${1:-all}
 # Run from the repository root of a source snapshot; $OUT is where logs go.
 cd "${CPGOLD_SRC:-.}"
@@ -9,8 +11,24 @@ nvcc --version | tail -1
 B=/tmp/b
 cmake -S . -B $B -DCMAKE_BUILD_TYPE=Release ${CPGOLD_PREFIX:+-DCMAKE_PREFIX_PATH=$CPGOLD_PREFIX} > $OUT/configure.log 2>&1 || { tail -30 $OUT/configure.log; exit 1; }
 grep -E "CUDA|NCCL|HDF5|Eigen" $OUT/configure.log
-cmake --build $B -j16 --target test_gpu bench_gpu_attention cpgold > $OUT/build.log 2>&1 || { grep -E "error" $OUT/build.log | head -30; exit 1; }
+cmake --build $B -j16 --target test_gpu bench_gpu_attention bench_cp_local cpgold > $OUT/build.log 2>&1 || { grep -E "error" $OUT/build.log | head -30; exit 1; }
 echo "== build ok"
+if [ $MODE = cp ]; then
+  (cd $B && timeout 300 ./bin/test_gpu > $OUT/test_gpu.log 2>&1; echo "test_gpu rc=$?")
+  grep -E "test cases|assertions" $OUT/test_gpu.log | head -4; grep -E "ERROR|FAILED" $OUT/test_gpu.log | head -20
+  for S in quick edge te; do $B/bin/cpgold gen --force --suite $S -o /tmp/fx/$S > $OUT/gen_$S.log 2>&1 || tail -5 $OUT/gen_$S.log; done
+  ALL="/tmp/fx/quick/*.h5 /tmp/fx/edge/*.h5 /tmp/fx/te/*.h5"
+  timeout 200 $B/bin/cpgold verify $ALL > $OUT/verify.log 2>&1; echo "verify (non-CP) rc=$?"; grep -E "^verify:" $OUT/verify.log
+  timeout 300 $B/bin/cpgold verify --backend local $ALL > $OUT/verify_local.log 2>&1; echo "verify --backend local rc=$?"
+  grep -E "^verify:|FAIL|UNSUPPORTED|unsupported:" $OUT/verify_local.log | head -20
+  timeout 120 $B/bin/cpgold verify --backend local --deterministic $ALL > $OUT/verify_local_det.log 2>&1; echo "verify --backend local --deterministic rc=$?"; grep -E "^verify:" $OUT/verify_local_det.log
+  for F in /tmp/fx/quick/*.h5; do n=$(basename $F .h5)
+    $B/bin/cpgold verify --backend local --deterministic --dump /tmp/d1_$n.h5 $F > /dev/null 2>&1
+    $B/bin/cpgold verify --backend local --deterministic --dump /tmp/d2_$n.h5 $F > /dev/null 2>&1
+    [ -f /tmp/d1_$n.h5 ] && { $B/bin/cpgold check --identical /tmp/d1_$n.h5 /tmp/d2_$n.h5 > /dev/null && echo "identical $n" || echo "DIFFERENT $n"; }
+  done | sort | uniq -c | sort -rn | head -3 | tr '\n' ' '; echo
+  cd $OUT && tar -czf logs.tar.gz *.log && rm -f *.log; exit 0
+fi
 if [ $MODE != bench ]; then
   (cd $B && timeout 300 ./bin/test_gpu > $OUT/test_gpu.log 2>&1; echo "test_gpu rc=$?")
   grep -E "VERDICT.*FAIL" $OUT/test_gpu.log | head -20
