@@ -8,6 +8,7 @@
 #include <atomic>
 #include <cstdint>
 #include <map>
+#include <mutex>
 #include <stdexcept>
 #include <string>
 #include <unordered_map>
@@ -99,7 +100,8 @@ class DeviceRankBackend {
   }
   Tensor zeros(int64_t rows, int64_t heads, int64_t dim, sim::BufferKind kind) {
     DeviceTensor t = alloc(rows, heads, dim, kind == sim::BufferKind::storage ? storage_ : Elem::f32);
-    if (t.bytes() > 0) cuda(cudaMemsetAsync(t.data(), 0, t.bytes(), stream_), "cudaMemsetAsync");
+    if (t.bytes() > 0)
+      timed("zero fill", t.bytes(), [&] { cuda(cudaMemsetAsync(t.data(), 0, t.bytes(), stream_), "cudaMemsetAsync"); });
     return t;
   }
   Lse lse_empty(int64_t heads, int64_t rows) {
@@ -107,7 +109,7 @@ class DeviceRankBackend {
     l.heads = heads;
     l.rows = rows;
     l.mem = raw(l.bytes());
-    cuda(launch_fill(l.data(), l.count(), -INFINITY, stream_), "fill");
+    timed("lse", l.bytes(), [&] { cuda(launch_fill(l.data(), l.count(), -INFINITY, stream_), "fill"); });
     return l;
   }
   sim::Shape shape(const Tensor& x) const { return {x.rows, x.heads, x.dim}; }
@@ -115,23 +117,30 @@ class DeviceRankBackend {
   Tensor gather(const Tensor& x, const std::vector<int64_t>& rows, int h0, int h1) {
     DeviceTensor out = alloc(static_cast<int64_t>(rows.size()), h1 - h0, x.dim, x.elem);
     const auto idx = upload_rows(rows);
-    cuda(launch_gather_rows(out.data(), x.data(), rows_ptr(idx), out.rows, x.heads, h0, h1 - h0, x.dim, x.elem, stream_),
-         "gather");
+    timed("gather", 2.0 * out.bytes(), [&] {
+      cuda(launch_gather_rows(out.data(), x.data(), rows_ptr(idx), out.rows, x.heads, h0, h1 - h0, x.dim, x.elem,
+                              stream_),
+           "gather");
+    });
     return out;
   }
   void scatter(Tensor& dst, const std::vector<int64_t>& rows, int h0, const Tensor& src) {
     if (dst.elem != src.elem) throw std::logic_error("rank " + std::to_string(rank_) + ": scatter between element types");
     const auto idx = upload_rows(rows);
-    cuda(launch_scatter_rows(dst.data(), src.data(), rows_ptr(idx), static_cast<int64_t>(rows.size()), dst.heads, h0,
-                             src.heads, src.dim, src.elem, stream_),
-         "scatter");
+    timed("scatter", 2.0 * src.bytes(), [&] {
+      cuda(launch_scatter_rows(dst.data(), src.data(), rows_ptr(idx), static_cast<int64_t>(rows.size()), dst.heads, h0,
+                               src.heads, src.dim, src.elem, stream_),
+           "scatter");
+    });
   }
   void scatter_add(Tensor& dst, const std::vector<int64_t>& rows, const Tensor& src) {
     if (dst.elem != Elem::f32) throw std::logic_error("rank " + std::to_string(rank_) + ": accumulation into 16-bit");
     const auto idx = upload_rows(rows);
-    cuda(launch_scatter_add(static_cast<float*>(dst.data()), src.data(), src.elem, rows_ptr(idx),
-                            static_cast<int64_t>(rows.size()), src.heads * src.dim, stream_),
-         "scatter_add");
+    timed("scatter_add", src.bytes() + 2.0 * src.count() * 4, [&] {
+      cuda(launch_scatter_add(static_cast<float*>(dst.data()), src.data(), src.elem, rows_ptr(idx),
+                              static_cast<int64_t>(rows.size()), src.heads * src.dim, stream_),
+           "scatter_add");
+    });
   }
   Lse lse_gather(const Lse& x, const std::vector<int64_t>& rows) {
     DeviceLse out;
@@ -139,14 +148,18 @@ class DeviceRankBackend {
     out.rows = static_cast<int64_t>(rows.size());
     out.mem = raw(out.bytes());
     const auto idx = upload_rows(rows);
-    cuda(launch_lse_gather(out.data(), x.data(), rows_ptr(idx), out.rows, x.heads, x.rows, stream_), "lse_gather");
+    timed("lse", 2.0 * out.bytes(), [&] {
+      cuda(launch_lse_gather(out.data(), x.data(), rows_ptr(idx), out.rows, x.heads, x.rows, stream_), "lse_gather");
+    });
     return out;
   }
   void lse_scatter(Lse& dst, const std::vector<int64_t>& rows, int h0, const Lse& src) {
     const auto idx = upload_rows(rows);
-    cuda(launch_lse_scatter(dst.data(), src.data(), rows_ptr(idx), static_cast<int64_t>(rows.size()), src.heads,
-                            dst.rows, h0, stream_),
-         "lse_scatter");
+    timed("lse", 2.0 * src.bytes(), [&] {
+      cuda(launch_lse_scatter(dst.data(), src.data(), rows_ptr(idx), static_cast<int64_t>(rows.size()), src.heads,
+                              dst.rows, h0, stream_),
+           "lse_scatter");
+    });
   }
 
   Forward forward(const sim::Tile& t, const Tensor& q, const Tensor& k, const Tensor& v) {
@@ -155,7 +168,10 @@ class DeviceRankBackend {
     r.lse.heads = q.heads;
     r.lse.rows = q.rows;
     r.lse.mem = raw(r.lse.bytes());
-    const Outcome out = attention_forward(plan, {q.data(), k.data(), v.data(), r.o.data(), r.lse.data()}, stream_);
+    Outcome out;
+    timed("attention forward", 0, [&] {
+      out = attention_forward(plan, {q.data(), k.data(), v.data(), r.o.data(), r.lse.data()}, stream_);
+    });
     if (!out.ok()) fail_step(t, "attention_forward", out);
     if (options_.inject && options_.inject->rank == rank_ && options_.inject->step == t.step) corrupt(t, r.o);
     return r;
@@ -165,32 +181,41 @@ class DeviceRankBackend {
     const AttentionPlan& plan = plan_for(t, q, k, v);
     Backward r{alloc(q.rows, q.heads, q.dim, storage_), alloc(k.rows, k.heads, k.dim, storage_),
                alloc(v.rows, v.heads, v.dim, storage_)};
-    const Outcome out = attention_backward(
-        plan, {q.data(), k.data(), v.data(), o.data(), dout.data(), lse.data(), r.dq.data(), r.dk.data(), r.dv.data()},
-        options_.mode, stream_);
+    Outcome out;
+    timed("attention backward", 0, [&] {
+      out = attention_backward(
+          plan, {q.data(), k.data(), v.data(), o.data(), dout.data(), lse.data(), r.dq.data(), r.dk.data(), r.dv.data()},
+          options_.mode, stream_);
+    });
     if (!out.ok()) fail_step(t, "attention_backward", out);
     return r;
   }
   // LSE merged in step order, then O accumulated in float32 and rounded once to the dtype.
   void merge_forward(const std::vector<sim::MergePart<DeviceRankBackend>>& parts, Tensor& o, Lse& lse) {
     std::vector<std::shared_ptr<DeviceMemory>> idx;
+    double bytes = 0;
     for (const auto& part : parts) {
       idx.push_back(upload_rows(part.rows));
-      cuda(launch_lse_merge_into(lse.data(), part.lse->data(), rows_ptr(idx.back()),
-                                 static_cast<int64_t>(part.rows.size()), lse.heads, lse.rows, stream_),
-           "lse merge");
+      bytes += part.o->bytes() + 2.0 * part.o->count() * 4;
     }
-    for (size_t i = 0; i < parts.size(); ++i)
-      cuda(launch_o_accumulate(static_cast<float*>(o.data()), parts[i].o->data(), parts[i].o->elem,
-                               parts[i].lse->data(), lse.data(), rows_ptr(idx[i]),
-                               static_cast<int64_t>(parts[i].rows.size()), o.heads, o.dim, lse.rows, stream_),
-           "O accumulate");
+    timed("merge", bytes, [&] {
+      for (size_t i = 0; i < parts.size(); ++i)
+        cuda(launch_lse_merge_into(lse.data(), parts[i].lse->data(), rows_ptr(idx[i]),
+                                   static_cast<int64_t>(parts[i].rows.size()), lse.heads, lse.rows, stream_),
+             "lse merge");
+      for (size_t i = 0; i < parts.size(); ++i)
+        cuda(launch_o_accumulate(static_cast<float*>(o.data()), parts[i].o->data(), parts[i].o->elem,
+                                 parts[i].lse->data(), lse.data(), rows_ptr(idx[i]),
+                                 static_cast<int64_t>(parts[i].rows.size()), o.heads, o.dim, lse.rows, stream_),
+             "O accumulate");
+    });
     finalize(o);
   }
   void finalize(Tensor& x) {
     if (x.elem == storage_) return;
     DeviceTensor out = alloc(x.rows, x.heads, x.dim, storage_);
-    cuda(launch_convert(out.data(), storage_, x.data(), x.elem, x.count(), stream_), "convert");
+    timed("convert", x.bytes() + out.bytes(),
+          [&] { cuda(launch_convert(out.data(), storage_, x.data(), x.elem, x.count(), stream_), "convert"); });
     x = std::move(out);
   }
 
@@ -204,7 +229,16 @@ class DeviceRankBackend {
     for (const auto& x : recvs)
       r.push_back(x.tensor ? RecvFrom{x.peer, x.tensor->data(), x.tensor->bytes()}
                            : RecvFrom{x.peer, x.lse->data(), x.lse->bytes()});
+    if (!options_.phases) return comm_.send_recv(s, r);
+    double bytes = 0;
+    for (const RecvFrom& x : r) bytes += 2.0 * x.bytes;
+    cudaEvent_t a = nullptr, z = nullptr;
+    cuda(cudaEventCreate(&a), "cudaEventCreate");
+    cuda(cudaEventCreate(&z), "cudaEventCreate");
+    cuda(cudaEventRecord(a, stream_), "cudaEventRecord");
     comm_.send_recv(s, r);
+    cuda(cudaEventRecord(z, stream_), "cudaEventRecord");
+    add_phase("exchange", bytes, elapsed_ms(a, z));
   }
 
   void record_forward(int step, const Forward& res) {
@@ -242,6 +276,41 @@ class DeviceRankBackend {
   sim::Trace<float> trace;
 
  private:
+  // Runs `launch` (enqueues on stream_); with options_.phases, alone on the device and timed into `phase`.
+  template <class F>
+  void timed(const char* phase, double bytes, F&& launch) {
+    if (!options_.phases) return launch();
+    std::lock_guard<std::mutex> alone(device_lock());
+    cudaEvent_t a = nullptr, z = nullptr;
+    cuda(cudaEventCreate(&a), "cudaEventCreate");
+    cuda(cudaEventCreate(&z), "cudaEventCreate");
+    cuda(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
+    cuda(cudaEventRecord(a, stream_), "cudaEventRecord");
+    launch();
+    cuda(cudaEventRecord(z, stream_), "cudaEventRecord");
+    add_phase(phase, bytes, elapsed_ms(a, z));
+  }
+  // Waits for z, destroys both events, returns the time between them.
+  float elapsed_ms(cudaEvent_t a, cudaEvent_t z) {
+    cuda(cudaEventSynchronize(z), "cudaEventSynchronize");
+    float ms = 0;
+    cuda(cudaEventElapsedTime(&ms, a, z), "cudaEventElapsedTime");
+    cudaEventDestroy(a);
+    cudaEventDestroy(z);
+    return ms;
+  }
+  void add_phase(const char* phase, double bytes, float ms) {
+    std::lock_guard<std::mutex> lock(options_.phases->mutex);
+    PhaseTimes::Entry& e = options_.phases->phases[phase];
+    e.ms += ms;
+    e.bytes += bytes;
+    ++e.calls;
+  }
+  static std::mutex& device_lock() {
+    static std::mutex m;
+    return m;
+  }
+
   std::shared_ptr<DeviceMemory> raw(size_t bytes) {
     auto m = std::make_shared<DeviceMemory>();
     m->stream = stream_;
