@@ -3,7 +3,7 @@
 # bench_cp_local (with its phase breakdown) for every comm type. Run from a source snapshot's root with $OUT set
 # (logs go there) and CPGOLD_PREFIX naming the header dependencies. Usage: cp_local_device_run.sh [tests|bench|all]
 MODE=${1:-all}
-B=/tmp/b
+B=/tmp/b-cplocal  # its own folder: a warm machine may hold another tree's /tmp/b
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
 cmake -S . -B $B -DCMAKE_BUILD_TYPE=Release ${CPGOLD_PREFIX:+-DCMAKE_PREFIX_PATH=$CPGOLD_PREFIX} > $OUT/configure.log 2>&1 ||
   { tail -20 $OUT/configure.log; exit 1; }
