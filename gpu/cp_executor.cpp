@@ -8,6 +8,7 @@
 #include <atomic>
 #include <cstdint>
 #include <map>
+#include <mutex>
 #include <stdexcept>
 #include <string>
 #include <unordered_map>
@@ -19,10 +20,14 @@
 namespace cpgold::gpu {
 namespace {
 
-// One stream-ordered device allocation, freed on the stream that made it.
+// One stream-ordered device allocation, freed on the stream that made it. pending_zero: the program asked for zeros
+// and nothing has been written yet; the zeros are written only if something reads the buffer before a write that
+// covers all of it (a receive, a first accumulation over every row, the forward merge), so buffers that are fully
+// overwritten are never filled. Shared by every copy of a tensor, so all of them see the write.
 struct DeviceMemory {
   void* ptr = nullptr;
   cudaStream_t stream = nullptr;
+  bool pending_zero = false;
   DeviceMemory() = default;
   DeviceMemory(const DeviceMemory&) = delete;
   DeviceMemory& operator=(const DeviceMemory&) = delete;
@@ -99,7 +104,7 @@ class DeviceRankBackend {
   }
   Tensor zeros(int64_t rows, int64_t heads, int64_t dim, sim::BufferKind kind) {
     DeviceTensor t = alloc(rows, heads, dim, kind == sim::BufferKind::storage ? storage_ : Elem::f32);
-    if (t.bytes() > 0) cuda(cudaMemsetAsync(t.data(), 0, t.bytes(), stream_), "cudaMemsetAsync");
+    t.mem->pending_zero = true;
     return t;
   }
   Lse lse_empty(int64_t heads, int64_t rows) {
@@ -107,31 +112,48 @@ class DeviceRankBackend {
     l.heads = heads;
     l.rows = rows;
     l.mem = raw(l.bytes());
-    cuda(launch_fill(l.data(), l.count(), -INFINITY, stream_), "fill");
+    timed("lse", l.bytes(), [&] { cuda(launch_fill(l.data(), l.count(), -INFINITY, stream_), "fill"); });
     return l;
   }
   sim::Shape shape(const Tensor& x) const { return {x.rows, x.heads, x.dim}; }
 
   Tensor gather(const Tensor& x, const std::vector<int64_t>& rows, int h0, int h1) {
+    materialize(x);
     DeviceTensor out = alloc(static_cast<int64_t>(rows.size()), h1 - h0, x.dim, x.elem);
     const auto idx = upload_rows(rows);
-    cuda(launch_gather_rows(out.data(), x.data(), rows_ptr(idx), out.rows, x.heads, h0, h1 - h0, x.dim, x.elem, stream_),
-         "gather");
+    timed("gather", 2.0 * out.bytes(), [&] {
+      cuda(launch_gather_rows(out.data(), x.data(), rows_ptr(idx), out.rows, x.heads, h0, h1 - h0, x.dim, x.elem,
+                              stream_),
+           "gather");
+    });
     return out;
   }
   void scatter(Tensor& dst, const std::vector<int64_t>& rows, int h0, const Tensor& src) {
     if (dst.elem != src.elem) throw std::logic_error("rank " + std::to_string(rank_) + ": scatter between element types");
+    materialize(dst);
+    materialize(src);
     const auto idx = upload_rows(rows);
-    cuda(launch_scatter_rows(dst.data(), src.data(), rows_ptr(idx), static_cast<int64_t>(rows.size()), dst.heads, h0,
-                             src.heads, src.dim, src.elem, stream_),
-         "scatter");
+    timed("scatter", 2.0 * src.bytes(), [&] {
+      cuda(launch_scatter_rows(dst.data(), src.data(), rows_ptr(idx), static_cast<int64_t>(rows.size()), dst.heads, h0,
+                               src.heads, src.dim, src.elem, stream_),
+           "scatter");
+    });
   }
   void scatter_add(Tensor& dst, const std::vector<int64_t>& rows, const Tensor& src) {
     if (dst.elem != Elem::f32) throw std::logic_error("rank " + std::to_string(rank_) + ": accumulation into 16-bit");
+    if (src.heads * src.dim != dst.heads * dst.dim)
+      throw std::logic_error("rank " + std::to_string(rank_) + ": scatter_add between row widths");
+    materialize(src);
+    // A first contribution to every row of a fresh zero buffer is written, not added (0 + x, the same bits).
+    const bool assign = dst.mem && dst.mem->pending_zero && covers_every_row(rows, dst.rows);
+    if (!assign) materialize(dst);
+    if (dst.mem) dst.mem->pending_zero = false;
     const auto idx = upload_rows(rows);
-    cuda(launch_scatter_add(static_cast<float*>(dst.data()), src.data(), src.elem, rows_ptr(idx),
-                            static_cast<int64_t>(rows.size()), src.heads * src.dim, stream_),
-         "scatter_add");
+    timed("scatter_add", src.bytes() + (assign ? 1.0 : 2.0) * src.count() * 4, [&] {
+      cuda(launch_scatter_add(static_cast<float*>(dst.data()), src.data(), src.elem, rows_ptr(idx),
+                              static_cast<int64_t>(rows.size()), src.heads * src.dim, assign, stream_),
+           "scatter_add");
+    });
   }
   Lse lse_gather(const Lse& x, const std::vector<int64_t>& rows) {
     DeviceLse out;
@@ -139,58 +161,88 @@ class DeviceRankBackend {
     out.rows = static_cast<int64_t>(rows.size());
     out.mem = raw(out.bytes());
     const auto idx = upload_rows(rows);
-    cuda(launch_lse_gather(out.data(), x.data(), rows_ptr(idx), out.rows, x.heads, x.rows, stream_), "lse_gather");
+    timed("lse", 2.0 * out.bytes(), [&] {
+      cuda(launch_lse_gather(out.data(), x.data(), rows_ptr(idx), out.rows, x.heads, x.rows, stream_), "lse_gather");
+    });
     return out;
   }
   void lse_scatter(Lse& dst, const std::vector<int64_t>& rows, int h0, const Lse& src) {
     const auto idx = upload_rows(rows);
-    cuda(launch_lse_scatter(dst.data(), src.data(), rows_ptr(idx), static_cast<int64_t>(rows.size()), src.heads,
-                            dst.rows, h0, stream_),
-         "lse_scatter");
+    timed("lse", 2.0 * src.bytes(), [&] {
+      cuda(launch_lse_scatter(dst.data(), src.data(), rows_ptr(idx), static_cast<int64_t>(rows.size()), src.heads,
+                              dst.rows, h0, stream_),
+           "lse_scatter");
+    });
   }
 
   Forward forward(const sim::Tile& t, const Tensor& q, const Tensor& k, const Tensor& v) {
+    for (const Tensor* x : {&q, &k, &v}) materialize(*x);
     const AttentionPlan& plan = plan_for(t, q, k, v);
     Forward r{alloc(q.rows, q.heads, v.dim, storage_), {}};
     r.lse.heads = q.heads;
     r.lse.rows = q.rows;
     r.lse.mem = raw(r.lse.bytes());
-    const Outcome out = attention_forward(plan, {q.data(), k.data(), v.data(), r.o.data(), r.lse.data()}, stream_);
+    Outcome out;
+    timed("attention forward", 0, [&] {
+      out = attention_forward(plan, {q.data(), k.data(), v.data(), r.o.data(), r.lse.data()}, stream_);
+    });
     if (!out.ok()) fail_step(t, "attention_forward", out);
     if (options_.inject && options_.inject->rank == rank_ && options_.inject->step == t.step) corrupt(t, r.o);
     return r;
   }
   Backward backward(const sim::Tile& t, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o,
                     const Lse& lse, const Tensor& dout) {
+    for (const Tensor* x : {&q, &k, &v, &o, &dout}) materialize(*x);
     const AttentionPlan& plan = plan_for(t, q, k, v);
     Backward r{alloc(q.rows, q.heads, q.dim, storage_), alloc(k.rows, k.heads, k.dim, storage_),
                alloc(v.rows, v.heads, v.dim, storage_)};
-    const Outcome out = attention_backward(
-        plan, {q.data(), k.data(), v.data(), o.data(), dout.data(), lse.data(), r.dq.data(), r.dk.data(), r.dv.data()},
-        options_.mode, stream_);
+    Outcome out;
+    timed("attention backward", 0, [&] {
+      out = attention_backward(
+          plan, {q.data(), k.data(), v.data(), o.data(), dout.data(), lse.data(), r.dq.data(), r.dk.data(), r.dv.data()},
+          options_.mode, stream_);
+    });
     if (!out.ok()) fail_step(t, "attention_backward", out);
     return r;
   }
-  // LSE merged in step order, then O accumulated in float32 and rounded once to the dtype.
+  // One pass (launch_merge_forward): LSE merged in step order, O summed in float32 in step order and rounded once to
+  // the dtype, written straight into a storage tensor that replaces the fresh zero accumulator `o`.
   void merge_forward(const std::vector<sim::MergePart<DeviceRankBackend>>& parts, Tensor& o, Lse& lse) {
+    if (!o.mem || !o.mem->pending_zero)
+      throw std::logic_error("rank " + std::to_string(rank_) + ": merge_forward expects a fresh zero accumulator");
+    if (parts.size() > static_cast<size_t>(kMaxMergeSources))
+      throw std::logic_error("rank " + std::to_string(rank_) + ": " + std::to_string(parts.size()) +
+                             " forward partials, the merge takes at most " + std::to_string(kMaxMergeSources));
+    std::vector<MergeSource> sources;
     std::vector<std::shared_ptr<DeviceMemory>> idx;
+    double bytes = 0;
     for (const auto& part : parts) {
-      idx.push_back(upload_rows(part.rows));
-      cuda(launch_lse_merge_into(lse.data(), part.lse->data(), rows_ptr(idx.back()),
-                                 static_cast<int64_t>(part.rows.size()), lse.heads, lse.rows, stream_),
-           "lse merge");
+      materialize(*part.o);
+      if (part.o->heads != o.heads || part.o->dim != o.dim || part.lse->heads != lse.heads)
+        throw std::logic_error("rank " + std::to_string(rank_) + ": forward partial heads/dims differ from O");
+      idx.push_back(upload_rows(source_rows(part.rows, o.rows)));
+      sources.push_back({part.o->data(), part.lse->data(), rows_ptr(idx.back()), part.lse->rows, part.o->elem});
+      bytes += part.o->bytes() + part.lse->bytes() + o.rows * 8.0;
     }
-    for (size_t i = 0; i < parts.size(); ++i)
-      cuda(launch_o_accumulate(static_cast<float*>(o.data()), parts[i].o->data(), parts[i].o->elem,
-                               parts[i].lse->data(), lse.data(), rows_ptr(idx[i]),
-                               static_cast<int64_t>(parts[i].rows.size()), o.heads, o.dim, lse.rows, stream_),
-           "O accumulate");
-    finalize(o);
+    DeviceTensor out = alloc(o.rows, o.heads, o.dim, storage_);
+    bytes += out.bytes() + lse.bytes();
+    timed("merge", bytes, [&] {
+      cuda(launch_merge_forward(out.data(), out.elem, lse.data(), sources.data(), static_cast<int>(sources.size()),
+                                o.rows, o.heads, o.dim, stream_),
+           "forward merge");
+    });
+    o = std::move(out);
   }
   void finalize(Tensor& x) {
     if (x.elem == storage_) return;
     DeviceTensor out = alloc(x.rows, x.heads, x.dim, storage_);
-    cuda(launch_convert(out.data(), storage_, x.data(), x.elem, x.count(), stream_), "convert");
+    if (x.mem && x.mem->pending_zero) {
+      out.mem->pending_zero = true;
+      materialize(out);
+    } else {
+      timed("convert", x.bytes() + out.bytes(),
+            [&] { cuda(launch_convert(out.data(), storage_, x.data(), x.elem, x.count(), stream_), "convert"); });
+    }
     x = std::move(out);
   }
 
@@ -199,12 +251,26 @@ class DeviceRankBackend {
     std::vector<SendTo> s;
     std::vector<RecvFrom> r;
     for (const auto& x : sends)
+      if (x.tensor) materialize(*x.tensor);
+    // A receive overwrites its whole buffer (the communicator checks the sizes match).
+    for (const auto& x : recvs)
+      if (x.tensor && x.tensor->mem) x.tensor->mem->pending_zero = false;
+    for (const auto& x : sends)
       s.push_back(x.tensor ? SendTo{x.peer, x.tensor->data(), x.tensor->bytes()}
                            : SendTo{x.peer, x.lse->data(), x.lse->bytes()});
     for (const auto& x : recvs)
       r.push_back(x.tensor ? RecvFrom{x.peer, x.tensor->data(), x.tensor->bytes()}
                            : RecvFrom{x.peer, x.lse->data(), x.lse->bytes()});
+    if (!options_.phases) return comm_.send_recv(s, r);
+    double bytes = 0;
+    for (const RecvFrom& x : r) bytes += 2.0 * x.bytes;
+    cudaEvent_t a = nullptr, z = nullptr;
+    cuda(cudaEventCreate(&a), "cudaEventCreate");
+    cuda(cudaEventCreate(&z), "cudaEventCreate");
+    cuda(cudaEventRecord(a, stream_), "cudaEventRecord");
     comm_.send_recv(s, r);
+    cuda(cudaEventRecord(z, stream_), "cudaEventRecord");
+    add_phase("exchange", bytes, elapsed_ms(a, z));
   }
 
   void record_forward(int step, const Forward& res) {
@@ -222,6 +288,7 @@ class DeviceRankBackend {
   Tensor3<float> to_host(const Tensor& x) {
     Tensor3<float> out(x.rows, x.heads, x.dim);
     if (x.count() == 0) return out;
+    materialize(x);
     DeviceTensor f = x;
     if (x.elem != Elem::f32) {
       f = alloc(x.rows, x.heads, x.dim, Elem::f32);
@@ -242,6 +309,68 @@ class DeviceRankBackend {
   sim::Trace<float> trace;
 
  private:
+  // Runs `launch` (enqueues on stream_); with options_.phases, alone on the device and timed into `phase`.
+  template <class F>
+  void timed(const char* phase, double bytes, F&& launch) {
+    if (!options_.phases) return launch();
+    std::lock_guard<std::mutex> alone(device_lock());
+    cudaEvent_t a = nullptr, z = nullptr;
+    cuda(cudaEventCreate(&a), "cudaEventCreate");
+    cuda(cudaEventCreate(&z), "cudaEventCreate");
+    cuda(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
+    cuda(cudaEventRecord(a, stream_), "cudaEventRecord");
+    launch();
+    cuda(cudaEventRecord(z, stream_), "cudaEventRecord");
+    add_phase(phase, bytes, elapsed_ms(a, z));
+  }
+  // Waits for z, destroys both events, returns the time between them.
+  float elapsed_ms(cudaEvent_t a, cudaEvent_t z) {
+    cuda(cudaEventSynchronize(z), "cudaEventSynchronize");
+    float ms = 0;
+    cuda(cudaEventElapsedTime(&ms, a, z), "cudaEventElapsedTime");
+    cudaEventDestroy(a);
+    cudaEventDestroy(z);
+    return ms;
+  }
+  void add_phase(const char* phase, double bytes, float ms) {
+    std::lock_guard<std::mutex> lock(options_.phases->mutex);
+    PhaseTimes::Entry& e = options_.phases->phases[phase];
+    e.ms += ms;
+    e.bytes += bytes;
+    ++e.calls;
+  }
+  static std::mutex& device_lock() {
+    static std::mutex m;
+    return m;
+  }
+
+  // Writes the zeros of a tensor still pending_zero (before anything reads it or writes part of it).
+  void materialize(const DeviceTensor& x) {
+    if (!x.mem || !x.mem->pending_zero) return;
+    x.mem->pending_zero = false;
+    if (x.bytes() > 0)
+      timed("zero fill", x.bytes(), [&] { cuda(cudaMemsetAsync(x.data(), 0, x.bytes(), stream_), "cudaMemsetAsync"); });
+  }
+  static bool covers_every_row(const std::vector<int64_t>& rows, int64_t n) {
+    if (static_cast<int64_t>(rows.size()) != n) return false;
+    for (int64_t i = 0; i < n; ++i)
+      if (rows[static_cast<size_t>(i)] != i) return false;
+    return true;
+  }
+  // [n] for the merge: the partial's row holding merged row r, -1 where the partial has none. rows: [partial rows].
+  std::vector<int64_t> source_rows(const std::vector<int64_t>& rows, int64_t n) const {
+    std::vector<int64_t> src(static_cast<size_t>(n), -1);
+    for (size_t i = 0; i < rows.size(); ++i) {
+      const int64_t r = rows[i];
+      if (r < 0 || r >= n || src[static_cast<size_t>(r)] >= 0)
+        throw std::logic_error("rank " + std::to_string(rank_) + ": forward partial row " + std::to_string(i) +
+                               " maps to row " + std::to_string(r) + " (outside 0.." + std::to_string(n - 1) +
+                               " or taken twice)");
+      src[static_cast<size_t>(r)] = static_cast<int64_t>(i);
+    }
+    return src;
+  }
+
   std::shared_ptr<DeviceMemory> raw(size_t bytes) {
     auto m = std::make_shared<DeviceMemory>();
     m->stream = stream_;

@@ -6,8 +6,12 @@
 // Numerics: attention partials in the case dtype with float32 LSE (the kernels of gpu/attention.hpp), merges and
 // dQ/dK/dV/dKV accumulation in float32, outputs rounded once to the dtype, pad rows exactly zero (LSE -inf).
 #include <chrono>
+#include <cstdint>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <optional>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -23,6 +27,20 @@ struct StepRef {
   int rank = 0, step = 0;
 };
 
+// Device time per phase of a run (bench_cp_local's breakdown). With CpGpuOptions::phases set, every backend operation
+// except the exchanges runs alone on the device (one lock over all ranks, its stream synchronised before the lock is
+// released), so its event time is its own; an exchange is timed on the receiving stream from before the rendezvous
+// to after its copies (waits for peers included, the ranks' copies concurrent). bytes = bytes read + written.
+// Serialises the run: for the breakdown, never for the wall time.
+struct PhaseTimes {
+  struct Entry {
+    double ms = 0, bytes = 0;
+    int64_t calls = 0;
+  };
+  std::mutex mutex;
+  std::map<std::string, Entry> phases;
+};
+
 struct CpGpuOptions {
   bool backward = true;
   bool record_trace = false;  // download every step's partials into CpRun::trace (synchronises per step)
@@ -31,6 +49,7 @@ struct CpGpuOptions {
   // first Q segment, all heads and dims) right after its attention call, before the trace and the merge see it.
   std::optional<StepRef> inject;
   std::chrono::milliseconds timeout{std::chrono::seconds(120)};
+  std::shared_ptr<PhaseTimes> phases;  // per-phase device times (serialises the ranks' operations)
 };
 
 // The shape check of a plan's case: Status::unsupported outside the kernels' capability table.

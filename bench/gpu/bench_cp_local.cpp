@@ -2,7 +2,9 @@
 // forward + backward wall time of one whole run (shard exchanges, per-step attention calls on the Plan's segments,
 // merges, dKV ring, reverse exchanges, all ranks' host threads) over the non-CP forward + backward. The ratio is the
 // overhead of splitting, merging and copying (target <= 1.25x); both sides run the same attention kernels.
-// Prints one table; numbers go to docs/PERF.md with the command, device and date.
+// Prints one table; numbers go to docs/PERF.md with the command, device and date. --phases 1 adds the device time of
+// each phase of one forward + backward run (every operation alone on the device, gpu::PhaseTimes) and the device's
+// measured copy rate (1 GiB device-to-device copy, bytes read + written), the limit of the copying phases.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -10,6 +12,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -77,12 +80,61 @@ void* upload(const Tensor3<float>& x) {
   return d;
 }
 
+// Device-to-device copy of 1 GiB, bytes read + written per second (median of 5), in GB/s.
+double copy_rate_gbs() {
+  const size_t bytes = size_t(1) << 30;
+  void *a = nullptr, *b = nullptr;
+  check(cudaMalloc(&a, bytes), "cudaMalloc");
+  check(cudaMalloc(&b, bytes), "cudaMalloc");
+  check(cudaMemset(a, 1, bytes), "cudaMemset");
+  cudaEvent_t e0, e1;
+  cudaEventCreate(&e0);
+  cudaEventCreate(&e1);
+  std::vector<float> ms;
+  for (int i = 0; i < 6; ++i) {
+    cudaEventRecord(e0);
+    check(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice), "copy");
+    cudaEventRecord(e1);
+    check(cudaEventSynchronize(e1), "copy");
+    float t = 0;
+    cudaEventElapsedTime(&t, e0, e1);
+    if (i > 0) ms.push_back(t);
+  }
+  std::sort(ms.begin(), ms.end());
+  cudaFree(a);
+  cudaFree(b);
+  return 2.0 * bytes / (ms[ms.size() / 2] * 1e-3) / 1e9;
+}
+
+// One forward + backward run with every backend operation alone on the device: device time per phase.
+void print_phases(const sim::Plan& plan, const sim::CaseInputs& in, double copy_gbs) {
+  gpu::CpGpuOptions options;
+  options.phases = std::make_shared<gpu::PhaseTimes>();
+  gpu::LocalCpExecutor executor(plan, in, DType::bf16, options);
+  executor.run(false);  // warm-up: attention plans, row index uploads, pool
+  options.phases->phases.clear();
+  executor.run(false);
+  std::printf("\nphases of one run (all ranks summed; each operation alone on the device; copy rate %.0f GB/s)\n",
+              copy_gbs);
+  std::printf("| phase | calls | device ms | GB moved | GB/s | ms at the copy rate |\n|---|---|---|---|---|---|\n");
+  double total = 0, total_gb = 0;
+  for (const auto& [name, e] : options.phases->phases) {
+    const double gb = e.bytes / 1e9;
+    std::printf("| %s | %lld | %.3f | %.3f | %s | %.3f |\n", name.c_str(), static_cast<long long>(e.calls), e.ms, gb,
+                gb > 0 ? std::to_string(static_cast<int>(gb / (e.ms * 1e-3))).c_str() : "-", gb / copy_gbs * 1e3);
+    total += e.ms;
+    total_gb += gb;
+  }
+  std::printf("| total | | %.3f | %.3f | | %.3f |\n", total, total_gb, total_gb / copy_gbs * 1e3);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   int W = 4, heads = 16, dim = 128, reps = 10;
   int64_t tokens = 32768;
   std::string comm = "p2p";
+  bool phases = false;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i], v = argv[i + 1];
     if (a == "--cp-size") W = std::stoi(v);
@@ -91,8 +143,9 @@ int main(int argc, char** argv) {
     else if (a == "--tokens") tokens = std::stoll(v);
     else if (a == "--comm") comm = v;
     else if (a == "--reps") reps = std::stoi(v);
+    else if (a == "--phases") phases = v == "1";
     else {
-      std::fprintf(stderr, "usage: bench_cp_local [--cp-size W] [--heads h] [--dim d] [--tokens t] [--comm c] [--reps n]\n");
+      std::fprintf(stderr, "usage: bench_cp_local [--cp-size W] [--heads h] [--dim d] [--tokens t] [--comm c] [--reps n] [--phases 0|1]\n");
       return 2;
     }
   }
@@ -152,5 +205,6 @@ int main(int argc, char** argv) {
   std::printf("| path | forward ms | forward + backward ms | ratio (fwd+bwd) |\n|---|---|---|---|\n");
   std::printf("| non-CP GPU (one call) | %.3f | %.3f | 1.00 |\n", non_cp_fwd, non_cp);
   std::printf("| local CP %s W=%d (one GPU) | %.3f | %.3f | %.2f |\n", comm.c_str(), W, cp_fwd, cp, cp / non_cp);
+  if (phases) print_phases(plan, in, copy_rate_gbs());
   return 0;
 }
