@@ -12,6 +12,7 @@
 #include <string>
 
 #include "reference/input_error.hpp"
+#include "sim/lse_merge_float.hpp"
 #include "sim/step_rows.hpp"
 
 namespace cpgold::gpu {
@@ -92,11 +93,27 @@ __device__ __forceinline__ StepRowD step_row(const int32_t* __restrict__ cu, int
   return step_row_in(cu, select, x, find_sequence(cu, batch, x, select == 0 ? 1 : 2));
 }
 
-// Element kernels (one value per row and head) walk tiles of kTileRows consecutive rows per warp: one binary search
-// per tile, then every lane steps its sequence forward (searching per element made them latency-bound, 20-25% of
-// the copy bandwidth).
+// Element kernels (the LSE kernels, the partitioned indices) walk tiles of consecutive rows per warp: one warp-wide
+// search per tile, then every lane steps its sequence forward (searching per element made them latency-bound,
+// 20-25% of the copy bandwidth; one binary search per 256-row tile still left the indices at 19%).
 constexpr int kRowsPerLane = 8;
 constexpr int64_t kTileRows = 32 * kRowsPerLane;
+
+// find_sequence for a whole warp (every lane calls it with the same x): 32 offsets per step, so the 18 dependent
+// loads of a binary search over 220k sequences become 4.
+__device__ __forceinline__ int warp_find_sequence(const int32_t* __restrict__ cu, int batch, int64_t x, int divisor,
+                                                  int lane) {
+  int lo = 0, hi = batch - 1;  // invariant: cu[lo] / divisor <= x, the answer lies in [lo, hi]
+  while (hi > lo) {
+    const int step = (hi - lo + 32) / 32;
+    const int b = lo + lane * step;
+    const bool at_or_below = b <= hi && __ldg(cu + b) / divisor <= x;
+    const unsigned below = __ballot_sync(0xffffffffu, at_or_below);  // bit 0 set by the invariant
+    lo += (31 - __clz(below)) * step;
+    hi = min(hi, lo + step - 1);
+  }
+  return lo;
+}
 
 // Global row of local row i (of sequence s) of rank (cp-semantics §2.2); cu_padded global, W ranks.
 __device__ __forceinline__ int64_t partition_source_in(const int32_t* __restrict__ cu_padded, int cp_size, int rank,
@@ -246,46 +263,87 @@ struct GradMap {
 };
 
 // ---------------------------------------------------------------------------------------------------------------
-// LSE kernels: one thread per step row, looping over the heads (coalesced per head across the warp).
+// LSE kernels. Both layouts index element (row, head) as f0 + head * S of the full tensor and h0 + head * S2 of the
+// half tensor (packed: f0 = local row, h0 = step row; unpacked: f0 = s*h*S + local column, h0 = s*h*S2 + column), so
+// a thread takes one row and all heads, eight heads of loads in flight before the first store. The read writes every
+// element of lse_half once: the copied rows and zeros elsewhere (no separate memset pass).
 
-__device__ __forceinline__ float logaddexp(float a, float b) {
-  const double hi = a > b ? a : b, lo = a > b ? b : a;
-  if (hi == -INFINITY) return static_cast<float>(hi);
-  return static_cast<float>(hi + log1p(exp(lo - hi)));
-}
+// Device operations of sim::LseMergeFloat: the round-to-nearest intrinsics, which nvcc never contracts.
+struct DeviceFloatOps {
+  __device__ static float fma(float a, float b, float c) { return __fmaf_rn(a, b, c); }
+  __device__ static float add(float a, float b) { return __fadd_rn(a, b); }
+  __device__ static float sub(float a, float b) { return __fsub_rn(a, b); }
+  __device__ static float mul(float a, float b) { return __fmul_rn(a, b); }
+  __device__ static float div(float a, float b) { return __fdiv_rn(a, b); }
+  __device__ static float rint(float a) { return rintf(a); }
+  __device__ static float pow2(int e) { return __int_as_float((e + 127) << 23); }
+};
 
 struct LseArgs {
   float* full;
   float* half;
-  bool packed;
   int heads;
-  int64_t full_seqlen, half_seqlen;
+  int64_t full_seqlen, half_seqlen;  // S, S2: the head strides of both layouts
   const int32_t* cu;
   int batch;
-  int64_t rows;  // step rows (cu[B] / 2)
+  int64_t rows;   // step rows (cu[B] / 2)
+  int64_t items;  // packed: step rows (correction) or S2 (read); unpacked: B * S2
 };
 
+// One row of the LSE kernels over all heads; valid = false writes zeros into the half tensor (read only).
 template <bool CORRECT>
+__device__ __forceinline__ void lse_row(float* __restrict__ full, float* __restrict__ half, int64_t f0, int64_t h0,
+                                        int64_t fs, int64_t hs, int heads, bool valid) {
+  constexpr int kHeadsInFlight = 8;
+  for (int k0 = 0; k0 < heads; k0 += kHeadsInFlight) {
+    float a[kHeadsInFlight] = {}, b[kHeadsInFlight] = {};
+#pragma unroll
+    for (int u = 0; u < kHeadsInFlight; ++u) {
+      const int64_t k = k0 + u;
+      if (k < heads && valid) {
+        a[u] = CORRECT ? full[f0 + k * fs] : __ldg(full + f0 + k * fs);
+        if (CORRECT) b[u] = __ldg(half + h0 + k * hs);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kHeadsInFlight; ++u) {
+      const int64_t k = k0 + u;
+      if (k >= heads) break;
+      if (CORRECT) full[f0 + k * fs] = sim::LseMergeFloat<DeviceFloatOps>::merge(a[u], b[u]);
+      else half[h0 + k * hs] = valid ? a[u] : 0.f;
+    }
+  }
+}
+
+template <bool CORRECT, bool PACKED>
 __global__ void __launch_bounds__(kThreads) second_half_lse_kernel(LseArgs a) {
   float* __restrict__ full = a.full;  // the two LSE tensors never overlap: loads of later heads may pass stores
   float* __restrict__ half = a.half;
   const int lane = threadIdx.x & 31;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * (kThreads / 32);
-  for (int64_t base = ((static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) >> 5) * kTileRows; base < a.rows;
+  for (int64_t base = ((static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) >> 5) * kTileRows; base < a.items;
        base += warps * kTileRows) {
-    int s = find_sequence(a.cu, a.batch, base, 2);
+    int s = PACKED && base < a.rows ? warp_find_sequence(a.cu, a.batch, base, 2, lane) : 0;
     for (int it = 0; it < kRowsPerLane; ++it) {
       const int64_t x = base + it * 32 + lane;
-      if (x >= a.rows) break;
-      s = advance_sequence(a.cu, a.batch, x, 2, s);
-      const StepRowD r = step_row_in(a.cu, 2, x, s);
-#pragma unroll 4
-      for (int head = 0; head < a.heads; ++head) {
-        const int64_t fi = lse_index(a.packed, a.heads, a.full_seqlen, r.sequence, head, r.local_row, r.local_column);
-        const int64_t hi = lse_index(a.packed, a.heads, a.half_seqlen, r.sequence, head, x, r.column);
-        if (CORRECT) full[fi] = logaddexp(full[fi], half[hi]);
-        else half[hi] = full[fi];
+      if (x >= a.items) break;
+      int64_t f0 = 0, h0 = x;
+      bool valid;
+      if (PACKED) {  // x: step row, or a column of lse_half beyond them (read: zeros)
+        valid = x < a.rows;
+        if (valid) {
+          s = advance_sequence(a.cu, a.batch, x, 2, s);
+          f0 = x + __ldg(a.cu + s + 1) / 2;
+        }
+      } else {  // x: (sequence, column) of lse_half [B, h, S2]
+        s = static_cast<int>(x / a.half_seqlen);
+        const int64_t column = x - s * a.half_seqlen;
+        const int64_t length = __ldg(a.cu + s + 1) / 2 - __ldg(a.cu + s) / 2;  // second-half rows of s
+        valid = column < length;
+        f0 = static_cast<int64_t>(s) * a.heads * a.full_seqlen + column + length;
+        h0 = static_cast<int64_t>(s) * a.heads * a.half_seqlen + column;
       }
+      if (valid || !CORRECT) lse_row<CORRECT>(full, half, f0, h0, a.full_seqlen, a.half_seqlen, a.heads, valid);
     }
   }
 }
@@ -426,18 +484,47 @@ Outcome reorder(const DeviceRows& in, const DeviceRows& out, const DeviceOffsets
   });
 }
 
-__global__ void __launch_bounds__(kThreads) partitioned_indices_kernel(const int32_t* cu, int batch, int cp_size,
-                                                                       int rank, int64_t* idx, int64_t count) {
+// Partitioned indices: a warp tile of 1024 rows, each lane writing pairs of rows (16-byte stores; a pair never
+// straddles a sequence: every local sequence start cuP[b] / W is even). Per sequence, index = a + i in the first
+// half and b + i in the second, recomputed only when a lane steps into the next sequence.
+constexpr int kPairsPerLane = 16;
+constexpr int64_t kIndexTileRows = 2 * 32 * kPairsPerLane;
+
+struct PartitionRun {
+  int64_t next, split, first, second;  // next sequence start; first-half end; offsets of both halves
+  __device__ PartitionRun(const int32_t* __restrict__ cu, int cp_size, int rank, int s) {
+    const int64_t base = __ldg(cu + s), start = base / cp_size;
+    next = __ldg(cu + s + 1) / cp_size;
+    const int64_t half = (next - start) / 2;
+    split = start + half;
+    first = base + rank * half - start;
+    second = base + (2 * cp_size - 1 - rank) * half - half - start;
+  }
+  __device__ int64_t at(int64_t i) const { return (i < split ? first : second) + i; }
+};
+
+__global__ void __launch_bounds__(kThreads) partitioned_indices_kernel(const int32_t* __restrict__ cu, int batch,
+                                                                       int cp_size, int rank, int64_t* idx,
+                                                                       int64_t count, bool vectors) {
   const int lane = threadIdx.x & 31;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * (kThreads / 32);
-  for (int64_t base = ((static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) >> 5) * kTileRows; base < count;
-       base += warps * kTileRows) {
-    int s = find_sequence(cu, batch, base, cp_size);
-    for (int it = 0; it < kRowsPerLane; ++it) {
-      const int64_t i = base + it * 32 + lane;
+  for (int64_t base = ((static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) >> 5) * kIndexTileRows;
+       base < count; base += warps * kIndexTileRows) {
+    int s = warp_find_sequence(cu, batch, base, cp_size, lane);
+    PartitionRun run(cu, cp_size, rank, s);
+    for (int p = 0; p < kPairsPerLane; ++p) {
+      const int64_t i = base + 2 * (p * 32 + lane);
       if (i >= count) break;
-      s = advance_sequence(cu, batch, i, cp_size, s);
-      idx[i] = partition_source_in(cu, cp_size, rank, i, s);
+      if (i >= run.next) {
+        s = advance_sequence(cu, batch, i, cp_size, s);
+        run = PartitionRun(cu, cp_size, rank, s);
+      }
+      if (vectors) {
+        reinterpret_cast<longlong2*>(idx)[i / 2] = make_longlong2(run.at(i), run.at(i + 1));
+      } else {
+        idx[i] = run.at(i);
+        idx[i + 1] = run.at(i + 1);
+      }
     }
   }
 }
@@ -456,10 +543,12 @@ Outcome partitioned_indices(const DeviceOffsets& cu_padded, int cp_size, int ran
     const int64_t local = cu_padded.host().back() / cp_size;
     if (count != local) fail_input("count", "value ", count, " differs from cu_seqlens_padded[B] / cp_size = ", local);
     if (count == 0) return {};
-    const int64_t tiles = (count + kTileRows - 1) / kTileRows;
+    if (indices == nullptr) fail_input("indices", "is null");
+    const int64_t tiles = (count + kIndexTileRows - 1) / kIndexTileRows;
+    const bool vectors = reinterpret_cast<uintptr_t>(indices) % 16 == 0;
     partitioned_indices_kernel<<<grid_for((tiles + kThreads / 32 - 1) / (kThreads / 32)), kThreads, 0,
                                  static_cast<cudaStream_t>(stream)>>>(cu_padded.device(), cu_padded.batch(), cp_size,
-                                                                      rank, indices, count);
+                                                                      rank, indices, count, vectors);
     return cuda_status("partitioned_indices");
   });
 }
@@ -512,17 +601,18 @@ Outcome second_half_lse(const DeviceLse& lse, const DeviceLse& lse_half, const D
     sim::check_lse_shapes(lse.shape, lse_half.shape, rows);
     check_lse(lse, "lse");
     check_lse(lse_half, "lse_half");
-    if (!correct && lse_half.shape.size() > 0)
-      if (cudaError_t e = cudaMemsetAsync(lse_half.data, 0, lse_half.shape.size() * sizeof(float), stream);
-          e != cudaSuccess)
-        return {Status::cuda_error, std::string("cudaMemsetAsync of lse_half: ") + cudaGetErrorString(e)};
-    if (rows.rows() == 0 || lse.shape.heads == 0) return {};
-    const LseArgs a{lse.data, lse_half.data, lse.shape.packed, lse.shape.heads, lse.shape.seqlen,
-                    lse_half.shape.seqlen, cu_local.device(), cu_local.batch(), rows.rows()};
-    const int64_t tiles = (rows.rows() + kTileRows - 1) / kTileRows;
+    const bool packed = lse.shape.packed;
+    const int64_t items = packed ? (correct ? rows.rows() : lse_half.shape.seqlen)
+                                 : static_cast<int64_t>(lse_half.shape.batch) * lse_half.shape.seqlen;
+    if (items == 0 || lse.shape.heads == 0) return {};
+    const LseArgs a{lse.data,   lse_half.data,    lse.shape.heads, lse.shape.seqlen, lse_half.shape.seqlen,
+                    cu_local.device(), cu_local.batch(), rows.rows(),     items};
+    const int64_t tiles = (items + kTileRows - 1) / kTileRows;
     const int grid = grid_for((tiles + kThreads / 32 - 1) / (kThreads / 32));
-    if (correct) second_half_lse_kernel<true><<<grid, kThreads, 0, stream>>>(a);
-    else second_half_lse_kernel<false><<<grid, kThreads, 0, stream>>>(a);
+    if (correct && packed) second_half_lse_kernel<true, true><<<grid, kThreads, 0, stream>>>(a);
+    if (correct && !packed) second_half_lse_kernel<true, false><<<grid, kThreads, 0, stream>>>(a);
+    if (!correct && packed) second_half_lse_kernel<false, true><<<grid, kThreads, 0, stream>>>(a);
+    if (!correct && !packed) second_half_lse_kernel<false, false><<<grid, kThreads, 0, stream>>>(a);
     return cuda_status(correct ? "second_half_lse_correction" : "read_second_half_lse");
   });
 }

@@ -1,9 +1,11 @@
 #include "sim/lse_halves.hpp"
 
-#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstdint>
 
 #include "reference/input_error.hpp"
-#include "reference/lse_merge.hpp"
+#include "sim/lse_merge_float.hpp"
 
 namespace cpgold::sim {
 
@@ -34,7 +36,21 @@ void check_lse_shapes(const LseShape& full, const LseShape& step, const StepRows
   }
 }
 
-float lse_logaddexp(float a, float b) { return static_cast<float>(lse_merge<double>(a, b)); }
+namespace {
+// Host operations of LseMergeFloat: SSE float arithmetic (the build forbids contraction: -ffp-contract=off) and the
+// correctly rounded std::fma.
+struct HostFloatOps {
+  static float fma(float a, float b, float c) { return std::fma(a, b, c); }
+  static float add(float a, float b) { return a + b; }
+  static float sub(float a, float b) { return a - b; }
+  static float mul(float a, float b) { return a * b; }
+  static float div(float a, float b) { return a / b; }
+  static float rint(float a) { return std::rint(a); }
+  static float pow2(int e) { return std::bit_cast<float>(static_cast<uint32_t>(e + 127) << 23); }
+};
+}  // namespace
+
+float lse_logaddexp(float a, float b) { return LseMergeFloat<HostFloatOps>::merge(a, b); }
 
 void second_half_lse_correction(std::vector<float>& lse, const LseShape& full, const std::vector<float>& lse_half,
                                 const LseShape& half, const StepRows& rows) {
