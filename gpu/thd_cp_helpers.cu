@@ -10,6 +10,7 @@
 #include <cmath>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include "reference/input_error.hpp"
 #include "sim/lse_merge_float.hpp"
@@ -264,9 +265,11 @@ struct GradMap {
 
 // ---------------------------------------------------------------------------------------------------------------
 // LSE kernels. Both layouts index element (row, head) as f0 + head * S of the full tensor and h0 + head * S2 of the
-// half tensor (packed: f0 = local row, h0 = step row; unpacked: f0 = s*h*S + local column, h0 = s*h*S2 + column), so
-// a thread takes one row and all heads, eight heads of loads in flight before the first store. The read writes every
-// element of lse_half once: the copied rows and zeros elsewhere (no separate memset pass).
+// half tensor (packed: f0 = local row, h0 = step row; unpacked: f0 = s*h*S + local column, h0 = s*h*S2 + column).
+// A warp takes a tile of 256 rows and walks the heads in groups: every access of one group covers 1 KiB runs of a
+// few heads (as the row kernels move whole rows), where one head at a time for 32 rows left 128-byte pieces of 16
+// heads in flight and the kernels at 73% of the copy rate. The read writes every element of lse_half once: the
+// copied rows and zeros elsewhere (no separate memset pass).
 
 // Device operations of sim::LseMergeFloat: the round-to-nearest intrinsics, which nvcc never contracts.
 struct DeviceFloatOps {
@@ -290,60 +293,69 @@ struct LseArgs {
   int64_t items;  // packed: step rows (correction) or S2 (read); unpacked: B * S2
 };
 
-// One row of the LSE kernels over all heads; valid = false writes zeros into the half tensor (read only).
-template <bool CORRECT>
-__device__ __forceinline__ void lse_row(float* __restrict__ full, float* __restrict__ half, int64_t f0, int64_t h0,
-                                        int64_t fs, int64_t hs, int heads, bool valid) {
-  constexpr int kHeadsInFlight = 8;
-  for (int k0 = 0; k0 < heads; k0 += kHeadsInFlight) {
-    float a[kHeadsInFlight] = {}, b[kHeadsInFlight] = {};
-#pragma unroll
-    for (int u = 0; u < kHeadsInFlight; ++u) {
-      const int64_t k = k0 + u;
-      if (k < heads && valid) {
-        a[u] = CORRECT ? full[f0 + k * fs] : __ldg(full + f0 + k * fs);
-        if (CORRECT) b[u] = __ldg(half + h0 + k * hs);
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kHeadsInFlight; ++u) {
-      const int64_t k = k0 + u;
-      if (k >= heads) break;
-      if (CORRECT) full[f0 + k * fs] = sim::LseMergeFloat<DeviceFloatOps>::merge(a[u], b[u]);
-      else half[h0 + k * hs] = valid ? a[u] : 0.f;
-    }
-  }
-}
-
+// Blocks per SM: enough warps to hide the loads (and the merge arithmetic) without register spills.
 template <bool CORRECT, bool PACKED>
-__global__ void __launch_bounds__(kThreads) second_half_lse_kernel(LseArgs a) {
+__global__ void __launch_bounds__(kThreads, PACKED ? (CORRECT ? 3 : 4) : 2) second_half_lse_kernel(LseArgs a) {
+  constexpr int kHeadsPerGroup = CORRECT ? 1 : 4;  // loads in flight per lane: 16 (correction) or 32 (read)
   float* __restrict__ full = a.full;  // the two LSE tensors never overlap: loads of later heads may pass stores
   float* __restrict__ half = a.half;
   const int lane = threadIdx.x & 31;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * (kThreads / 32);
+  const int64_t fs = a.full_seqlen, hs = a.half_seqlen;
   for (int64_t base = ((static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) >> 5) * kTileRows; base < a.items;
        base += warps * kTileRows) {
     int s = PACKED && base < a.rows ? warp_find_sequence(a.cu, a.batch, base, 2, lane) : 0;
+    // f0: packed, the shift local row - step row (int32: fewer registers); unpacked, the full offset.
+    std::conditional_t<PACKED, int32_t, int64_t> f0[kRowsPerLane];
+    int64_t h0[kRowsPerLane];
+    unsigned inside = 0, valid = 0;  // bit it: row exists / row is copied (else zero-filled by the read)
+#pragma unroll
     for (int it = 0; it < kRowsPerLane; ++it) {
       const int64_t x = base + it * 32 + lane;
-      if (x >= a.items) break;
-      int64_t f0 = 0, h0 = x;
-      bool valid;
+      f0[it] = h0[it] = 0;  // packed: the half column is x itself (not kept, fewer registers)
+      if (x >= a.items) continue;
+      inside |= 1u << it;
       if (PACKED) {  // x: step row, or a column of lse_half beyond them (read: zeros)
-        valid = x < a.rows;
-        if (valid) {
+        if (x < a.rows) {
           s = advance_sequence(a.cu, a.batch, x, 2, s);
-          f0 = x + __ldg(a.cu + s + 1) / 2;
+          f0[it] = __ldg(a.cu + s + 1) / 2;
+          valid |= 1u << it;
         }
       } else {  // x: (sequence, column) of lse_half [B, h, S2]
-        s = static_cast<int>(x / a.half_seqlen);
-        const int64_t column = x - s * a.half_seqlen;
-        const int64_t length = __ldg(a.cu + s + 1) / 2 - __ldg(a.cu + s) / 2;  // second-half rows of s
-        valid = column < length;
-        f0 = static_cast<int64_t>(s) * a.heads * a.full_seqlen + column + length;
-        h0 = static_cast<int64_t>(s) * a.heads * a.half_seqlen + column;
+        const int q = static_cast<int>(x / hs);
+        const int64_t column = x - q * hs;
+        const int64_t length = __ldg(a.cu + q + 1) / 2 - __ldg(a.cu + q) / 2;  // second-half rows of q
+        if (column < length) valid |= 1u << it;
+        if constexpr (!PACKED) f0[it] = static_cast<int64_t>(q) * a.heads * fs + column + length;
+        h0[it] = static_cast<int64_t>(q) * a.heads * hs + column;
       }
-      if (valid || !CORRECT) lse_row<CORRECT>(full, half, f0, h0, a.full_seqlen, a.half_seqlen, a.heads, valid);
+    }
+    for (int k0 = 0; k0 < a.heads; k0 += kHeadsPerGroup) {
+      float v[kHeadsPerGroup][kRowsPerLane] = {}, w[kHeadsPerGroup][kRowsPerLane] = {};
+#pragma unroll
+      for (int u = 0; u < kHeadsPerGroup; ++u)
+#pragma unroll
+        for (int it = 0; it < kRowsPerLane; ++it) {
+          const int64_t k = k0 + u;
+          if (k < a.heads && (valid >> it & 1u)) {
+            const int64_t fi = (PACKED ? base + it * 32 + lane : 0) + f0[it] + k * fs;
+            v[u][it] = CORRECT ? full[fi] : __ldg(full + fi);
+            if (CORRECT) w[u][it] = __ldg(half + (PACKED ? base + it * 32 + lane : h0[it]) + k * hs);
+          }
+        }
+#pragma unroll
+      for (int u = 0; u < kHeadsPerGroup; ++u)
+#pragma unroll
+        for (int it = 0; it < kRowsPerLane; ++it) {
+          const int64_t k = k0 + u;
+          if (k >= a.heads) continue;
+          if (CORRECT) {
+            const int64_t fi = (PACKED ? base + it * 32 + lane : 0) + f0[it] + k * fs;
+            if (valid >> it & 1u) full[fi] = sim::LseMergeFloat<DeviceFloatOps>::merge(v[u][it], w[u][it]);
+          } else if (inside >> it & 1u) {
+            half[(PACKED ? base + it * 32 + lane : h0[it]) + k * hs] = (valid >> it & 1u) ? v[u][it] : 0.f;
+          }
+        }
     }
   }
 }
@@ -484,16 +496,16 @@ Outcome reorder(const DeviceRows& in, const DeviceRows& out, const DeviceOffsets
   });
 }
 
-// Partitioned indices: a warp tile of 1024 rows, each lane writing pairs of rows (16-byte stores; a pair never
+// Partitioned indices: a warp tile of 4096 rows (one search per 32 KiB written), each lane writing pairs of rows (16-byte stores; a pair never
 // straddles a sequence: every local sequence start cuP[b] / W is even). Per sequence, index = a + i in the first
 // half and b + i in the second, recomputed only when a lane steps into the next sequence.
-constexpr int kPairsPerLane = 16;
+constexpr int kPairsPerLane = 64;
 constexpr int64_t kIndexTileRows = 2 * 32 * kPairsPerLane;
 
 struct PartitionRun {
   int64_t next, split, first, second;  // next sequence start; first-half end; offsets of both halves
   __device__ PartitionRun(const int32_t* __restrict__ cu, int cp_size, int rank, int s) {
-    const int64_t base = __ldg(cu + s), start = base / cp_size;
+    const int32_t base = __ldg(cu + s), start = base / cp_size;  // 32-bit divisions: offsets are int32
     next = __ldg(cu + s + 1) / cp_size;
     const int64_t half = (next - start) / 2;
     split = start + half;
