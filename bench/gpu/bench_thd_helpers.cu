@@ -65,6 +65,20 @@ __global__ void copy_kernel(const uint4* __restrict__ in, uint4* __restrict__ ou
     out[i] = in[i];
 }
 
+// The store pattern of partitioned_indices without its offsets (warp tiles of 4096 int64, 16-byte stores, values
+// i): separates the cost of the writes from that of finding each row's sequence.
+__global__ void tile_store_kernel(longlong2* out, int64_t count) {
+  const int lane = threadIdx.x & 31;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
+  for (int64_t base = ((static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5) * 4096; base < count;
+       base += warps * 4096)
+    for (int p = 0; p < 64; ++p) {
+      const int64_t i = base + 2 * (p * 32 + lane);
+      if (i >= count) break;
+      out[i / 2] = make_longlong2(i, i + 1);
+    }
+}
+
 double median_ms(int reps, const std::function<void()>& call) {
   cudaEvent_t a, b;
   check(cudaEventCreate(&a), "event");
@@ -231,6 +245,9 @@ int main(int argc, char** argv) {
     Buffer idx(n * 8);
     rows.push_back({"partitioned_indices (int64)", 8.0 * n, median_ms(reps, [&] {
                       check(partitioned_indices(cup, W, 1, static_cast<int64_t*>(idx.ptr), n), "indices");
+                    })});
+    rows.push_back({"  same stores, no offsets (diagnostic)", 8.0 * n, median_ms(reps, [&] {
+                      tile_store_kernel<<<prop.multiProcessorCount * 8, 256>>>(static_cast<longlong2*>(idx.ptr), n);
                     })});
   }
 
