@@ -234,6 +234,14 @@ int main(int argc, char** argv) {
     // zero-fill is fused; a separate memset pass would add 4 more bytes per element that the result does not need).
     rows.push_back({"read_second_half_lse (zero-fill fused)", 8.0 * elems,
                     median_ms(reps, [&] { check(read_second_half_lse(lf, lh, cu_local), "lse read"); })});
+    // The same calls on one sequence of t rows (diagnostic): the second-half rows of every head form one dense run
+    // instead of runs of 64-512 rows with equal gaps between them, and no sequence boundary is crossed.
+    const DeviceOffsets one_sequence(std::vector<int32_t>{0, static_cast<int32_t>(t)});
+    rows.push_back({"  correction, one sequence (diagnostic)", 12.0 * elems, median_ms(reps, [&] {
+                      check(second_half_lse_correction(lf, lh, one_sequence), "lse corr");
+                    })});
+    rows.push_back({"  read, one sequence (diagnostic)", 8.0 * elems,
+                    median_ms(reps, [&] { check(read_second_half_lse(lf, lh, one_sequence), "lse read"); })});
   }
 
   // Partitioned indices: 128M local rows of a 512M-row layout (1 GiB of int64 written).
