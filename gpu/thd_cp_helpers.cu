@@ -21,7 +21,7 @@ namespace cpgold::gpu {
 // ---------------------------------------------------------------------------------------------------------------
 // Device offsets.
 
-DeviceOffsets::DeviceOffsets(std::vector<int32_t> host) : host_(std::move(host)) {
+DeviceOffsets::DeviceOffsets(std::vector<int32_t> host) : host_(std::move(host)), facts_(sim::offset_facts(host_)) {
   const size_t bytes = std::max<size_t>(host_.size(), 1) * sizeof(int32_t);
   if (cudaError_t e = cudaMalloc(&device_, bytes); e != cudaSuccess)
     throw std::runtime_error(std::string("cudaMalloc of offsets: ") + cudaGetErrorString(e));
@@ -36,12 +36,14 @@ DeviceOffsets::~DeviceOffsets() {
 }
 
 DeviceOffsets::DeviceOffsets(DeviceOffsets&& other) noexcept
-    : host_(std::move(other.host_)), device_(std::exchange(other.device_, nullptr)) {}
+    : host_(std::move(other.host_)), facts_(std::exchange(other.facts_, {})),
+      device_(std::exchange(other.device_, nullptr)) {}
 
 DeviceOffsets& DeviceOffsets::operator=(DeviceOffsets&& other) noexcept {
   if (this != &other) {
     if (device_ != nullptr) cudaFree(device_);
     host_ = std::move(other.host_);
+    facts_ = std::exchange(other.facts_, {});
     device_ = std::exchange(other.device_, nullptr);
   }
   return *this;
@@ -444,6 +446,8 @@ void check_same_rows(const DeviceRows& a, const DeviceRows& b, const char* name_
 // Global padded offsets for the partition: start at 0, every PL_b a multiple of 2W.
 void check_partition(const DeviceOffsets& cu_padded, int cp_size) {
   if (cp_size < 1) fail_input("cp_size", "value ", cp_size, " must be >= 1");
+  if (const sim::OffsetFacts& f = cu_padded.facts(); f.ordered && f.length_gcd % (2 * cp_size) == 0) return;
+  // Invalid: walk the offsets to name the entry.
   sim::check_offsets(cu_padded.host(), "cu_seqlens_padded");
   const auto& cu = cu_padded.host();
   for (size_t b = 0; b + 1 < cu.size(); ++b)
@@ -618,16 +622,23 @@ namespace {
 Outcome second_half_lse(const DeviceLse& lse, const DeviceLse& lse_half, const DeviceOffsets& cu_local, bool correct,
                         cudaStream_t stream) {
   return guarded([&]() -> Outcome {
-    const sim::StepRows rows(cu_local.host(), sim::HalfSelect::second);
-    sim::check_lse_shapes(lse.shape, lse_half.shape, rows);
+    // Packed LSE on valid offsets (even lengths): O(1) from the upload's facts; otherwise the full check.
+    const sim::OffsetFacts& f = cu_local.facts();
+    const int64_t local_rows = cu_local.host().empty() ? 0 : cu_local.host().back(), step_rows = local_rows / 2;
+    if (lse.shape.packed && f.ordered && f.length_gcd % 2 == 0) {
+      sim::check_lse_heads_and_rows(lse.shape, lse_half.shape, local_rows, step_rows);
+    } else {
+      const sim::StepRows rows(cu_local.host(), sim::HalfSelect::second);
+      sim::check_lse_shapes(lse.shape, lse_half.shape, rows);
+    }
     check_lse(lse, "lse");
     check_lse(lse_half, "lse_half");
     const bool packed = lse.shape.packed;
-    const int64_t items = packed ? (correct ? rows.rows() : lse_half.shape.seqlen)
+    const int64_t items = packed ? (correct ? step_rows : lse_half.shape.seqlen)
                                  : static_cast<int64_t>(lse_half.shape.batch) * lse_half.shape.seqlen;
     if (items == 0 || lse.shape.heads == 0) return {};
-    const LseArgs a{lse.data,   lse_half.data,    lse.shape.heads, lse.shape.seqlen, lse_half.shape.seqlen,
-                    cu_local.device(), cu_local.batch(), rows.rows(),     items};
+    const LseArgs a{lse.data,          lse_half.data,     lse.shape.heads, lse.shape.seqlen, lse_half.shape.seqlen,
+                    cu_local.device(), cu_local.batch(), step_rows,       items};
     const int64_t tiles = (items + kTileRows - 1) / kTileRows;
     const int grid = grid_for((tiles + kThreads / 32 - 1) / (kThreads / 32));
     if (correct && packed) second_half_lse_kernel<true, true><<<grid, kThreads, 0, stream>>>(a);

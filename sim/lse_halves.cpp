@@ -9,19 +9,23 @@
 
 namespace cpgold::sim {
 
-void check_lse_shapes(const LseShape& full, const LseShape& step, const StepRows& rows) {
+void check_lse_heads_and_rows(const LseShape& full, const LseShape& step, int64_t local_rows, int64_t step_rows) {
   if (full.heads < 1) fail_input("lse_heads", "value ", full.heads, " must be >= 1");
   if (step.heads != full.heads)
     fail_input("lse_step_heads", "value ", step.heads, " differs from the full LSE's heads ", full.heads);
   if (step.packed != full.packed)
     fail_input("lse_packed", "the full LSE is ", full.packed ? "packed" : "unpacked", " but the step LSE is not");
   if (full.packed) {
-    if (full.seqlen < rows.local_rows())
-      fail_input("lse_seqlen", "value ", full.seqlen, " is below the rank-local rows cu[B] = ", rows.local_rows());
-    if (step.seqlen < rows.rows())
-      fail_input("lse_step_seqlen", "value ", step.seqlen, " is below the step rows ", rows.rows());
-    return;
+    if (full.seqlen < local_rows)
+      fail_input("lse_seqlen", "value ", full.seqlen, " is below the rank-local rows cu[B] = ", local_rows);
+    if (step.seqlen < step_rows)
+      fail_input("lse_step_seqlen", "value ", step.seqlen, " is below the step rows ", step_rows);
   }
+}
+
+void check_lse_shapes(const LseShape& full, const LseShape& step, const StepRows& rows) {
+  check_lse_heads_and_rows(full, step, rows.local_rows(), rows.rows());
+  if (full.packed) return;
   if (full.batch != rows.batch()) fail_input("lse_batch", "value ", full.batch, " differs from B = ", rows.batch());
   if (step.batch != rows.batch())
     fail_input("lse_step_batch", "value ", step.batch, " differs from B = ", rows.batch());

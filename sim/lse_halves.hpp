@@ -29,6 +29,10 @@ inline int64_t lse_index(const LseShape& shape, int sequence, int head, int64_t 
 // batch B when unpacked, every indexed column inside S. InputError names the field ("lse_seqlen", ...) and value.
 void check_lse_shapes(const LseShape& full, const LseShape& step, const StepRows& rows);
 
+// The part of check_lse_shapes that needs only cu[B] (local_rows) and the step rows: heads, layout and, for packed
+// tensors, everything (the unpacked column bounds need every sequence).
+void check_lse_heads_and_rows(const LseShape& full, const LseShape& step, int64_t local_rows, int64_t step_rows);
+
 // lse [full.size()], lse_half [half.size()]; rows: second-half StepRows. lse[full] = logaddexp(lse[full], lse_half[x])
 // for every (head, half row), evaluated by lse_logaddexp (see docs/gpu-kernels.md).
 void second_half_lse_correction(std::vector<float>& lse, const LseShape& full, const std::vector<float>& lse_half,

@@ -62,6 +62,19 @@ TEST_CASE("step rows of §2.4: half 0 is chunk r, half 1 is chunk 2W-1-r of ever
   for (int x = 0; x < 4; ++x) CHECK(p.read_half_rows(1)[static_cast<size_t>(x)] == expect_second[x]);
 }
 
+TEST_CASE("offset facts: ordered exactly when check_offsets passes, gcd of the lengths") {
+  const OffsetFacts f = offset_facts({0, 8, 8, 24, 48});
+  CHECK(f.ordered);
+  CHECK(f.length_gcd == 8);
+  CHECK(offset_facts({0, 0, 0}).ordered);
+  CHECK(offset_facts({0, 0, 0}).length_gcd == 0);
+  CHECK(offset_facts({0, 6, 16}).length_gcd == 2);
+  for (const std::vector<int32_t>& bad : {std::vector<int32_t>{0}, {1, 4}, {0, 4, 2}, {-2, 4}}) {
+    CHECK_FALSE(offset_facts(bad).ordered);
+    CHECK_THROWS_AS(check_offsets(bad, "cu"), InputError);
+  }
+}
+
 TEST_CASE("step rows reject odd local lengths and decreasing offsets, naming the entry") {
   try {
     StepRows bad({0, 4, 7}, HalfSelect::second);
