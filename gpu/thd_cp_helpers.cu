@@ -10,8 +10,10 @@
 #include <cmath>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include "reference/input_error.hpp"
+#include "sim/lse_merge_float.hpp"
 #include "sim/step_rows.hpp"
 
 namespace cpgold::gpu {
@@ -19,7 +21,7 @@ namespace cpgold::gpu {
 // ---------------------------------------------------------------------------------------------------------------
 // Device offsets.
 
-DeviceOffsets::DeviceOffsets(std::vector<int32_t> host) : host_(std::move(host)) {
+DeviceOffsets::DeviceOffsets(std::vector<int32_t> host) : host_(std::move(host)), facts_(sim::offset_facts(host_)) {
   const size_t bytes = std::max<size_t>(host_.size(), 1) * sizeof(int32_t);
   if (cudaError_t e = cudaMalloc(&device_, bytes); e != cudaSuccess)
     throw std::runtime_error(std::string("cudaMalloc of offsets: ") + cudaGetErrorString(e));
@@ -34,12 +36,14 @@ DeviceOffsets::~DeviceOffsets() {
 }
 
 DeviceOffsets::DeviceOffsets(DeviceOffsets&& other) noexcept
-    : host_(std::move(other.host_)), device_(std::exchange(other.device_, nullptr)) {}
+    : host_(std::move(other.host_)), facts_(std::exchange(other.facts_, {})),
+      device_(std::exchange(other.device_, nullptr)) {}
 
 DeviceOffsets& DeviceOffsets::operator=(DeviceOffsets&& other) noexcept {
   if (this != &other) {
     if (device_ != nullptr) cudaFree(device_);
     host_ = std::move(other.host_);
+    facts_ = std::exchange(other.facts_, {});
     device_ = std::exchange(other.device_, nullptr);
   }
   return *this;
@@ -92,11 +96,27 @@ __device__ __forceinline__ StepRowD step_row(const int32_t* __restrict__ cu, int
   return step_row_in(cu, select, x, find_sequence(cu, batch, x, select == 0 ? 1 : 2));
 }
 
-// Element kernels (one value per row and head) walk tiles of kTileRows consecutive rows per warp: one binary search
-// per tile, then every lane steps its sequence forward (searching per element made them latency-bound, 20-25% of
-// the copy bandwidth).
+// Element kernels (the LSE kernels, the partitioned indices) walk tiles of consecutive rows per warp: one warp-wide
+// search per tile, then every lane steps its sequence forward (searching per element made them latency-bound,
+// 20-25% of the copy bandwidth; one binary search per 256-row tile still left the indices at 19%).
 constexpr int kRowsPerLane = 8;
 constexpr int64_t kTileRows = 32 * kRowsPerLane;
+
+// find_sequence for a whole warp (every lane calls it with the same x): 32 offsets per step, so the 18 dependent
+// loads of a binary search over 220k sequences become 4.
+__device__ __forceinline__ int warp_find_sequence(const int32_t* __restrict__ cu, int batch, int64_t x, int divisor,
+                                                  int lane) {
+  int lo = 0, hi = batch - 1;  // invariant: cu[lo] / divisor <= x, the answer lies in [lo, hi]
+  while (hi > lo) {
+    const int step = (hi - lo + 32) / 32;
+    const int b = lo + lane * step;
+    const bool at_or_below = b <= hi && __ldg(cu + b) / divisor <= x;
+    const unsigned below = __ballot_sync(0xffffffffu, at_or_below);  // bit 0 set by the invariant
+    lo += (31 - __clz(below)) * step;
+    hi = min(hi, lo + step - 1);
+  }
+  return lo;
+}
 
 // Global row of local row i (of sequence s) of rank (cp-semantics §2.2); cu_padded global, W ranks.
 __device__ __forceinline__ int64_t partition_source_in(const int32_t* __restrict__ cu_padded, int cp_size, int rank,
@@ -246,46 +266,98 @@ struct GradMap {
 };
 
 // ---------------------------------------------------------------------------------------------------------------
-// LSE kernels: one thread per step row, looping over the heads (coalesced per head across the warp).
+// LSE kernels. Both layouts index element (row, head) as f0 + head * S of the full tensor and h0 + head * S2 of the
+// half tensor (packed: f0 = local row, h0 = step row; unpacked: f0 = s*h*S + local column, h0 = s*h*S2 + column).
+// A warp takes a tile of 256 rows and walks the heads in groups: every access of one group covers 1 KiB runs of a
+// few heads (as the row kernels move whole rows), where one head at a time for 32 rows left 128-byte pieces of 16
+// heads in flight and the kernels at 73% of the copy rate. The read writes every element of lse_half once: the
+// copied rows and zeros elsewhere (no separate memset pass).
 
-__device__ __forceinline__ float logaddexp(float a, float b) {
-  const double hi = a > b ? a : b, lo = a > b ? b : a;
-  if (hi == -INFINITY) return static_cast<float>(hi);
-  return static_cast<float>(hi + log1p(exp(lo - hi)));
-}
+// Device operations of sim::LseMergeFloat: the round-to-nearest intrinsics, which nvcc never contracts.
+struct DeviceFloatOps {
+  __device__ static float fma(float a, float b, float c) { return __fmaf_rn(a, b, c); }
+  __device__ static float add(float a, float b) { return __fadd_rn(a, b); }
+  __device__ static float sub(float a, float b) { return __fsub_rn(a, b); }
+  __device__ static float mul(float a, float b) { return __fmul_rn(a, b); }
+  __device__ static float div(float a, float b) { return __fdiv_rn(a, b); }
+  __device__ static float rint(float a) { return rintf(a); }
+  __device__ static float pow2(int e) { return __int_as_float((e + 127) << 23); }
+};
 
 struct LseArgs {
   float* full;
   float* half;
-  bool packed;
   int heads;
-  int64_t full_seqlen, half_seqlen;
+  int64_t full_seqlen, half_seqlen;  // S, S2: the head strides of both layouts
   const int32_t* cu;
   int batch;
-  int64_t rows;  // step rows (cu[B] / 2)
+  int64_t rows;   // step rows (cu[B] / 2)
+  int64_t items;  // packed: step rows (correction) or S2 (read); unpacked: B * S2
 };
 
-template <bool CORRECT>
-__global__ void __launch_bounds__(kThreads) second_half_lse_kernel(LseArgs a) {
+// Blocks per SM: enough warps to hide the loads (and the merge arithmetic) without register spills.
+template <bool CORRECT, bool PACKED>
+__global__ void __launch_bounds__(kThreads, PACKED ? (CORRECT ? 3 : 4) : 2) second_half_lse_kernel(LseArgs a) {
+  constexpr int kHeadsPerGroup = CORRECT ? 1 : 4;  // loads in flight per lane: 16 (correction) or 32 (read)
   float* __restrict__ full = a.full;  // the two LSE tensors never overlap: loads of later heads may pass stores
   float* __restrict__ half = a.half;
   const int lane = threadIdx.x & 31;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * (kThreads / 32);
-  for (int64_t base = ((static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) >> 5) * kTileRows; base < a.rows;
+  const int64_t fs = a.full_seqlen, hs = a.half_seqlen;
+  for (int64_t base = ((static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) >> 5) * kTileRows; base < a.items;
        base += warps * kTileRows) {
-    int s = find_sequence(a.cu, a.batch, base, 2);
+    int s = PACKED && base < a.rows ? warp_find_sequence(a.cu, a.batch, base, 2, lane) : 0;
+    // f0: packed, the shift local row - step row (int32: fewer registers); unpacked, the full offset.
+    std::conditional_t<PACKED, int32_t, int64_t> f0[kRowsPerLane];
+    int64_t h0[kRowsPerLane];
+    unsigned inside = 0, valid = 0;  // bit it: row exists / row is copied (else zero-filled by the read)
+#pragma unroll
     for (int it = 0; it < kRowsPerLane; ++it) {
       const int64_t x = base + it * 32 + lane;
-      if (x >= a.rows) break;
-      s = advance_sequence(a.cu, a.batch, x, 2, s);
-      const StepRowD r = step_row_in(a.cu, 2, x, s);
-#pragma unroll 4
-      for (int head = 0; head < a.heads; ++head) {
-        const int64_t fi = lse_index(a.packed, a.heads, a.full_seqlen, r.sequence, head, r.local_row, r.local_column);
-        const int64_t hi = lse_index(a.packed, a.heads, a.half_seqlen, r.sequence, head, x, r.column);
-        if (CORRECT) full[fi] = logaddexp(full[fi], half[hi]);
-        else half[hi] = full[fi];
+      f0[it] = h0[it] = 0;  // packed: the half column is x itself (not kept, fewer registers)
+      if (x >= a.items) continue;
+      inside |= 1u << it;
+      if (PACKED) {  // x: step row, or a column of lse_half beyond them (read: zeros)
+        if (x < a.rows) {
+          s = advance_sequence(a.cu, a.batch, x, 2, s);
+          f0[it] = __ldg(a.cu + s + 1) / 2;
+          valid |= 1u << it;
+        }
+      } else {  // x: (sequence, column) of lse_half [B, h, S2]
+        const int q = static_cast<int>(x / hs);
+        const int64_t column = x - q * hs;
+        const int64_t length = __ldg(a.cu + q + 1) / 2 - __ldg(a.cu + q) / 2;  // second-half rows of q
+        if (column < length) valid |= 1u << it;
+        if constexpr (!PACKED) f0[it] = static_cast<int64_t>(q) * a.heads * fs + column + length;
+        h0[it] = static_cast<int64_t>(q) * a.heads * hs + column;
       }
+    }
+    for (int k0 = 0; k0 < a.heads; k0 += kHeadsPerGroup) {
+      float v[kHeadsPerGroup][kRowsPerLane] = {}, w[kHeadsPerGroup][kRowsPerLane] = {};
+#pragma unroll
+      for (int u = 0; u < kHeadsPerGroup; ++u)
+#pragma unroll
+        for (int it = 0; it < kRowsPerLane; ++it) {
+          const int64_t k = k0 + u;
+          if (k < a.heads && (valid >> it & 1u)) {
+            const int64_t fi = (PACKED ? base + it * 32 + lane : 0) + f0[it] + k * fs;
+            v[u][it] = CORRECT ? full[fi] : __ldg(full + fi);
+            if (CORRECT) w[u][it] = __ldg(half + (PACKED ? base + it * 32 + lane : h0[it]) + k * hs);
+          }
+        }
+#pragma unroll
+      for (int u = 0; u < kHeadsPerGroup; ++u)
+#pragma unroll
+        for (int it = 0; it < kRowsPerLane; ++it) {
+          const int64_t k = k0 + u;
+          if (k >= a.heads) continue;
+          if (CORRECT) {
+            const int64_t fi = (PACKED ? base + it * 32 + lane : 0) + f0[it] + k * fs;
+            if (valid >> it & 1u) full[fi] = sim::LseMergeFloat<DeviceFloatOps>::merge(v[u][it], w[u][it]);
+          } else if (inside >> it & 1u) {
+            half[(PACKED ? base + it * 32 + lane : h0[it]) + k * hs] = (valid >> it & 1u) ? v[u][it] : 0.f;
+          }
+        }
     }
   }
 }
@@ -374,6 +446,8 @@ void check_same_rows(const DeviceRows& a, const DeviceRows& b, const char* name_
 // Global padded offsets for the partition: start at 0, every PL_b a multiple of 2W.
 void check_partition(const DeviceOffsets& cu_padded, int cp_size) {
   if (cp_size < 1) fail_input("cp_size", "value ", cp_size, " must be >= 1");
+  if (const sim::OffsetFacts& f = cu_padded.facts(); f.ordered && f.length_gcd % (2 * cp_size) == 0) return;
+  // Invalid: walk the offsets to name the entry.
   sim::check_offsets(cu_padded.host(), "cu_seqlens_padded");
   const auto& cu = cu_padded.host();
   for (size_t b = 0; b + 1 < cu.size(); ++b)
@@ -426,18 +500,56 @@ Outcome reorder(const DeviceRows& in, const DeviceRows& out, const DeviceOffsets
   });
 }
 
-__global__ void __launch_bounds__(kThreads) partitioned_indices_kernel(const int32_t* cu, int batch, int cp_size,
-                                                                       int rank, int64_t* idx, int64_t count) {
+// Partitioned indices: a warp tile of 4096 rows (one search per 32 KiB written), each lane writing pairs of rows
+// (16-byte stores; a pair never straddles a sequence: every local sequence start cuP[b] / W is even). After the
+// search, lane j holds the offset of sequence s0 + j, and every pair finds its sequence among those 32 by five
+// shuffles: stepping lanes through the offsets with dependent loads left the kernel at 33% of the copy rate while
+// its stores alone ran at 105%. A row beyond the 31 sequences the window describes falls back to stepping.
+constexpr int kPairsPerLane = 64;
+constexpr int64_t kIndexTileRows = 2 * 32 * kPairsPerLane;
+
+struct PartitionRun {
+  int64_t split, first, second;  // first-half end; offsets of both halves: index = (i < split ? first : second) + i
+  __device__ PartitionRun(int32_t base, int32_t start, int32_t next, int cp_size, int rank) {
+    const int64_t half = (next - start) / 2;
+    split = start + half;
+    first = base + rank * half - start;
+    second = base + (2 * cp_size - 1 - rank) * half - half - start;
+  }
+  __device__ int64_t at(int64_t i) const { return (i < split ? first : second) + i; }
+};
+
+__global__ void __launch_bounds__(kThreads) partitioned_indices_kernel(const int32_t* __restrict__ cu, int batch,
+                                                                       int cp_size, int rank, int64_t* idx,
+                                                                       int64_t count, bool vectors) {
+  constexpr unsigned kAll = 0xffffffffu;
   const int lane = threadIdx.x & 31;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * (kThreads / 32);
-  for (int64_t base = ((static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) >> 5) * kTileRows; base < count;
-       base += warps * kTileRows) {
-    int s = find_sequence(cu, batch, base, cp_size);
-    for (int it = 0; it < kRowsPerLane; ++it) {
-      const int64_t i = base + it * 32 + lane;
-      if (i >= count) break;
-      s = advance_sequence(cu, batch, i, cp_size, s);
-      idx[i] = partition_source_in(cu, cp_size, rank, i, s);
+  for (int64_t base = ((static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) >> 5) * kIndexTileRows;
+       base < count; base += warps * kIndexTileRows) {
+    const int s0 = warp_find_sequence(cu, batch, base, cp_size, lane);
+    const int32_t offset = __ldg(cu + min(s0 + lane, batch));  // cu[s0 + lane]; past the end: cu[B]
+    const int32_t start = offset / cp_size;                     // non-decreasing over the lanes
+    for (int p = 0; p < kPairsPerLane && base + 64 * p < count; ++p) {  // warp-uniform bound: all lanes shuffle
+      const int64_t i = base + 2 * (p * 32 + lane);
+      int j = 0;  // largest j with start(s0 + j) <= i (TransformerEngine's search, zero-length sequences skipped)
+#pragma unroll
+      for (int step = 16; step >= 1; step >>= 1)
+        if (__shfl_sync(kAll, start, j + step) <= i) j += step;
+      const int32_t base_j = __shfl_sync(kAll, offset, j), start_j = __shfl_sync(kAll, start, j),
+                    next_j = __shfl_sync(kAll, start, min(j + 1, 31));
+      if (i >= count) continue;
+      PartitionRun run(base_j, start_j, next_j, cp_size, rank);
+      if (j == 31) {  // sequence s0 + 31 or later: its end is not in the window
+        const int s = advance_sequence(cu, batch, i, cp_size, s0 + 31);
+        run = PartitionRun(__ldg(cu + s), __ldg(cu + s) / cp_size, __ldg(cu + s + 1) / cp_size, cp_size, rank);
+      }
+      if (vectors) {
+        reinterpret_cast<longlong2*>(idx)[i / 2] = make_longlong2(run.at(i), run.at(i + 1));
+      } else {
+        idx[i] = run.at(i);
+        idx[i + 1] = run.at(i + 1);
+      }
     }
   }
 }
@@ -456,10 +568,12 @@ Outcome partitioned_indices(const DeviceOffsets& cu_padded, int cp_size, int ran
     const int64_t local = cu_padded.host().back() / cp_size;
     if (count != local) fail_input("count", "value ", count, " differs from cu_seqlens_padded[B] / cp_size = ", local);
     if (count == 0) return {};
-    const int64_t tiles = (count + kTileRows - 1) / kTileRows;
+    if (indices == nullptr) fail_input("indices", "is null");
+    const int64_t tiles = (count + kIndexTileRows - 1) / kIndexTileRows;
+    const bool vectors = reinterpret_cast<uintptr_t>(indices) % 16 == 0;
     partitioned_indices_kernel<<<grid_for((tiles + kThreads / 32 - 1) / (kThreads / 32)), kThreads, 0,
                                  static_cast<cudaStream_t>(stream)>>>(cu_padded.device(), cu_padded.batch(), cp_size,
-                                                                      rank, indices, count);
+                                                                      rank, indices, count, vectors);
     return cuda_status("partitioned_indices");
   });
 }
@@ -508,21 +622,29 @@ namespace {
 Outcome second_half_lse(const DeviceLse& lse, const DeviceLse& lse_half, const DeviceOffsets& cu_local, bool correct,
                         cudaStream_t stream) {
   return guarded([&]() -> Outcome {
-    const sim::StepRows rows(cu_local.host(), sim::HalfSelect::second);
-    sim::check_lse_shapes(lse.shape, lse_half.shape, rows);
+    // Packed LSE on valid offsets (even lengths): O(1) from the upload's facts; otherwise the full check.
+    const sim::OffsetFacts& f = cu_local.facts();
+    const int64_t local_rows = cu_local.host().empty() ? 0 : cu_local.host().back(), step_rows = local_rows / 2;
+    if (lse.shape.packed && f.ordered && f.length_gcd % 2 == 0) {
+      sim::check_lse_heads_and_rows(lse.shape, lse_half.shape, local_rows, step_rows);
+    } else {
+      const sim::StepRows rows(cu_local.host(), sim::HalfSelect::second);
+      sim::check_lse_shapes(lse.shape, lse_half.shape, rows);
+    }
     check_lse(lse, "lse");
     check_lse(lse_half, "lse_half");
-    if (!correct && lse_half.shape.size() > 0)
-      if (cudaError_t e = cudaMemsetAsync(lse_half.data, 0, lse_half.shape.size() * sizeof(float), stream);
-          e != cudaSuccess)
-        return {Status::cuda_error, std::string("cudaMemsetAsync of lse_half: ") + cudaGetErrorString(e)};
-    if (rows.rows() == 0 || lse.shape.heads == 0) return {};
-    const LseArgs a{lse.data, lse_half.data, lse.shape.packed, lse.shape.heads, lse.shape.seqlen,
-                    lse_half.shape.seqlen, cu_local.device(), cu_local.batch(), rows.rows()};
-    const int64_t tiles = (rows.rows() + kTileRows - 1) / kTileRows;
+    const bool packed = lse.shape.packed;
+    const int64_t items = packed ? (correct ? step_rows : lse_half.shape.seqlen)
+                                 : static_cast<int64_t>(lse_half.shape.batch) * lse_half.shape.seqlen;
+    if (items == 0 || lse.shape.heads == 0) return {};
+    const LseArgs a{lse.data,          lse_half.data,     lse.shape.heads, lse.shape.seqlen, lse_half.shape.seqlen,
+                    cu_local.device(), cu_local.batch(), step_rows,       items};
+    const int64_t tiles = (items + kTileRows - 1) / kTileRows;
     const int grid = grid_for((tiles + kThreads / 32 - 1) / (kThreads / 32));
-    if (correct) second_half_lse_kernel<true><<<grid, kThreads, 0, stream>>>(a);
-    else second_half_lse_kernel<false><<<grid, kThreads, 0, stream>>>(a);
+    if (correct && packed) second_half_lse_kernel<true, true><<<grid, kThreads, 0, stream>>>(a);
+    if (correct && !packed) second_half_lse_kernel<true, false><<<grid, kThreads, 0, stream>>>(a);
+    if (!correct && packed) second_half_lse_kernel<false, true><<<grid, kThreads, 0, stream>>>(a);
+    if (!correct && !packed) second_half_lse_kernel<false, false><<<grid, kThreads, 0, stream>>>(a);
     return cuda_status(correct ? "second_half_lse_correction" : "read_second_half_lse");
   });
 }

@@ -16,7 +16,9 @@
 
 namespace cpgold::gpu {
 
-// offsets [B+1] int32 on the device together with their host copy (read by the shape checks). Move-only.
+// offsets [B+1] int32 on the device together with their host copy (read by the shape checks) and the facts the
+// per-call checks need (sim::OffsetFacts, found once at the upload: a valid layout is checked in O(1) per call).
+// Move-only.
 class DeviceOffsets {
  public:
   DeviceOffsets() = default;
@@ -30,10 +32,12 @@ class DeviceOffsets {
 
   const int32_t* device() const { return device_; }
   const std::vector<int32_t>& host() const { return host_; }
+  const sim::OffsetFacts& facts() const { return facts_; }
   int batch() const { return static_cast<int>(host_.size()) - 1; }
 
  private:
   std::vector<int32_t> host_;
+  sim::OffsetFacts facts_;
   int32_t* device_ = nullptr;
 };
 

@@ -29,8 +29,12 @@ inline int64_t lse_index(const LseShape& shape, int sequence, int head, int64_t 
 // batch B when unpacked, every indexed column inside S. InputError names the field ("lse_seqlen", ...) and value.
 void check_lse_shapes(const LseShape& full, const LseShape& step, const StepRows& rows);
 
+// The part of check_lse_shapes that needs only cu[B] (local_rows) and the step rows: heads, layout and, for packed
+// tensors, everything (the unpacked column bounds need every sequence).
+void check_lse_heads_and_rows(const LseShape& full, const LseShape& step, int64_t local_rows, int64_t step_rows);
+
 // lse [full.size()], lse_half [half.size()]; rows: second-half StepRows. lse[full] = logaddexp(lse[full], lse_half[x])
-// for every (head, half row), evaluated in double and rounded once to float (see docs/gpu-kernels.md).
+// for every (head, half row), evaluated by lse_logaddexp (see docs/gpu-kernels.md).
 void second_half_lse_correction(std::vector<float>& lse, const LseShape& full, const std::vector<float>& lse_half,
                                 const LseShape& half, const StepRows& rows);
 
@@ -38,7 +42,8 @@ void second_half_lse_correction(std::vector<float>& lse, const LseShape& full, c
 std::vector<float> read_second_half_lse(const std::vector<float>& lse, const LseShape& full, const LseShape& half,
                                         const StepRows& rows);
 
-// The merge of the two kernels above: logaddexp in double (max + log1p(exp(min - max)), -inf with -inf stays -inf).
+// The merge of the correction: logaddexp in float32 (max + log1p(exp(min - max)), -inf with -inf stays -inf) from
+// correctly rounded operations only (sim/lse_merge_float.hpp), the same bits as the device kernel.
 float lse_logaddexp(float a, float b);
 
 }  // namespace cpgold::sim

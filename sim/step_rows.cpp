@@ -1,5 +1,7 @@
 #include "sim/step_rows.hpp"
 
+#include <numeric>
+
 #include <algorithm>
 
 #include "reference/input_error.hpp"
@@ -25,6 +27,17 @@ void check_offsets(const std::vector<int32_t>& offsets, const std::string& field
     if (offsets[b] < offsets[b - 1])
       fail_input(field + "[" + std::to_string(b) + "]", "value ", offsets[b], " is below the previous entry ",
                  offsets[b - 1]);
+}
+
+OffsetFacts offset_facts(const std::vector<int32_t>& offsets) {
+  OffsetFacts f;
+  f.ordered = offsets.size() >= 2 && offsets[0] == 0;
+  for (size_t b = 1; b < offsets.size(); ++b) {
+    const int64_t length = static_cast<int64_t>(offsets[b]) - offsets[b - 1];
+    if (length < 0) f.ordered = false;
+    f.length_gcd = std::gcd(f.length_gcd, length);
+  }
+  return f;
 }
 
 void check_step_shape(const RowShape& full, const RowShape& step, const StepRows& rows) {

@@ -54,4 +54,13 @@ void check_step_shape(const RowShape& full, const RowShape& step, const StepRows
 // Checks offsets [B+1]: start at 0 (when from_zero), non-decreasing; InputError naming field[b] and its value.
 void check_offsets(const std::vector<int32_t>& offsets, const std::string& field, bool from_zero = true);
 
+// What the per-call checks need to know of offsets [B+1], found in one pass: gpu::DeviceOffsets keeps it from the
+// upload, so a call on a layout of 256k sequences checks it in O(1) (walking the offsets on every call cost more host
+// time than some kernels take) and walks them only to name a failing entry.
+struct OffsetFacts {
+  bool ordered = false;     // check_offsets(offsets, field) passes: B+1 >= 2 entries, offsets[0] = 0, non-decreasing
+  int64_t length_gcd = 0;   // gcd of every length offsets[b+1] - offsets[b] (0 when all are 0)
+};
+OffsetFacts offset_facts(const std::vector<int32_t>& offsets);
+
 }  // namespace cpgold::sim

@@ -1,6 +1,6 @@
 // GB/s of the THD CP helper kernels (gpu/thd_cp_helpers.hpp) against the device's copy bandwidth measured in the
-// same run (cudaMemcpy device-to-device and a plain 16-byte-vector copy kernel). Bytes = bytes read + bytes written
-// by the helper's own definition (rows it skips are not counted), >= 1 GiB per call. Median of --reps timed calls
+// same run (cudaMemcpy device-to-device, a plain 16-byte-vector copy kernel, and a write-only memset). Bytes = bytes
+// the helper's result needs read + written (rows it skips are not counted), >= 1 GiB per call. Median of --reps timed calls
 // after 3 warm-up calls, CUDA events.
 // Usage: bench_thd_helpers [--reps N]
 #include <cuda_runtime.h>
@@ -63,6 +63,20 @@ __global__ void copy_kernel(const uint4* __restrict__ in, uint4* __restrict__ ou
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x)
     out[i] = in[i];
+}
+
+// The store pattern of partitioned_indices without its offsets (warp tiles of 4096 int64, 16-byte stores, values
+// i): separates the cost of the writes from that of finding each row's sequence.
+__global__ void tile_store_kernel(longlong2* out, int64_t count) {
+  const int lane = threadIdx.x & 31;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
+  for (int64_t base = ((static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5) * 4096; base < count;
+       base += warps * 4096)
+    for (int p = 0; p < 64; ++p) {
+      const int64_t i = base + 2 * (p * 32 + lane);
+      if (i >= count) break;
+      out[i / 2] = make_longlong2(i, i + 1);
+    }
 }
 
 double median_ms(int reps, const std::function<void()>& call) {
@@ -129,6 +143,10 @@ int main(int argc, char** argv) {
     rows.push_back({"copy kernel, 16-byte vectors (reference)", 2.0 * copy_bytes, median_ms(reps, [&] {
                       copy_kernel<<<prop.multiProcessorCount * 8, 256>>>(static_cast<const uint4*>(a.ptr),
                                                                          static_cast<uint4*>(b.ptr), n);
+                    })});
+    // Write-only rate (the limit of partitioned_indices, which reads nothing but the offsets): 1 GiB memset.
+    rows.push_back({"cudaMemset (write-only reference)", 1.0 * copy_bytes, median_ms(reps, [&] {
+                      check(cudaMemsetAsync(b.ptr, 0, copy_bytes), "memset");
                     })});
   }
 
@@ -212,8 +230,18 @@ int main(int argc, char** argv) {
     rows.push_back({"second_half_lse_correction", 12.0 * elems, median_ms(reps, [&] {
                       check(second_half_lse_correction(lf, lh, cu_local), "lse corr");
                     })});
-    rows.push_back({"read_second_half_lse (with zero-fill)", 12.0 * elems,
+    // Every lse_half element written once (copied or zero) and every copied one read: 8 bytes per element (the
+    // zero-fill is fused; a separate memset pass would add 4 more bytes per element that the result does not need).
+    rows.push_back({"read_second_half_lse (zero-fill fused)", 8.0 * elems,
                     median_ms(reps, [&] { check(read_second_half_lse(lf, lh, cu_local), "lse read"); })});
+    // The same calls on one sequence of t rows (diagnostic): the second-half rows of every head form one dense run
+    // instead of runs of 64-512 rows with equal gaps between them, and no sequence boundary is crossed.
+    const DeviceOffsets one_sequence(std::vector<int32_t>{0, static_cast<int32_t>(t)});
+    rows.push_back({"  correction, one sequence (diagnostic)", 12.0 * elems, median_ms(reps, [&] {
+                      check(second_half_lse_correction(lf, lh, one_sequence), "lse corr");
+                    })});
+    rows.push_back({"  read, one sequence (diagnostic)", 8.0 * elems,
+                    median_ms(reps, [&] { check(read_second_half_lse(lf, lh, one_sequence), "lse read"); })});
   }
 
   // Partitioned indices: 128M local rows of a 512M-row layout (1 GiB of int64 written).
@@ -225,6 +253,9 @@ int main(int argc, char** argv) {
     Buffer idx(n * 8);
     rows.push_back({"partitioned_indices (int64)", 8.0 * n, median_ms(reps, [&] {
                       check(partitioned_indices(cup, W, 1, static_cast<int64_t*>(idx.ptr), n), "indices");
+                    })});
+    rows.push_back({"  same stores, no offsets (diagnostic)", 8.0 * n, median_ms(reps, [&] {
+                      tile_store_kernel<<<prop.multiProcessorCount * 8, 256>>>(static_cast<longlong2*>(idx.ptr), n);
                     })});
   }
 

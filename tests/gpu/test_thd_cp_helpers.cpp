@@ -226,6 +226,25 @@ TEST_CASE("thd helpers: partitioned indices, §2.4 vector and random layouts aga
         }
       }
     }
+  // Thousands of sequences: many warp tiles, a multi-round warp search, lanes stepping over zero-length sequences;
+  // once into a 16-byte-aligned array (pair stores) and once at an 8-byte offset (single stores).
+  for (int w : {2, 4, 8}) {
+    const Layout l = random_layout(rng, w, 4000, 400);
+    const DeviceOffsets cu(l.cu_padded);
+    const int64_t n = l.total() / w;
+    DeviceBuffer idx(static_cast<size_t>(n + 2) * 8);
+    for (int r : {0, w - 1})
+      for (int64_t offset : {0, 1}) {
+        INFO("W " << w << ", rank " << r << ", " << l.batch() << " sequences, offset " << offset);
+        int64_t* out = static_cast<int64_t*>(idx.ptr) + offset;
+        require_ok(partitioned_indices(cu, w, r, out, n));
+        cuda_ok(cudaDeviceSynchronize(), "kernel");
+        std::vector<int64_t> got(static_cast<size_t>(n));
+        cuda_ok(cudaMemcpy(got.data(), out, static_cast<size_t>(n) * 8, cudaMemcpyDeviceToHost), "download");
+        CHECK(got == l.partition().gather_indices(r));
+        for (int64_t i = 0; i < n; i += 997) CHECK(got[static_cast<size_t>(i)] == expected_global_row(l, r, i));
+      }
+  }
 }
 
 TEST_CASE("thd helpers: sequence <-> rank order on coded rows, every row format, W in {2,3,4,8}") {
@@ -389,6 +408,74 @@ TEST_CASE("thd helpers: second-half LSE read and correction, packed and unpacked
       sim::second_half_lse_correction(a, full, h, half, rows);
       CHECK(std::memcmp(corrected.data(), a.data(), a.size() * 4) == 0);
     }
+}
+
+TEST_CASE("thd helpers: second-half LSE read and correction over thousands of sequences, bit-exact with the twin") {
+  CPGOLD_REQUIRE_DEVICE();
+  std::mt19937_64 rng(17);
+  for (int w : {2, 4})
+    for (bool packed : {true, false}) {
+      const Layout l = random_layout(rng, w, packed ? 3000 : 800, 300);
+      const std::vector<int32_t> cul = l.local();
+      const sim::StepRows rows(cul, HalfSelect::second);
+      const int heads = 11;  // one group of eight heads in flight and a remainder of three
+      int64_t max_len = 0;
+      for (int b = 0; b < l.batch(); ++b) max_len = std::max<int64_t>(max_len, cul[b + 1] - cul[b]);
+      const sim::LseShape full = packed ? sim::LseShape{true, heads, l.batch(), rows.local_rows() + 5}
+                                        : sim::LseShape{false, heads, l.batch(), max_len + 1};
+      const sim::LseShape half = packed ? sim::LseShape{true, heads, l.batch(), rows.rows() + 300}
+                                        : sim::LseShape{false, heads, l.batch(), max_len / 2 + 3};
+      INFO("W " << w << (packed ? ", packed, " : ", unpacked, ") << l.batch() << " sequences");
+      const DeviceOffsets cu(cul);
+      DeviceBuffer dl(static_cast<size_t>(full.size()) * 4), dh(static_cast<size_t>(half.size()) * 4);
+      std::vector<float> lse = random_lse(full.size(), rng);
+      put(dl, lse);
+      put(dh, std::vector<float>(static_cast<size_t>(half.size()), 7.f));  // must be zeroed
+      require_ok(read_second_half_lse({static_cast<float*>(dl.ptr), full}, {static_cast<float*>(dh.ptr), half}, cu));
+      const auto got = get<float>(dh, static_cast<size_t>(half.size()));
+      const auto twin = sim::read_second_half_lse(lse, full, half, rows);
+      CHECK(std::memcmp(got.data(), twin.data(), got.size() * 4) == 0);
+      const std::vector<float> h = random_lse(half.size(), rng);
+      put(dh, h);
+      require_ok(second_half_lse_correction({static_cast<float*>(dl.ptr), full}, {static_cast<float*>(dh.ptr), half}, cu));
+      const auto corrected = get<float>(dl, lse.size());
+      sim::second_half_lse_correction(lse, full, h, half, rows);
+      CHECK(std::memcmp(corrected.data(), lse.data(), lse.size() * 4) == 0);
+    }
+}
+
+// The float merge of the correction on 2^20 pairs: differences from -110 to 0 (subnormal and zero exp, rounding
+// boundaries of log1p), -inf, large and tiny maxima, equal values; bit-identical to sim::lse_logaddexp.
+TEST_CASE("thd helpers: the LSE correction's float logaddexp is bit-identical to the twin on a dense sweep") {
+  CPGOLD_REQUIRE_DEVICE();
+  const int64_t n = int64_t{1} << 20;
+  std::mt19937_64 rng(18);
+  std::uniform_real_distribution<float> diff(-110.f, 0.f), level(-40.f, 40.f);
+  const float maxima[] = {0.f, -0.f, 1e-30f, -3.5f, 88.f, 1e6f, -1e6f, 0.6931472f};
+  std::vector<float> full(static_cast<size_t>(2 * n)), half(static_cast<size_t>(n));
+  for (int64_t x = 0; x < n; ++x) {
+    const float hi = x % 4 == 0 ? maxima[(x / 4) % 8] : level(rng);
+    const float d = x % 3 == 0 ? -110.f * static_cast<float>(x) / static_cast<float>(n) : diff(rng);
+    float a = hi, b = hi + d;
+    if (x % 101 == 0) b = -INFINITY;
+    if (x % 103 == 0) a = -INFINITY;
+    if (x % 2 == 1) std::swap(a, b);
+    full[static_cast<size_t>(n + x)] = a;
+    half[static_cast<size_t>(x)] = b;
+  }
+  const std::vector<int32_t> cul = {0, static_cast<int32_t>(2 * n)};
+  const sim::StepRows rows(cul, HalfSelect::second);
+  const sim::LseShape fs{true, 1, 1, 2 * n}, hs{true, 1, 1, n};
+  const DeviceOffsets cu(cul);
+  DeviceBuffer dl(full.size() * 4), dh(half.size() * 4);
+  put(dl, full);
+  put(dh, half);
+  require_ok(second_half_lse_correction({static_cast<float*>(dl.ptr), fs}, {static_cast<float*>(dh.ptr), hs}, cu));
+  const auto got = get<float>(dl, full.size());
+  sim::second_half_lse_correction(full, fs, half, hs, rows);
+  int64_t differing = 0;
+  for (size_t i = 0; i < full.size(); ++i) differing += std::memcmp(&got[i], &full[i], 4) != 0;
+  CHECK(differing == 0);
 }
 
 TEST_CASE("thd helpers: out correction, bf16/fp16/fp32, full and second half, packed and unpacked") {

@@ -5,8 +5,10 @@
 #include <cmath>
 #include <algorithm>
 #include <limits>
+#include <random>
 
 #include "reference/input_error.hpp"
+#include "reference/lse_merge.hpp"
 #include "sim/grad_correction.hpp"
 #include "sim/lse_halves.hpp"
 #include "sim/out_correction.hpp"
@@ -58,6 +60,19 @@ TEST_CASE("step rows of §2.4: half 0 is chunk r, half 1 is chunk 2W-1-r of ever
   // Partition view of the same layout: read_half agrees with the StepRows map.
   const SidePartition p(make_packed_sequences({5, 8}, {8, 8}, -1, "q"), 2, "q");
   for (int x = 0; x < 4; ++x) CHECK(p.read_half_rows(1)[static_cast<size_t>(x)] == expect_second[x]);
+}
+
+TEST_CASE("offset facts: ordered exactly when check_offsets passes, gcd of the lengths") {
+  const OffsetFacts f = offset_facts({0, 8, 8, 24, 48});
+  CHECK(f.ordered);
+  CHECK(f.length_gcd == 8);
+  CHECK(offset_facts({0, 0, 0}).ordered);
+  CHECK(offset_facts({0, 0, 0}).length_gcd == 0);
+  CHECK(offset_facts({0, 6, 16}).length_gcd == 2);
+  for (const std::vector<int32_t>& bad : {std::vector<int32_t>{0}, {1, 4}, {0, 4, 2}, {-2, 4}}) {
+    CHECK_FALSE(offset_facts(bad).ordered);
+    CHECK_THROWS_AS(check_offsets(bad, "cu"), InputError);
+  }
 }
 
 TEST_CASE("step rows reject odd local lengths and decreasing offsets, naming the entry") {
@@ -120,6 +135,27 @@ TEST_CASE("second-half LSE correction merges by logaddexp only on the second-hal
   CHECK(lse[7] == doctest::Approx(5.0 + std::log1p(std::exp(-3.0))).epsilon(1e-6));
   std::vector<float> short_lse(7);
   CHECK_THROWS_AS(second_half_lse_correction(short_lse, {true, 1, 2, 7}, lse_half, half, rows), InputError);
+}
+
+TEST_CASE("the float logaddexp of the LSE correction is within 2 ulp of the double formula") {
+  // Error in ulp of max(|max(a, b)|, |result|, ln 2): the float sum max + log1p(...) rounds both terms, so near a zero
+  // result (a = -0.52, b = -0.90) only an absolute bound holds, as for TransformerEngine's float expf / log1pf.
+  std::mt19937_64 rng(3);
+  std::uniform_real_distribution<float> level(-30.f, 30.f), diff(-110.f, 110.f);
+  double worst = 0;
+  for (int i = 0; i < 200000; ++i) {
+    const float a = i % 5 == 0 ? 0.f : level(rng), b = a + diff(rng);
+    const float got = lse_logaddexp(a, b), want = static_cast<float>(lse_merge<double>(a, b));
+    const float scale = std::max({std::fabs(std::max(a, b)), std::fabs(want), 0.6931472f});
+    const double ulp = std::ldexp(1.0, std::ilogb(scale) - 23);
+    worst = std::max(worst, std::fabs(static_cast<double>(got) - want) / ulp);
+  }
+  CHECK(worst <= 2.0);
+  CHECK(lse_logaddexp(0.f, 0.f) == doctest::Approx(std::log(2.0)).epsilon(2e-7));
+  CHECK(lse_logaddexp(kNegInf, kNegInf) == kNegInf);
+  CHECK(lse_logaddexp(3.f, kNegInf) == 3.f);
+  CHECK(lse_logaddexp(0.f, -100.f) > 0.f);  // exp(-100) = 3.7e-44: a subnormal, kept, not flushed
+  CHECK(lse_logaddexp(0.f, -105.f) == 0.f);
 }
 
 TEST_CASE("out correction: second-half rows, weight exp(lse_i - lse), zero guard, addition in the output dtype") {
