@@ -237,6 +237,15 @@ class HostRankBackend {
         [](const HostCopy&) {});
   }
 
+  // Host exchanges complete inside the call: nothing is left in flight.
+  struct Pending {};
+  Pending exchange_start(const std::vector<Outgoing<HostRankBackend>>& sends,
+                         const std::vector<Incoming<HostRankBackend>>& recvs) {
+    exchange(sends, recvs);
+    return {};
+  }
+  void exchange_finish(Pending&) {}
+
   void record_forward(int step, const Forward& res) {
     if (record_trace_) trace.forward.push_back({rank_, step, res.o, res.lse});
   }
