@@ -149,6 +149,7 @@ std::pair<double, double> single_gpu_ms(const sim::CaseSpec& s, int warmups, int
   check(cudaMalloc(&dk, elems * 2), "cudaMalloc");
   check(cudaMalloc(&dv, elems * 2), "cudaMalloc");
   check(cudaMalloc(reinterpret_cast<void**>(&lse), static_cast<size_t>(in.q.rows) * s.heads_q * 4), "cudaMalloc");
+  check(cudaDeviceSynchronize(), "uploads");  // pageable uploads may land after cudaMemcpy returns
   cudaStream_t stream;
   check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
   const double fwd = event_median_ms(stream, warmups, reps, [&] {
