@@ -150,9 +150,16 @@ Outcome AttentionPlan::build(const AttentionCall& call, const AttentionShape& sh
     impl->device_block = nullptr;
     return {Status::cuda_error, std::string("cudaMalloc of the plan: ") + cudaGetErrorString(e)};
   }
-  if (cudaError_t e = cudaMemcpy(impl->device_block, host.data(), host.size(), cudaMemcpyHostToDevice);
+  // From pageable memory a synchronous cudaMemcpy may return before the DMA has landed (CUDA's API synchronisation
+  // rules), and a kernel launched next on a non-blocking stream (the CP ranks' streams) does not wait for it: it
+  // could read the tile lists of a plan freed earlier at the same address. Copy on this thread's default stream
+  // and wait for that stream, so that the plan is on the device when build() returns.
+  if (cudaError_t e = cudaMemcpyAsync(impl->device_block, host.data(), host.size(), cudaMemcpyHostToDevice,
+                                      cudaStreamPerThread);
       e != cudaSuccess)
-    return {Status::cuda_error, std::string("cudaMemcpy of the plan: ") + cudaGetErrorString(e)};
+    return {Status::cuda_error, std::string("cudaMemcpyAsync of the plan: ") + cudaGetErrorString(e)};
+  if (cudaError_t e = cudaStreamSynchronize(cudaStreamPerThread); e != cudaSuccess)
+    return {Status::cuda_error, std::string("cudaStreamSynchronize after the plan upload: ") + cudaGetErrorString(e)};
   char* d = static_cast<char*>(impl->device_block);
   impl->sequences = reinterpret_cast<const SequenceDesc*>(d);
   impl->q_tiles_small = reinterpret_cast<const RowTile*>(d + seq_bytes);

@@ -12,7 +12,9 @@
 //  - Stream order: the operation runs on stream() after the work already enqueued there; work enqueued there later
 //    sees its results. A call returns once the operation is enqueued (the local implementation: once the matching
 //    peers have posted theirs and the copies are enqueued; NCCL: once ncclGroupEnd is no longer in progress). The
-//    data is there when the stream reaches that point; synchronize() waits for it on the host.
+//    data is there when the stream reaches that point; synchronize() waits for it on the host. A caller computing
+//    on another stream orders it against stream() with events (the CP backend, gpu/cp_executor.cpp, does so to
+//    overlap the ring's exchanges with its attention).
 //  - Buffers are device pointers on the rank's device, valid and unmodified (send) / untouched (receive) until the
 //    stream has passed the operation. Send and receive buffers of one call must not overlap.
 //  - Faults: every failure throws CommError naming this rank, the operation and what went wrong; no call (including

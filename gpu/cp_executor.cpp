@@ -62,11 +62,43 @@ Elem storage_elem(DType dtype) {
   throw std::invalid_argument("dtype: the GPU CP path runs bf16 or fp16, not " + std::string(dtype_name(dtype)));
 }
 
+// A CUDA event, destroyed when the last holder lets go (a recorded event may be destroyed before it completes).
+struct Event {
+  cudaEvent_t event = nullptr;
+  Event() = default;
+  Event(const Event&) = delete;
+  Event& operator=(const Event&) = delete;
+  ~Event() {
+    if (event) cudaEventDestroy(event);
+  }
+};
+using EventRef = std::shared_ptr<Event>;
+
+// The rank's compute stream: created with the backend, destroyed after every tensor freed on it.
+struct ComputeStream {
+  cudaStream_t stream = nullptr;
+  ComputeStream() {
+    if (const cudaError_t e = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking); e != cudaSuccess)
+      throw std::runtime_error(std::string("cudaStreamCreate (compute stream): ") + cudaGetErrorString(e));
+  }
+  ComputeStream(const ComputeStream&) = delete;
+  ComputeStream& operator=(const ComputeStream&) = delete;
+  ~ComputeStream() {
+    cudaStreamSynchronize(stream);
+    cudaStreamDestroy(stream);
+  }
+};
+
 uint16_t to_bits(Elem e, float x) {
   if (e == Elem::bf16) return Eigen::numext::bit_cast<uint16_t>(Eigen::bfloat16(x));
   return Eigen::numext::bit_cast<uint16_t>(Eigen::half(x));
 }
 
+// Two streams per rank: attention, copies and merges run on the backend's compute stream; exchanges run on the
+// communicator's stream. An exchange starts on the communication stream once the compute stream has passed what was
+// enqueued before it (the sent tensors' producers, the receive buffers' allocation); the compute stream waits for
+// the exchange only where the program finishes it, so what the program enqueues in between overlaps it. Every
+// tensor is allocated and freed on the compute stream, freed only after the exchanges that used it have finished.
 class DeviceRankBackend {
  public:
   using Tensor = DeviceTensor;
@@ -81,10 +113,33 @@ class DeviceRankBackend {
 
   DeviceRankBackend(int rank, Communicator& comm, DType dtype, const CpGpuOptions& options)
       : rank_(rank), comm_(comm), dtype_(dtype), storage_(storage_elem(dtype)), options_(options),
-        stream_(static_cast<cudaStream_t>(comm.stream())) {}
+        stream_(compute_.stream), comm_stream_(static_cast<cudaStream_t>(comm.stream())) {}
 
   int rank() const { return rank_; }
   cudaStream_t stream() const { return stream_; }
+
+  // Marks the start of a run on the compute stream (and forgets the previous run's exchange timings).
+  void begin_run() {
+    comm_spans_.clear();
+    wait_spans_.clear();
+    run_begin_ = record(stream_);
+  }
+  // The communication stream waits for the compute stream's last operation, so that the communicator's
+  // synchronize() (bounded, watching the peers) covers the whole run.
+  void join_streams() {
+    run_end_ = record(stream_);
+    cuda(cudaStreamWaitEvent(comm_stream_, run_end_->event, 0), "cudaStreamWaitEvent (join)");
+  }
+  // Device time of the last run (after join_streams and a synchronize; options.time_exchanges).
+  RankTimes times() const {
+    RankTimes t;
+    if (!options_.time_exchanges || !run_begin_ || !run_end_) return t;
+    t.run_ms = elapsed(run_begin_, run_end_);
+    for (const auto& [a, b] : comm_spans_) t.comm_ms += elapsed(a, b);
+    for (const auto& [a, b] : wait_spans_) t.exposed_ms += elapsed(a, b);
+    t.exchanges = static_cast<int>(comm_spans_.size());
+    return t;
+  }
 
   // Host float tensor holding dtype values -> device storage tensor.
   void upload_input(sim::Payload payload, const Tensor3<float>& x) {
@@ -246,31 +301,58 @@ class DeviceRankBackend {
     x = std::move(out);
   }
 
+  struct Pending {
+    EventRef done;  // recorded on the communication stream after the exchange
+    // The buffers the exchange reads and writes, held until the compute stream has waited for it: their memory is
+    // freed (and may be reused) in the compute stream's order, so it must not be released while the communication
+    // stream may still use it.
+    std::vector<std::shared_ptr<DeviceMemory>> in_flight;
+  };
+  Pending exchange_start(const std::vector<sim::Outgoing<DeviceRankBackend>>& sends,
+                         const std::vector<sim::Incoming<DeviceRankBackend>>& recvs) {
+    Pending p;
+    for (const auto& x : sends) {
+      if (x.tensor) materialize(*x.tensor);
+      p.in_flight.push_back(x.tensor ? x.tensor->mem : x.lse->mem);
+    }
+    // A receive overwrites its whole buffer (the communicator checks the sizes match).
+    for (const auto& x : recvs) {
+      if (x.tensor && x.tensor->mem) x.tensor->mem->pending_zero = false;
+      p.in_flight.push_back(x.tensor ? x.tensor->mem : x.lse->mem);
+    }
+    cuda(cudaStreamWaitEvent(comm_stream_, record(stream_)->event, 0), "cudaStreamWaitEvent (exchange start)");
+    const EventRef begin = options_.time_exchanges ? record(comm_stream_) : nullptr;
+    if (options_.phases) {  // the exchange alone on the device, timed into the phase table
+      std::lock_guard<std::mutex> alone(device_lock());
+      double bytes = 0;
+      for (const auto& x : recvs) bytes += 2.0 * static_cast<double>(x.tensor ? x.tensor->bytes() : x.lse->bytes());
+      cudaEvent_t a = nullptr, z = nullptr;
+      cuda(cudaEventCreate(&a), "cudaEventCreate");
+      cuda(cudaEventCreate(&z), "cudaEventCreate");
+      cuda(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
+      cuda(cudaEventRecord(a, comm_stream_), "cudaEventRecord");
+      send_recv(sends, recvs);
+      cuda(cudaEventRecord(z, comm_stream_), "cudaEventRecord");
+      add_phase("exchange", bytes, elapsed_ms(a, z));
+    } else {
+      send_recv(sends, recvs);
+    }
+    p.done = record(comm_stream_);
+    if (begin) comm_spans_.emplace_back(begin, p.done);
+    return p;
+  }
+  // The compute stream waits for the exchange; with timing, the wait's span is the communication not hidden. The
+  // buffers are released only after the wait is enqueued (see Pending::in_flight).
+  void exchange_finish(Pending& p) {
+    const EventRef before = options_.time_exchanges ? record(stream_) : nullptr;
+    cuda(cudaStreamWaitEvent(stream_, p.done->event, 0), "cudaStreamWaitEvent (exchange finish)");
+    if (before) wait_spans_.emplace_back(before, record(stream_));
+    p.in_flight.clear();
+  }
   void exchange(const std::vector<sim::Outgoing<DeviceRankBackend>>& sends,
                 const std::vector<sim::Incoming<DeviceRankBackend>>& recvs) {
-    std::vector<SendTo> s;
-    std::vector<RecvFrom> r;
-    for (const auto& x : sends)
-      if (x.tensor) materialize(*x.tensor);
-    // A receive overwrites its whole buffer (the communicator checks the sizes match).
-    for (const auto& x : recvs)
-      if (x.tensor && x.tensor->mem) x.tensor->mem->pending_zero = false;
-    for (const auto& x : sends)
-      s.push_back(x.tensor ? SendTo{x.peer, x.tensor->data(), x.tensor->bytes()}
-                           : SendTo{x.peer, x.lse->data(), x.lse->bytes()});
-    for (const auto& x : recvs)
-      r.push_back(x.tensor ? RecvFrom{x.peer, x.tensor->data(), x.tensor->bytes()}
-                           : RecvFrom{x.peer, x.lse->data(), x.lse->bytes()});
-    if (!options_.phases) return comm_.send_recv(s, r);
-    double bytes = 0;
-    for (const RecvFrom& x : r) bytes += 2.0 * x.bytes;
-    cudaEvent_t a = nullptr, z = nullptr;
-    cuda(cudaEventCreate(&a), "cudaEventCreate");
-    cuda(cudaEventCreate(&z), "cudaEventCreate");
-    cuda(cudaEventRecord(a, stream_), "cudaEventRecord");
-    comm_.send_recv(s, r);
-    cuda(cudaEventRecord(z, stream_), "cudaEventRecord");
-    add_phase("exchange", bytes, elapsed_ms(a, z));
+    Pending p = exchange_start(sends, recvs);
+    exchange_finish(p);
   }
 
   void record_forward(int step, const Forward& res) {
@@ -371,6 +453,31 @@ class DeviceRankBackend {
     return src;
   }
 
+  // One grouped send/recv of whole tensors on the communication stream.
+  void send_recv(const std::vector<sim::Outgoing<DeviceRankBackend>>& sends,
+                 const std::vector<sim::Incoming<DeviceRankBackend>>& recvs) {
+    std::vector<SendTo> s;
+    std::vector<RecvFrom> r;
+    for (const auto& x : sends)
+      s.push_back(x.tensor ? SendTo{x.peer, x.tensor->data(), x.tensor->bytes()}
+                           : SendTo{x.peer, x.lse->data(), x.lse->bytes()});
+    for (const auto& x : recvs)
+      r.push_back(x.tensor ? RecvFrom{x.peer, x.tensor->data(), x.tensor->bytes()}
+                           : RecvFrom{x.peer, x.lse->data(), x.lse->bytes()});
+    comm_.send_recv(s, r);
+  }
+  EventRef record(cudaStream_t stream) {
+    auto ev = std::make_shared<Event>();
+    cuda(cudaEventCreateWithFlags(&ev->event, options_.time_exchanges ? cudaEventDefault : cudaEventDisableTiming),
+         "cudaEventCreate");
+    cuda(cudaEventRecord(ev->event, stream), "cudaEventRecord");
+    return ev;
+  }
+  double elapsed(const EventRef& a, const EventRef& b) const {
+    float ms = 0;
+    cuda(cudaEventElapsedTime(&ms, a->event, b->event), "cudaEventElapsedTime");
+    return ms;
+  }
   std::shared_ptr<DeviceMemory> raw(size_t bytes) {
     auto m = std::make_shared<DeviceMemory>();
     m->stream = stream_;
@@ -429,12 +536,16 @@ class DeviceRankBackend {
       throw std::runtime_error("rank " + std::to_string(rank_) + " " + what + ": " + cudaGetErrorString(e));
   }
 
+  ComputeStream compute_;  // first member: destroyed after every tensor freed on it
   int rank_;
   Communicator& comm_;
   DType dtype_;
   Elem storage_;
   CpGpuOptions options_;
-  cudaStream_t stream_;
+  cudaStream_t stream_;       // compute
+  cudaStream_t comm_stream_;  // the communicator's
+  EventRef run_begin_, run_end_;
+  std::vector<std::pair<EventRef, EventRef>> comm_spans_, wait_spans_;
   std::map<int, DeviceTensor> inputs_;
   std::map<const sim::Tile*, AttentionPlan> plans_;
   struct RowsHash {
@@ -454,6 +565,16 @@ void upload_shards(DeviceRankBackend& b, const sim::Plan& plan, const sim::CaseI
   b.upload_input(sim::Payload::k, sim::shard_rows(plan.partition.kv, r, inputs.k));
   b.upload_input(sim::Payload::v, sim::shard_rows(plan.partition.kv, r, inputs.v));
   b.upload_input(sim::Payload::dout, sim::shard_rows(plan.partition.q, r, inputs.dout));
+}
+
+// The ranks allocate their step buffers stream-ordered; with the default release threshold (0) the pool returns its
+// memory to the driver at every synchronisation and each run pays for fresh physical pages.
+void keep_pool_memory(int device) {
+  cudaMemPool_t pool = nullptr;
+  if (cudaDeviceGetDefaultMemPool(&pool, device) == cudaSuccess) {
+    uint64_t keep = UINT64_MAX;
+    cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep);
+  }
 }
 
 }  // namespace
@@ -484,13 +605,7 @@ LocalCpExecutor::LocalCpExecutor(const sim::Plan& plan, const sim::CaseInputs& i
   if (const Outcome cap = cp_capability(plan, dtype, inputs); !cap.ok())
     throw std::invalid_argument("GPU CP: " + std::string(status_name(cap.status)) + ": " + cap.message);
   if (cudaGetDevice(&s.device) != cudaSuccess) throw std::runtime_error("GPU CP: no CUDA device");
-  // The ranks allocate their step buffers stream-ordered; with the default release threshold (0) the pool returns
-  // its memory to the driver at every synchronisation and each run pays for fresh physical pages.
-  cudaMemPool_t pool = nullptr;
-  if (cudaDeviceGetDefaultMemPool(&pool, s.device) == cudaSuccess) {
-    uint64_t keep = UINT64_MAX;
-    cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep);
-  }
+  keep_pool_memory(s.device);
   CommOptions comm_options;
   comm_options.timeout = options.timeout;
   const int W = plan.cp_size;
@@ -516,7 +631,10 @@ sim::CpRun<float> LocalCpExecutor::run(bool download) {
         DeviceRankBackend& b = *s.backends[static_cast<size_t>(g)];
         b.trace = {};
         try {
+          b.begin_run();
           sim::RankResult<DeviceRankBackend> r = sim::run_rank(s.plan, b, s.options.backward);
+          b.join_streams();
+          s.comms[static_cast<size_t>(g)]->synchronize();
           if (download) {
             sim::RankOutputs<float>& mine = out.ranks[static_cast<size_t>(g)];
             mine.o = b.to_host(r.o);
@@ -527,7 +645,6 @@ sim::CpRun<float> LocalCpExecutor::run(bool download) {
               mine.dv = b.to_host(r.dv);
             }
           }
-          s.comms[static_cast<size_t>(g)]->synchronize();
         } catch (const CommError& e) {
           // A rank that only saw another rank's fault reports it as secondary (the fault's own rank is reported).
           if (e.fault() == CommFault::aborted)
@@ -552,30 +669,61 @@ sim::CpRun<float> LocalCpExecutor::run(bool download) {
   return out;
 }
 
-RankRun run_cp_rank(const sim::Plan& plan, const sim::CaseInputs& inputs, DType dtype, Communicator& comm,
-                    const CpGpuOptions& options) {
+struct RankCpExecutor::State {
+  sim::Plan plan;  // the tiles' addresses key the attention plans
+  Communicator* comm = nullptr;
+  CpGpuOptions options;
+  std::unique_ptr<DeviceRankBackend> backend;
+};
+
+RankCpExecutor::RankCpExecutor(const sim::Plan& plan, const sim::CaseInputs& inputs, DType dtype, Communicator& comm,
+                               const CpGpuOptions& options)
+    : state_(std::make_unique<State>()) {
   if (comm.size() != plan.cp_size)
     throw std::invalid_argument("GPU CP: communicator size " + std::to_string(comm.size()) + " != cp_size " +
                                 std::to_string(plan.cp_size));
   if (const Outcome cap = cp_capability(plan, dtype, inputs); !cap.ok())
     throw std::invalid_argument("GPU CP: " + std::string(status_name(cap.status)) + ": " + cap.message);
-  const int r = comm.rank();
+  State& s = *state_;
+  s.plan = plan;
+  s.comm = &comm;
+  s.options = options;
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) throw std::runtime_error("GPU CP: no CUDA device");
+  keep_pool_memory(device);
+  s.backend = std::make_unique<DeviceRankBackend>(comm.rank(), comm, dtype, options);
+  upload_shards(*s.backend, s.plan, inputs);
+}
+
+RankCpExecutor::~RankCpExecutor() = default;
+
+RankRun RankCpExecutor::run(bool download) {
+  State& s = *state_;
+  DeviceRankBackend& b = *s.backend;
+  b.trace = {};
   RankRun out;
-  {
-    DeviceRankBackend b(r, comm, dtype, options);
-    upload_shards(b, plan, inputs);
-    sim::RankResult<DeviceRankBackend> res = sim::run_rank(plan, b, options.backward);
+  b.begin_run();
+  sim::RankResult<DeviceRankBackend> res = sim::run_rank(s.plan, b, s.options.backward);
+  b.join_streams();
+  s.comm->synchronize();  // bounded: a peer that fails or never arrives ends the wait with a CommError
+  if (download) {
     out.outputs.o = b.to_host(res.o);
     out.outputs.lse = b.to_host(res.lse);
-    if (options.backward) {
+    if (s.options.backward) {
       out.outputs.dq = b.to_host(res.dq);
       out.outputs.dk = b.to_host(res.dk);
       out.outputs.dv = b.to_host(res.dv);
     }
-    comm.synchronize();
-    out.trace = std::move(b.trace);
   }
+  out.trace = std::move(b.trace);
+  out.times = b.times();
   return out;
+}
+
+RankRun run_cp_rank(const sim::Plan& plan, const sim::CaseInputs& inputs, DType dtype, Communicator& comm,
+                    const CpGpuOptions& options) {
+  RankCpExecutor executor(plan, inputs, dtype, comm, options);
+  return executor.run(true);
 }
 
 sim::CpRun<float> run_cp_local(const sim::Plan& plan, const sim::CaseInputs& inputs, DType dtype,

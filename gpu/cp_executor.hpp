@@ -50,6 +50,15 @@ struct CpGpuOptions {
   std::optional<StepRef> inject;
   std::chrono::milliseconds timeout{std::chrono::seconds(120)};
   std::shared_ptr<PhaseTimes> phases;  // per-phase device times (serialises the ranks' operations)
+  bool time_exchanges = false;  // CUDA events around every exchange and wait (RankRun::times)
+};
+
+// Device time of one rank's run (CpGpuOptions::time_exchanges), from CUDA events, in milliseconds.
+struct RankTimes {
+  double run_ms = 0;      // compute stream: from the run's first operation to its last
+  double comm_ms = 0;     // communication stream: sum over exchanges, each from when its inputs were ready to its end
+  double exposed_ms = 0;  // compute stream: sum of its waits for exchanges, the communication not hidden behind compute
+  int exchanges = 0;
 };
 
 // The shape check of a plan's case: Status::unsupported outside the kernels' capability table.
@@ -82,9 +91,28 @@ class LocalCpExecutor {
 struct RankRun {
   sim::RankOutputs<float> outputs;
   sim::Trace<float> trace;
+  RankTimes times;
 };
 RankRun run_cp_rank(const sim::Plan& plan, const sim::CaseInputs& inputs, DType dtype, Communicator& comm,
                     const CpGpuOptions& options);
+
+// run_cp_rank that can be repeated (benchmarks): the rank's shards are uploaded and its attention plans built once.
+class RankCpExecutor {
+ public:
+  RankCpExecutor(const sim::Plan& plan, const sim::CaseInputs& inputs, DType dtype, Communicator& comm,
+                 const CpGpuOptions& options);
+  ~RankCpExecutor();
+  RankCpExecutor(const RankCpExecutor&) = delete;
+  RankCpExecutor& operator=(const RankCpExecutor&) = delete;
+
+  // One run of this rank; without download only the times (and no outputs) are returned.
+  RankRun run(bool download = true);
+
+  struct State;
+
+ private:
+  std::unique_ptr<State> state_;
+};
 
 // One-shot form of LocalCpExecutor.
 sim::CpRun<float> run_cp_local(const sim::Plan& plan, const sim::CaseInputs& inputs, DType dtype,

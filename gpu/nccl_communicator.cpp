@@ -96,7 +96,12 @@ std::unique_ptr<NcclCommunicator> NcclCommunicator::create(RankChannel& channel,
                     std::string(call) + " on device " + std::to_string(device) + ": " + cudaGetErrorString(e));
   };
   if (const cudaError_t e = cudaSetDevice(device); e != cudaSuccess) cuda_fail("cudaSetDevice", e);
-  if (const cudaError_t e = cudaStreamCreateWithFlags(&shared->stream, cudaStreamNonBlocking); e != cudaSuccess)
+  // The highest priority: NCCL's kernels then take SMs as soon as the attention running beside them frees any,
+  // instead of queueing behind all of its blocks (the exchanges overlap the attention on another stream).
+  int lowest = 0, highest = 0;
+  if (const cudaError_t e = cudaDeviceGetStreamPriorityRange(&lowest, &highest); e != cudaSuccess)
+    cuda_fail("cudaDeviceGetStreamPriorityRange", e);
+  if (const cudaError_t e = cudaStreamCreateWithPriority(&shared->stream, cudaStreamNonBlocking, highest); e != cudaSuccess)
     cuda_fail("cudaStreamCreate", e);
   ncclUniqueId id;
   std::memset(&id, 0, sizeof(id));

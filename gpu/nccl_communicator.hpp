@@ -24,8 +24,8 @@ class NcclCommunicator final : public Communicator {
  public:
   // Collective over `channel` (every rank calls it, each from its own thread or process): rank 0 makes NCCL's
   // unique id, the channel hands it to the others, every rank joins on CUDA device `device` (made current on the
-  // calling thread) with a new non-blocking stream. CommError(split is not involved: CommOp::barrier names the
-  // creation) or RankFailure (the channel) on failure or timeout.
+  // calling thread) with a new non-blocking stream of the highest priority. CommError(split is not involved:
+  // CommOp::barrier names the creation) or RankFailure (the channel) on failure or timeout.
   static std::unique_ptr<NcclCommunicator> create(RankChannel& channel, int device, const CommOptions& options = {});
   ~NcclCommunicator() override;  // finalizes (bounded by the timeout) and destroys; aborts after a fault
 

@@ -3,6 +3,7 @@
 
 #include <unistd.h>
 
+#include <cstdint>
 #include <cstdio>
 #include <filesystem>
 #include <mutex>
@@ -38,6 +39,21 @@ void print_unsupported(int rank, const std::string& path, const std::string& rea
   if (rank != 0) return;
   std::printf("fixture    %s\nUNSUPPORTED on the GPU: %s\n\n", path.c_str(), reason.c_str());
   std::fflush(stdout);
+}
+
+// FNV-1a over the bits of O, LSE, dQ, dK and dV in that order: equal digests on a rerun mean the same bits.
+uint64_t outputs_digest(const sim::RankOutputs<float>& out) {
+  uint64_t h = 1469598103934665603ull;
+  auto add = [&](const std::vector<float>& values) {
+    const auto* bytes = reinterpret_cast<const unsigned char*>(values.data());
+    for (size_t i = 0; i < values.size() * sizeof(float); ++i) h = (h ^ bytes[i]) * 1099511628211ull;
+  };
+  add(out.o.values);
+  add(out.lse.values);
+  add(out.dq.values);
+  add(out.dk.values);
+  add(out.dv.values);
+  return h;
 }
 
 }  // namespace
@@ -96,8 +112,13 @@ FixtureVerdict verify_fixture_on_rank(RankContext& context, Communicator& comm, 
     checks.push_back(deserialise_rank_check(bytes));
     pass = pass && checks.back().pass;
   }
+  char mine[32];
+  std::snprintf(mine, sizeof(mine), "%016llx", static_cast<unsigned long long>(outputs_digest(outputs)));
+  const std::vector<std::string> digests = channel.all_gather(mine, "output digest gather", context.timeout);
   if (rank == 0) {
-    std::printf("%s\n", combined_report(fixture_path, checks).c_str());
+    std::string line = "outputs digest (FNV-1a of the bits of O, LSE, dQ, dK, dV):";
+    for (size_t r = 0; r < digests.size(); ++r) line += " rank " + std::to_string(r) + " " + digests[r];
+    std::printf("%s\n%s\n", combined_report(fixture_path, checks).c_str(), line.c_str());
     std::fflush(stdout);
   }
   return pass ? FixtureVerdict::pass : FixtureVerdict::fail;

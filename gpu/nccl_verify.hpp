@@ -2,7 +2,7 @@
 // `cpgold verify --backend nccl`, one rank's part: every rank reads the fixture, the ranks agree on the case (hash of
 // the case, layout, W and options), each rank runs its own part of the fixture's comm type on its GPU through the
 // NCCL communicator, checks its outputs against /ranks/<r> with the check engine, and rank 0 prints one combined
-// table and one verdict line. The same verdict is returned on every rank.
+// table, one verdict line and every rank's output digest (the bits of O, LSE, dQ, dK, dV; for comparing reruns). The same verdict is returned on every rank.
 #include <functional>
 #include <string>
 #include <vector>

@@ -20,7 +20,11 @@
 //   Backward backward(tile, q, k, v, o, lse, dout)  {dq, dk, dv}
 //   void merge_forward(parts, o, lse)    LSE merge in step order, O = sum O_i exp(lse_i - lse), rounded to storage
 //   void finalize(Tensor&)               accumulator -> the dtype's values (rounding)
-//   void exchange(sends, recvs)          one grouped send/recv of whole tensors (a Communicator call)
+//   void exchange(sends, recvs)          one grouped send/recv of whole tensors (a Communicator call); what is
+//                                        received may be read right after the call
+//   Pending exchange_start(sends, recvs) the same exchange, left in flight: the program computes meanwhile, never
+//                                        writes the sent tensors nor reads the receive buffers until
+//   void exchange_finish(Pending&)       after which the received tensors may be read and the sent ones reused
 //   void record_forward(step, const Forward&); void record_backward(step, Backward&&, dk_in_flight*, dv_in_flight*)
 #include <cstdint>
 #include <algorithm>
@@ -189,50 +193,54 @@ RankResult<B> run_ring_rank(const Plan& plan, B& b, bool with_backward) {
   }
   const Tensor& q = exchange ? q_own : b.input(Payload::q);
 
-  // Ring messages of one step: KV (and dKV) held by the sender move to the receiver's buffers.
-  auto deliver_ring = [&](const PassPlan& pass, int step) {
+  // Ring messages of one step for one payload (KV, or dKV in the backward): the two tensors held move to the next
+  // rank's fresh buffers. The exchange is started before the attention it overlaps and finished before the received
+  // shard is needed, so that a backend with a separate communication stream hides it behind that attention.
+  struct Shift {
+    Tensor first, second;  // receive buffers: K and V, or dK and dV
+    int owner = -1;        // whose shard they carry (-1: this rank receives nothing)
+    typename B::Pending pending{};
+    bool started = false;
+  };
+  auto start_shift = [&](Shift& s, const PassPlan& pass, int step, Payload payload) {
+    const bool is_kv = payload == Payload::kv;
+    const Tensor& a = is_kv ? k : dk;
+    const Tensor& c = is_kv ? v : dv;
     std::vector<Outgoing<B>> sends;
     std::vector<Incoming<B>> recvs;
-    Tensor k_in, v_in, dk_in, dv_in;
-    int kv_from = -1, dkv_from = -1;
     for (const Message& m : pass.messages) {
-      if (m.after_step != step || (m.payload != Payload::kv && m.payload != Payload::dkv)) continue;
-      const bool is_kv = m.payload == Payload::kv;
+      if (m.after_step != step || m.payload != payload) continue;
       if (m.from_rank == g) {
         const int held = is_kv ? kv_owner : dkv_owner;
         if (held != m.shard_owner)
           program_error(who(g, step) + " sends " + (is_kv ? "KV" : "dKV") + " of " + std::to_string(m.shard_owner) +
                         " but holds " + (is_kv ? "KV" : "dKV") + " of " + std::to_string(held));
-        sends.push_back({m.to_rank, is_kv ? &k : &dk, nullptr});
-        sends.push_back({m.to_rank, is_kv ? &v : &dv, nullptr});
+        sends.push_back({m.to_rank, &a, nullptr});
+        sends.push_back({m.to_rank, &c, nullptr});
       }
       if (m.to_rank == g) {
-        if (is_kv) {
-          const Shape sk = b.shape(k), sv = b.shape(v);
-          k_in = b.zeros(sk.rows, sk.heads, sk.dim, BufferKind::storage);
-          v_in = b.zeros(sv.rows, sv.heads, sv.dim, BufferKind::storage);
-          kv_from = m.shard_owner;
-        } else {
-          const Shape sk = b.shape(dk), sv = b.shape(dv);
-          dk_in = b.zeros(sk.rows, sk.heads, sk.dim, BufferKind::accumulator);
-          dv_in = b.zeros(sv.rows, sv.heads, sv.dim, BufferKind::accumulator);
-          dkv_from = m.shard_owner;
-        }
-        recvs.push_back({m.from_rank, is_kv ? &k_in : &dk_in, nullptr});
-        recvs.push_back({m.from_rank, is_kv ? &v_in : &dv_in, nullptr});
+        const BufferKind kind = is_kv ? BufferKind::storage : BufferKind::accumulator;
+        const Shape sa = b.shape(a), sc = b.shape(c);
+        s.first = b.zeros(sa.rows, sa.heads, sa.dim, kind);
+        s.second = b.zeros(sc.rows, sc.heads, sc.dim, kind);
+        s.owner = m.shard_owner;
+        recvs.push_back({m.from_rank, &s.first, nullptr});
+        recvs.push_back({m.from_rank, &s.second, nullptr});
       }
     }
-    b.exchange(sends, recvs);
-    if (kv_from >= 0) {
-      kv_owner = kv_from;
-      k = std::move(k_in);
-      v = std::move(v_in);
-    }
-    if (dkv_from >= 0) {
-      dkv_owner = dkv_from;
-      dk = std::move(dk_in);
-      dv = std::move(dv_in);
-    }
+    s.pending = b.exchange_start(sends, recvs);
+    s.started = true;
+  };
+  auto finish_shift = [&](Shift& s, Payload payload) {
+    if (!s.started) return;
+    b.exchange_finish(s.pending);
+    s.started = false;
+    if (s.owner < 0) return;
+    const bool is_kv = payload == Payload::kv;
+    (is_kv ? kv_owner : dkv_owner) = s.owner;
+    (is_kv ? k : dk) = std::move(s.first);
+    (is_kv ? v : dv) = std::move(s.second);
+    s.owner = -1;
   };
   auto check_owner = [&](const Tile& t) {
     if (t.kv_owner >= 0 && kv_owner != t.kv_owner)
@@ -247,6 +255,9 @@ RankResult<B> run_ring_rank(const Plan& plan, B& b, bool with_backward) {
   results.reserve(static_cast<size_t>(fwd.steps));
   for (int i = 0; i < fwd.steps; ++i) {
     const Tile& t = fwd.tile(g, i);
+    // The KV of the next step travels while this step's attention reads the KV held (both only read it).
+    Shift next_kv;
+    start_shift(next_kv, fwd, i, Payload::kv);
     if (t.computed) {
       check_owner(t);
       const bool qfull = t.q_half == HalfSelect::full, kfull = t.kv_half == HalfSelect::full;
@@ -263,7 +274,7 @@ RankResult<B> run_ring_rank(const Plan& plan, B& b, bool with_backward) {
       b.record_forward(i, results.back());
       result_rows.push_back(std::move(qrows));
     }
-    deliver_ring(fwd, i);
+    finish_shift(next_kv, Payload::kv);
   }
   std::vector<MergePart<B>> parts;
   for (size_t s = 0; s < results.size(); ++s) parts.push_back({&results[s].o, &results[s].lse, std::move(result_rows[s])});
@@ -358,6 +369,9 @@ RankResult<B> run_ring_rank(const Plan& plan, B& b, bool with_backward) {
   if (exchange) dout_own = scatter_to_group(bwd, Payload::dout, level_map_q, group_rows_q);
   const Tensor& dout = exchange ? dout_own : b.input(Payload::dout);
   Tensor dq = b.zeros(sq.rows, sq.heads, sq.dim, BufferKind::accumulator);
+  // Step i: the KV for step i + 1 travels during step i's attention; the dKV finished by step i - 1 travels during
+  // it too and is only needed for the accumulation after it.
+  Shift incoming_dkv;
   for (int i = 0; i < bwd.steps; ++i) {
     const Tile& t = bwd.tile(g, i);
     if (dkv_owner < 0) {  // first step: a fresh zero dKV for the KV held
@@ -366,10 +380,13 @@ RankResult<B> run_ring_rank(const Plan& plan, B& b, bool with_backward) {
       dk = b.zeros(sk.rows, sk.heads, sk.dim, BufferKind::accumulator);
       dv = b.zeros(sv.rows, sv.heads, sv.dim, BufferKind::accumulator);
     }
+    Shift next_kv;
+    start_shift(next_kv, bwd, i, Payload::kv);
     if (t.computed) {
       check_owner(t);
-      if (t.kv_owner >= 0 && dkv_owner != t.kv_owner)
-        program_error(who(g, i) + " holds dKV of " + std::to_string(dkv_owner) + " but computes for " +
+      const int dkv_for_step = incoming_dkv.started && incoming_dkv.owner >= 0 ? incoming_dkv.owner : dkv_owner;
+      if (t.kv_owner >= 0 && dkv_for_step != t.kv_owner)
+        program_error(who(g, i) + " holds dKV of " + std::to_string(dkv_for_step) + " but computes for " +
                       std::to_string(t.kv_owner));
       const bool qfull = t.q_half == HalfSelect::full, kfull = t.kv_half == HalfSelect::full;
       const std::vector<int64_t> qrows = half_rows(gq, t.q_half, sq.rows);
@@ -383,12 +400,16 @@ RankResult<B> run_ring_rank(const Plan& plan, B& b, bool with_backward) {
                                       qfull ? lse : b.lse_gather(lse, qrows),
                                       qfull ? dout : b.gather(dout, qrows, 0, static_cast<int>(b.shape(dout).heads)));
       b.scatter_add(dq, qrows, res.dq);
+      finish_shift(incoming_dkv, Payload::dkv);
       b.scatter_add(dk, krows, res.dk);
       b.scatter_add(dv, krows, res.dv);
       b.record_backward(i, std::move(res), P > 1 ? &dk : nullptr, P > 1 ? &dv : nullptr);
     }
-    deliver_ring(bwd, i);
+    finish_shift(incoming_dkv, Payload::dkv);  // a step without attention still passes the dKV on
+    finish_shift(next_kv, Payload::kv);
+    start_shift(incoming_dkv, bwd, i, Payload::dkv);
   }
+  finish_shift(incoming_dkv, Payload::dkv);
   if (dkv_owner != g)
     program_error("after the backward ring rank " + std::to_string(g) + " holds the dKV of " +
                   std::to_string(dkv_owner));

@@ -237,6 +237,19 @@ class HostRankBackend {
         [](const HostCopy&) {});
   }
 
+  // A started exchange moves its data only when it is finished: a program that wrote a sent tensor or read a receive
+  // buffer while the exchange is in flight (what a device backend overlaps with compute) would compute with other
+  // values here, and the bit-exact golden checks would catch it.
+  struct Pending {
+    std::vector<Outgoing<HostRankBackend>> sends;
+    std::vector<Incoming<HostRankBackend>> recvs;
+  };
+  Pending exchange_start(const std::vector<Outgoing<HostRankBackend>>& sends,
+                         const std::vector<Incoming<HostRankBackend>>& recvs) {
+    return {sends, recvs};
+  }
+  void exchange_finish(Pending& p) { exchange(p.sends, p.recvs); }
+
   void record_forward(int step, const Forward& res) {
     if (record_trace_) trace.forward.push_back({rank_, step, res.o, res.lse});
   }

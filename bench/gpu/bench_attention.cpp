@@ -13,11 +13,13 @@
 #include <utility>
 #include <vector>
 
+#include "bench/gpu/varlen_lengths.hpp"
 #include "gpu/attention.hpp"
 #include "reference/attention_call.hpp"
 #include "reference/thd_layout.hpp"
 
 using namespace cpgold;
+using bench::varlen_lengths;
 
 namespace {
 
@@ -32,18 +34,6 @@ void check(const gpu::Outcome& o, const char* what) {
     std::fprintf(stderr, "%s: %s %s\n", what, std::string(gpu::status_name(o.status)).c_str(), o.message.c_str());
     std::exit(2);
   }
-}
-
-std::vector<int32_t> varlen_lengths(int64_t total) {
-  static const int32_t cycle[] = {512, 1536, 2560, 3584, 1024, 3072, 2048, 4096};
-  std::vector<int32_t> lens;
-  int64_t sum = 0;
-  for (int i = 0; sum < total; ++i) {
-    const int32_t len = static_cast<int32_t>(std::min<int64_t>(cycle[i % 8], total - sum));
-    lens.push_back(len);
-    sum += len;
-  }
-  return lens;
 }
 
 double forward_flops(const std::vector<int32_t>& lens, int heads, int d, int dv, bool causal) {

@@ -1,6 +1,8 @@
 #!/bin/bash
 # Multi-GPU runs on the device: build, the NCCL test suite, coded-value exchanges and fault cases in every launch
-# mode, then (when asked) `verify --backend nccl` on fixtures. Usage: nccl_device_run.sh [check] [verify] [bench]
+# mode, then (when asked) `verify --backend nccl` on fixtures. Usage: nccl_device_run.sh [check] [verify] [w2] [bench]
+#   check, verify: W = 2 and W = 4 (a four-GPU machine); w2: the W = 2 part alone with deterministic reruns (a
+#   two-GPU machine, bench/gpu/nccl_w2_run.sh); bench: bench_cp_nccl over every visible GPU.
 # Run from the repository root of a source snapshot; $OUT is where logs go; CPGOLD_PREFIX names header-only deps.
 # NVLink multicast stays off in every process (KINDS.md): exported here and passed through mpirun with -x.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -17,6 +19,8 @@ which mpirun && mpirun --version | head -1
 cmake -S . -B $B -DCMAKE_BUILD_TYPE=Release ${CPGOLD_PREFIX:+-DCMAKE_PREFIX_PATH=$CPGOLD_PREFIX} > $OUT/configure.log 2>&1 || { tail -30 $OUT/configure.log; exit 1; }
 grep -E "CUDA  |NCCL  |MPI" $OUT/configure.log
 TARGETS="cpgold test_nccl"
+[[ " $MODES " == *" w2 "* ]] && TARGETS="$TARGETS test_gpu"
+[[ " $MODES " == *" bench "* ]] && TARGETS="$TARGETS bench_cp_nccl"
 cmake --build $B -j16 --target $TARGETS > $OUT/build.log 2>&1 || { grep -E "error" $OUT/build.log | head -30; exit 1; }
 echo "== build ok"
 C=$B/bin/cpgold
@@ -51,7 +55,11 @@ for mode in $MODES; do
   case $mode in
     check) check_part ;;
     verify) source bench/gpu/nccl_verify_run.sh ;;
+    w2) source bench/gpu/nccl_w2_run.sh ;;
+    bench)
+      run bench_cp_nccl 240 $B/bin/bench_cp_nccl ${BENCH_ARGS:-}
+      cat $OUT/bench_cp_nccl.log ;;
   esac
-  (cd $OUT && tar -czf logs.tar.gz *.log)
+  (cd $OUT && tar -czf logs.tar.gz *.log $(ls *.digests 2>/dev/null))
 done
-cd $OUT && rm -f *.log
+cd $OUT && rm -f *.log *.digests
