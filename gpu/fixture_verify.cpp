@@ -93,12 +93,15 @@ Tensor3<float> read_input(const fx::h5::Reader& reader, const char* name) {
 
 }  // namespace
 
+sim::CaseInputs read_fixture_inputs(const fx::h5::Reader& reader) {
+  return {read_input(reader, "q"), read_input(reader, "k"), read_input(reader, "v"), read_input(reader, "dout")};
+}
+
 FixtureVerification verify_fixture_local(const std::string& fixture_path, BackwardMode mode,
                                          const std::string& candidate_path, std::optional<StepRef> inject) {
   const fx::h5::Reader reader(fixture_path);
   const fx::FixtureFile fixture = fx::open_fixture(reader, fx::OpenOptions{false});
-  const sim::CaseInputs inputs{read_input(reader, "q"), read_input(reader, "k"), read_input(reader, "v"),
-                               read_input(reader, "dout")};
+  const sim::CaseInputs inputs = read_fixture_inputs(reader);
   FixtureVerification result;
   if (const Outcome cap = cp_capability(fixture.plan, fixture.spec.dtype, inputs); !cap.ok()) {
     result.unsupported_reason = std::string(status_name(cap.status)) + ": " + cap.message;

@@ -19,6 +19,10 @@ struct FixtureVerification {
   std::optional<fx::CheckReport> report;  // absent when unsupported
 };
 
+// The fixture's /inputs (q, k, v, dout as [t, h, d] float), read through the caller's open handle; InputError naming
+// the dataset for another shape.
+sim::CaseInputs read_fixture_inputs(const fx::h5::Reader& reader);
+
 // candidate_path: where the GPU outputs are written (a global candidate: /o, /lse [h, t], /dq, /dk, /dv float32).
 // Bad fixtures raise InputError (file and dataset named); a CUDA failure raises std::runtime_error.
 FixtureVerification verify_fixture(const std::string& fixture_path, BackwardMode mode,

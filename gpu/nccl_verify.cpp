@@ -20,16 +20,6 @@
 namespace cpgold::gpu {
 namespace {
 
-Tensor3<float> read_input(const fx::h5::Reader& reader, const char* name) {
-  const std::string dataset = std::string("/inputs/") + name;
-  const fx::h5::DatasetInfo info = reader.info(dataset);
-  if (info.dims.size() != 3)
-    fail_input(reader.where(dataset), "expected a [t, h, d] tensor, found ", fx::h5::dims_text(info.dims));
-  Tensor3<float> t(info.dims[0], info.dims[1], info.dims[2]);
-  t.values = reader.read_float(dataset);
-  return t;
-}
-
 // HDF5 as Debian and most distributions build it is not thread-safe: the ranks of a threads launch take turns
 // at every file access (reading the fixture, writing and checking the candidate); their GPU work overlaps.
 std::mutex hdf5_mutex;
@@ -67,8 +57,7 @@ FixtureVerdict verify_fixture_on_rank(RankContext& context, Communicator& comm, 
     std::lock_guard lock(hdf5_mutex);
     const fx::h5::Reader reader(fixture_path);
     fx::FixtureFile file = fx::open_fixture(reader, fx::OpenOptions{false});
-    sim::CaseInputs tensors{read_input(reader, "q"), read_input(reader, "k"), read_input(reader, "v"),
-                            read_input(reader, "dout")};
+    sim::CaseInputs tensors = read_fixture_inputs(reader);
     return std::make_pair(std::move(file), std::move(tensors));
   }();
   // Everything the ranks must share: the case (layout, heads, dims, mask, comm type, W, seed), the run's options.

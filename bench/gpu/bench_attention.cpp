@@ -13,28 +13,17 @@
 #include <utility>
 #include <vector>
 
+#include "bench/gpu/bench_checks.hpp"
 #include "bench/gpu/varlen_lengths.hpp"
 #include "gpu/attention.hpp"
 #include "reference/attention_call.hpp"
 #include "reference/thd_layout.hpp"
 
 using namespace cpgold;
+using cpgold::bench::check;
 using bench::varlen_lengths;
 
 namespace {
-
-void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) {
-    std::fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(e));
-    std::exit(2);
-  }
-}
-void check(const gpu::Outcome& o, const char* what) {
-  if (!o.ok()) {
-    std::fprintf(stderr, "%s: %s %s\n", what, std::string(gpu::status_name(o.status)).c_str(), o.message.c_str());
-    std::exit(2);
-  }
-}
 
 double forward_flops(const std::vector<int32_t>& lens, int heads, int d, int dv, bool causal) {
   double flops = 0;

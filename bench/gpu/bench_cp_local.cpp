@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/gpu/bench_checks.hpp"
 #include "bench/gpu/varlen_lengths.hpp"
 #include "gpu/attention.hpp"
 #include "gpu/cp_executor.hpp"
@@ -25,22 +26,10 @@
 #include "sim/plan.hpp"
 
 using namespace cpgold;
+using cpgold::bench::check;
 using bench::varlen_lengths;
 
 namespace {
-
-void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) {
-    std::fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(e));
-    std::exit(2);
-  }
-}
-void check(const gpu::Outcome& o, const char* what) {
-  if (!o.ok()) {
-    std::fprintf(stderr, "%s: %s %s\n", what, std::string(gpu::status_name(o.status)).c_str(), o.message.c_str());
-    std::exit(2);
-  }
-}
 
 template <class F>
 double median_ms(F&& f, int reps) {

@@ -13,25 +13,14 @@
 #include <string>
 #include <vector>
 
+#include "bench/gpu/bench_checks.hpp"
 #include "gpu/thd_cp_helpers.hpp"
 
 using namespace cpgold;
+using cpgold::bench::check;
 using namespace cpgold::gpu;
 
 namespace {
-
-void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) {
-    std::fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(e));
-    std::exit(2);
-  }
-}
-void check(const Outcome& o, const char* what) {
-  if (!o.ok()) {
-    std::fprintf(stderr, "%s: %s %s\n", what, std::string(status_name(o.status)).c_str(), o.message.c_str());
-    std::exit(2);
-  }
-}
 
 struct Buffer {
   void* ptr = nullptr;
