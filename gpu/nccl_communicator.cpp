@@ -2,7 +2,9 @@
 #include "gpu/nccl_communicator.hpp"
 
 #include <atomic>
+#include <cstdlib>
 #include <cstring>
+#include <mutex>
 #include <exception>
 #include <thread>
 #include <vector>
@@ -14,6 +16,13 @@ namespace cpgold::gpu {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+
+// NVLink multicast (NVLS) stays off in every process that opens a communicator, however it was started (threads,
+// mpirun, the folder handoff): NCCL reads NCCL_NVLS_ENABLE once, at its first call, so this runs before any.
+void nvls_off() {
+  static std::once_flag once;
+  std::call_once(once, [] { setenv("NCCL_NVLS_ENABLE", "0", 1); });
+}
 
 ncclConfig_t non_blocking_config() {
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
@@ -87,6 +96,7 @@ void NcclCommunicator::wait_enqueued(CommOp op, const char* call) {
 }
 
 std::unique_ptr<NcclCommunicator> NcclCommunicator::create(RankChannel& channel, int device, const CommOptions& options) {
+  nvls_off();
   auto shared = std::make_shared<Shared>();
   shared->channel = &channel;
   shared->world_rank = channel.rank();

@@ -6,7 +6,7 @@
 // (the exposed communication; the rest of the communication time was hidden behind compute). Median over reps of
 // the slowest rank (after warm-ups, ranks lined up by a host barrier before each rep). Next to the numbers: the
 // per-GPU bf16 dense peak and the NVLink ring-shift bandwidth measured in the same run with a plain send/recv.
-// NVLink multicast stays off (NCCL_NVLS_ENABLE=0, set here before NCCL starts). Prints one table for docs/PERF.md.
+// NVLink multicast stays off (NCCL_NVLS_ENABLE=0, set by NcclCommunicator::create before NCCL starts). Prints one table for docs/PERF.md.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -290,7 +290,6 @@ Args parse(int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  setenv("NCCL_NVLS_ENABLE", "0", 1);  // NVLink multicast off (the device's KINDS.md), before NCCL starts
   const Args args = parse(argc, argv);
   const int devices = gpu::cuda_device_count();
   if (devices == 0) {
