@@ -19,14 +19,7 @@ void write_candidate(const std::string& path, const HostForward& fwd, const Host
   fx::h5::Writer writer(path);
   writer.attribute("/", "scope", std::string("global"));
   writer.attribute("/", "producer", std::string("cpgold verify (GPU non-CP path)"));
-  auto put = [&](const char* name, const Tensor3<float>& x) {
-    writer.dataset(std::string("/") + name, {x.rows, x.heads, x.dim}, x.values.data(), fx::h5::Element::fp32);
-  };
-  put("o", fwd.o);
-  writer.dataset("/lse", {fwd.lse.heads, fwd.lse.rows}, fwd.lse.values.data(), fx::h5::Element::fp32);
-  put("dq", bwd.dq);
-  put("dk", bwd.dk);
-  put("dv", bwd.dv);
+  write_candidate_outputs(writer, "", fwd.o, fwd.lse, bwd.dq, bwd.dk, bwd.dv);
   writer.close();
 }
 
@@ -42,21 +35,13 @@ void write_cp_candidate(const std::string& path, const sim::Plan& plan, const si
     writer.dataset(name, {x.heads, x.rows}, x.values.data(), fx::h5::Element::fp32);
   };
   const sim::GlobalOutputs<float> global = sim::gather_outputs(plan, run.ranks);
-  put("/o", global.o);
-  put_lse("/lse", global.lse);
-  put("/dq", global.dq);
-  put("/dk", global.dk);
-  put("/dv", global.dv);
+  write_candidate_outputs(writer, "", global.o, global.lse, global.dq, global.dk, global.dv);
   writer.group("/ranks");
   for (int r = 0; r < plan.cp_size; ++r) {
     const std::string g = fx::rank_group(r);
     const sim::RankOutputs<float>& x = run.ranks[static_cast<size_t>(r)];
     writer.group(g);
-    put(g + "/o", x.o);
-    put_lse(g + "/lse", x.lse);
-    put(g + "/dq", x.dq);
-    put(g + "/dk", x.dk);
-    put(g + "/dv", x.dv);
+    write_candidate_outputs(writer, g, x.o, x.lse, x.dq, x.dk, x.dv);
   }
   std::set<std::string> groups;
   auto step_group = [&](int rank, int step, sim::PassKind pass) {
@@ -93,6 +78,19 @@ Tensor3<float> read_input(const fx::h5::Reader& reader, const char* name) {
 
 }  // namespace
 
+void write_candidate_outputs(fx::h5::Writer& writer, const std::string& group, const Tensor3<float>& o,
+                             const LseTensor<float>& lse, const Tensor3<float>& dq, const Tensor3<float>& dk,
+                             const Tensor3<float>& dv) {
+  auto put = [&](const char* name, const Tensor3<float>& x) {
+    writer.dataset(group + "/" + name, {x.rows, x.heads, x.dim}, x.values.data(), fx::h5::Element::fp32);
+  };
+  put("o", o);
+  writer.dataset(group + "/lse", {lse.heads, lse.rows}, lse.values.data(), fx::h5::Element::fp32);
+  put("dq", dq);
+  put("dk", dk);
+  put("dv", dv);
+}
+
 sim::CaseInputs read_fixture_inputs(const fx::h5::Reader& reader) {
   return {read_input(reader, "q"), read_input(reader, "k"), read_input(reader, "v"), read_input(reader, "dout")};
 }
@@ -126,7 +124,6 @@ FixtureVerification verify_fixture(const std::string& fixture_path, BackwardMode
                                    const std::string& candidate_path) {
   const fx::h5::Reader reader(fixture_path);
   const fx::FixtureFile fixture = fx::open_fixture(reader, fx::OpenOptions{false});
-  auto input = [&](const char* name) { return read_input(reader, name); };
   const sim::CaseSpec& spec = fixture.spec;
   FixtureVerification result;
   AttentionShape shape;
@@ -139,7 +136,8 @@ FixtureVerification verify_fixture(const std::string& fixture_path, BackwardMode
     result.unsupported_reason = std::string(status_name(cap.status)) + ": " + cap.message;
     return result;
   }
-  const Tensor3<float> q = input("q"), k = input("k"), v = input("v"), dout = input("dout");
+  const sim::CaseInputs inputs = read_fixture_inputs(reader);
+  const Tensor3<float>&q = inputs.q, &k = inputs.k, &v = inputs.v, &dout = inputs.dout;
   const AttentionCall call = non_cp_call(fixture.layout, sim::mask_window(spec), sim::softmax_scale(spec));
   HostForward fwd;
   HostBackward bwd;

@@ -23,6 +23,12 @@ struct FixtureVerification {
 // the dataset for another shape.
 sim::CaseInputs read_fixture_inputs(const fx::h5::Reader& reader);
 
+// Writes o, dq, dk, dv ([t, h, d]) and lse ([h, t]) as float32 datasets under `group` ("" for the root) of a
+// candidate file, the layout `cpgold check` reads.
+void write_candidate_outputs(fx::h5::Writer& writer, const std::string& group, const Tensor3<float>& o,
+                             const LseTensor<float>& lse, const Tensor3<float>& dq, const Tensor3<float>& dk,
+                             const Tensor3<float>& dv);
+
 // candidate_path: where the GPU outputs are written (a global candidate: /o, /lse [h, t], /dq, /dk, /dv float32).
 // Bad fixtures raise InputError (file and dataset named); a CUDA failure raises std::runtime_error.
 FixtureVerification verify_fixture(const std::string& fixture_path, BackwardMode mode,

@@ -5,6 +5,7 @@
 
 #include "fixtures/check.hpp"
 #include "fixtures/hdf5_file.hpp"
+#include "gpu/fixture_verify.hpp"
 
 namespace cpgold::gpu {
 namespace {
@@ -13,14 +14,7 @@ void write_rank_candidate(const std::string& path, int rank, const sim::RankOutp
   fx::h5::Writer writer(path);
   writer.attribute("/", "rank", static_cast<int64_t>(rank));
   writer.attribute("/", "producer", std::string("cpgold verify --backend nccl (one rank)"));
-  auto put = [&](const char* name, const Tensor3<float>& x) {
-    writer.dataset(std::string("/") + name, {x.rows, x.heads, x.dim}, x.values.data(), fx::h5::Element::fp32);
-  };
-  put("o", out.o);
-  writer.dataset("/lse", {out.lse.heads, out.lse.rows}, out.lse.values.data(), fx::h5::Element::fp32);
-  put("dq", out.dq);
-  put("dk", out.dk);
-  put("dv", out.dv);
+  write_candidate_outputs(writer, "", out.o, out.lse, out.dq, out.dk, out.dv);
   writer.close();
 }
 

@@ -131,18 +131,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "bench_cp_local: no CUDA device\n");
     return 2;
   }
-  sim::CaseSpec s;
-  s.seqlens_q = varlen_lengths(tokens);
-  s.cp_size = W;
-  s.comm = sim::parse_comm(comm);
-  s.causal = true;
-  s.window = normalize_window(true, {});
-  s.heads_q = heads;
-  s.heads_kv = heads;
-  s.dim_qk = dim;
-  s.dim_v = dim;
-  s.dtype = DType::bf16;
-  s.a2a_size = 2;
+  const sim::CaseSpec s = bench::causal_varlen_case(varlen_lengths(tokens), W, sim::parse_comm(comm), heads, dim);
   const sim::Plan plan = sim::make_plan(s);
   const sim::CaseInputs in = sim::make_case_inputs(s);
   const ThdLayout lay = sim::layout(s);

@@ -59,21 +59,6 @@ double causal_flops(const std::vector<int32_t>& lens, int heads, int dim, bool b
   return backward ? 3.5 * f : f;
 }
 
-sim::CaseSpec bench_spec(const std::vector<int32_t>& lens, int W, sim::CommType comm, int heads, int dim) {
-  sim::CaseSpec s;
-  s.seqlens_q = lens;
-  s.cp_size = W;
-  s.comm = comm;
-  s.causal = true;
-  s.window = normalize_window(true, {});
-  s.heads_q = heads;
-  s.heads_kv = heads;
-  s.dim_qk = dim;
-  s.dim_v = dim;
-  s.dtype = DType::bf16;
-  return s;
-}
-
 // Inputs of bf16-exact values from a cheap hash, filled on all cores (sim::make_case_inputs is single-threaded and
 // the timing does not depend on the values).
 Tensor3<float> bench_tensor(int64_t rows, int heads, int dim, uint64_t salt) {
@@ -320,7 +305,7 @@ int main(int argc, char** argv) {
   for (const int64_t tokens : args.tokens) {
     const std::vector<int32_t> lens = varlen_lengths(tokens);
     check(cudaSetDevice(0), "cudaSetDevice");
-    const sim::CaseSpec one = bench_spec(lens, 1, sim::CommType::p2p, args.heads, args.dim);
+    const sim::CaseSpec one = bench::causal_varlen_case(lens, 1, sim::CommType::p2p, args.heads, args.dim);
     const auto [fwd, both] = single_gpu_ms(one, args.warmups, args.reps);
     reference[{tokens, false}] = fwd;
     reference[{tokens, true}] = both;
@@ -331,10 +316,10 @@ int main(int argc, char** argv) {
     for (const int W : sizes) {
       std::vector<int32_t> global;
       for (int r = 0; r < W; ++r) global.insert(global.end(), lens.begin(), lens.end());
-      const sim::CaseInputs inputs = bench_inputs(bench_spec(global, W, sim::CommType::p2p, args.heads, args.dim));
+      const sim::CaseInputs inputs = bench_inputs(bench::causal_varlen_case(global, W, sim::CommType::p2p, args.heads, args.dim));
       std::vector<sim::Plan> plans;
       for (const std::string& c : args.comms) {
-        sim::CaseSpec s = bench_spec(global, W, sim::parse_comm(c), args.heads, args.dim);
+        sim::CaseSpec s = bench::causal_varlen_case(global, W, sim::parse_comm(c), args.heads, args.dim);
         s.a2a_size = std::min(W, 2);
         plans.push_back(sim::make_plan(s));
       }

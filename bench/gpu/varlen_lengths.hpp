@@ -5,6 +5,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "sim/case_spec.hpp"
+
 namespace cpgold::bench {
 
 inline std::vector<int32_t> varlen_lengths(int64_t total) {
@@ -17,6 +19,25 @@ inline std::vector<int32_t> varlen_lengths(int64_t total) {
     sum += len;
   }
   return lens;
+}
+
+// The benchmarks' CP case: causal, bf16, `heads` query and KV heads of dimension `dim`, sequences `lens`, W ranks of
+// comm type `comm` (a2a groups of 2 for a2a+p2p).
+inline sim::CaseSpec causal_varlen_case(const std::vector<int32_t>& lens, int W, sim::CommType comm, int heads,
+                                        int dim) {
+  sim::CaseSpec s;
+  s.seqlens_q = lens;
+  s.cp_size = W;
+  s.comm = comm;
+  s.causal = true;
+  s.window = normalize_window(true, {});
+  s.heads_q = heads;
+  s.heads_kv = heads;
+  s.dim_qk = dim;
+  s.dim_v = dim;
+  s.dtype = DType::bf16;
+  s.a2a_size = 2;
+  return s;
 }
 
 }  // namespace cpgold::bench
