@@ -14,6 +14,7 @@
 #include <unordered_map>
 
 #include "gpu/cp_kernels.hpp"
+#include "gpu/dtype_bits.hpp"
 #include "gpu/local_communicator.hpp"
 #include "sim/cp_program.hpp"
 
@@ -89,11 +90,6 @@ struct ComputeStream {
   }
 };
 
-uint16_t to_bits(Elem e, float x) {
-  if (e == Elem::bf16) return Eigen::numext::bit_cast<uint16_t>(Eigen::bfloat16(x));
-  return Eigen::numext::bit_cast<uint16_t>(Eigen::half(x));
-}
-
 // Two streams per rank: attention, copies and merges run on the backend's compute stream; exchanges run on the
 // communicator's stream. An exchange starts on the communication stream once the compute stream has passed what was
 // enqueued before it (the sent tensors' producers, the receive buffers' allocation); the compute stream waits for
@@ -145,7 +141,7 @@ class DeviceRankBackend {
   void upload_input(sim::Payload payload, const Tensor3<float>& x) {
     DeviceTensor t = alloc(x.rows, x.heads, x.dim, storage_);
     std::vector<uint16_t> bits(x.values.size());
-    for (size_t i = 0; i < bits.size(); ++i) bits[i] = to_bits(storage_, x.values[i]);
+    for (size_t i = 0; i < bits.size(); ++i) bits[i] = to_bits(dtype_, x.values[i]);
     cuda(cudaMemcpyAsync(t.data(), bits.data(), t.bytes(), cudaMemcpyHostToDevice, stream_), "upload");
     cuda(cudaStreamSynchronize(stream_), "upload");
     inputs_[static_cast<int>(payload)] = std::move(t);

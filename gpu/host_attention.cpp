@@ -9,18 +9,12 @@
 #include <string>
 #include <vector>
 
+#include "gpu/dtype_bits.hpp"
+
 namespace cpgold::gpu {
 
 namespace {
 
-uint16_t to_bits(DType dtype, float x) {
-  if (dtype == DType::bf16) return Eigen::numext::bit_cast<uint16_t>(Eigen::bfloat16(x));
-  return Eigen::numext::bit_cast<uint16_t>(Eigen::half(x));
-}
-float from_bits(DType dtype, uint16_t bits) {
-  if (dtype == DType::bf16) return static_cast<float>(Eigen::numext::bit_cast<Eigen::bfloat16>(bits));
-  return static_cast<float>(Eigen::numext::bit_cast<Eigen::half>(bits));
-}
 
 // Owns one device allocation.
 class DeviceArray {

@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "gpu/dtype_bits.hpp"
 #include "gpu/thd_cp_helpers.hpp"
 #include "sim/grad_correction.hpp"
 #include "sim/lse_halves.hpp"
@@ -142,14 +143,6 @@ std::vector<int64_t> iota_rows(int64_t n) {
 
 // ---- Typed tensors for the arithmetic helpers ------------------------------------------------------------------------
 
-uint16_t to_bits(DType dtype, float x) {
-  if (dtype == DType::bf16) return Eigen::numext::bit_cast<uint16_t>(Eigen::bfloat16(x));
-  return Eigen::numext::bit_cast<uint16_t>(Eigen::half(x));
-}
-float from_bits(DType dtype, uint16_t bits) {
-  if (dtype == DType::bf16) return static_cast<float>(Eigen::numext::bit_cast<Eigen::bfloat16>(bits));
-  return static_cast<float>(Eigen::numext::bit_cast<Eigen::half>(bits));
-}
 
 void put_typed(DeviceBuffer& b, const Tensor3<float>& x, DType dtype) {
   if (dtype == DType::fp32) return put(b, x.values);
