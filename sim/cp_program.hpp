@@ -1,10 +1,10 @@
 #pragma once
 // The one CP orchestration: what ONE rank does (shard exchange, per-step attention, merge, reverse exchange) for
 // every comm type, written over a backend that supplies storage, the attention call and the exchange. The CPU
-// simulator (sim/executor.cpp), the GPU executor (gpu/cp_executor.*: W ranks on one device, or one rank per GPU over NCCL) instantiate it;
-// every rank runs it on its own thread (run_rank_threads) or process. The Plan is the only source of the steps:
-// tiles say what to compute, messages say what moves where, and a rank only ever reads tensors it holds or has
-// received (ownership is checked against the messages).
+// simulator (sim/executor.cpp) and the GPU executor (gpu/cp_executor.*: W ranks on one device, or one rank per GPU
+// over NCCL) instantiate it; every rank runs it on its own thread (run_rank_threads) or process. The Plan is the
+// only source of the steps: tiles say what to compute, messages say what moves where, and a rank only ever reads
+// tensors it holds or has received (ownership is checked against the messages).
 //
 // Backend B (one object per rank):
 //   using Tensor, Lse;                   rows-major [rows, heads, dim] tensor; LSE [heads, rows]
@@ -563,7 +563,8 @@ RankResult<B> run_rank(const Plan& plan, B& b, bool with_backward) {
   return run_ring_rank(plan, b, with_backward);
 }
 
-// The trace of a run: concatenates per-rank records and orders them by (step, rank) (stable: each rank's records are in step order).
+// The trace of a run: concatenates per-rank records and orders them by (step, rank) (stable: each rank's records
+// are in step order).
 template <class Record>
 std::vector<Record> by_step_then_rank(std::vector<std::vector<Record>>& per_rank) {
   std::vector<Record> all;
