@@ -1,12 +1,14 @@
 // CP over NCCL on the GPUs of one host (one process, one thread per GPU, like `verify --backend nccl`'s threads
 // launch): per-GPU attention TFLOP/s and CP efficiency at a fixed number of tokens per rank, for W = 2, 4, ... up to
-// the visible GPUs, against one GPU doing 1/W of the work (the same tokens per rank: the W-rank batch is the one-GPU
-// batch repeated W times, so its FLOPs are exactly W times). Times are CUDA events per rank: a run's time on its
-// compute stream, the exchanges' time on the communication stream, and the compute stream's waits for exchanges
-// (the exposed communication; the rest of the communication time was hidden behind compute). Median over reps of
-// the slowest rank (after warm-ups, ranks lined up by a host barrier before each rep). Next to the numbers: the
-// per-GPU bf16 dense peak and the NVLink ring-shift bandwidth measured in the same run with a plain send/recv.
-// NVLink multicast stays off (NCCL_NVLS_ENABLE=0, set by NcclCommunicator::create before NCCL starts). Prints one table for docs/PERF.md.
+// the visible GPUs. The W-rank batch holds W x tokens-per-rank tokens of the benchmarks' varlen length cycle (times
+// --seq-scale: 1 gives sequences of 512..4096 tokens, 4 gives 2048..16384); the reference is one GPU running that
+// whole batch in one non-CP attention call, divided by W (1/W of the work); CP efficiency = reference / the slowest
+// rank's time. Times are CUDA events per rank: a run's time on its compute stream, the exchanges' time on the
+// communication stream, and the compute stream's waits for exchanges (the exposed communication; the rest of the
+// communication time was hidden behind compute). Median over reps of the slowest rank (after warm-ups, ranks lined
+// up by a host barrier before each rep). Next to the numbers: the per-GPU bf16 dense peak and the NVLink ring-shift
+// bandwidth measured in the same run with a plain send/recv. NVLink multicast stays off (NCCL_NVLS_ENABLE=0, set by
+// NcclCommunicator::create before NCCL starts). Prints one table for docs/PERF.md.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -230,7 +232,7 @@ std::vector<std::string> split_list(const std::string& s) {
 }
 
 struct Args {
-  int gpus = 0, heads = 16, dim = 128, reps = 20, warmups = 3;
+  int gpus = 0, heads = 16, dim = 128, reps = 20, warmups = 3, seq_scale = 1;
   std::vector<int64_t> tokens{8192, 16384, 32768};
   std::vector<std::string> comms{"p2p", "all_gather"};
   size_t bandwidth_bytes = size_t{256} << 20;
@@ -239,7 +241,8 @@ struct Args {
 [[noreturn]] void usage(const std::string& why) {
   std::fprintf(stderr,
                "bench_cp_nccl: %s\nusage: bench_cp_nccl [--gpus N] [--tokens-per-rank 8192,16384,32768] "
-               "[--comms p2p,all_gather] [--heads 16] [--dim 128] [--reps 20] [--warmups 3] [--bandwidth-mib 256]\n",
+               "[--comms p2p,all_gather] [--seq-scale 1] [--heads 16] [--dim 128] [--reps 20] [--warmups 3] "
+               "[--bandwidth-mib 256]\n",
                why.c_str());
   std::exit(2);
 }
@@ -256,6 +259,7 @@ Args parse(int argc, char** argv) {
       else if (k == "--dim") a.dim = std::stoi(v);
       else if (k == "--reps") a.reps = std::stoi(v);
       else if (k == "--warmups") a.warmups = std::stoi(v);
+      else if (k == "--seq-scale") a.seq_scale = std::stoi(v);
       else if (k == "--bandwidth-mib") a.bandwidth_bytes = static_cast<size_t>(std::stoll(v)) << 20;
       else if (k == "--comms") a.comms = split_list(v);
       else if (k == "--tokens-per-rank") {
@@ -267,6 +271,7 @@ Args parse(int argc, char** argv) {
     }
   }
   if (a.reps < 1) usage("--reps: must be >= 1, got " + std::to_string(a.reps));
+  if (a.seq_scale < 1 || a.seq_scale > 64) usage("--seq-scale: must be in 1..64, got " + std::to_string(a.seq_scale));
   for (const std::string& c : a.comms)
     if (c != "p2p" && c != "all_gather" && c != "a2a" && c != "a2a+p2p") usage("--comms: unknown comm type \"" + c + "\"");
   return a;
@@ -286,9 +291,10 @@ int main(int argc, char** argv) {
   for (int W = 2; W <= gpus; W *= 2) sizes.push_back(W);
   cudaDeviceProp prop{};
   check(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
-  std::printf("device: %d x %s; NCCL %s, NCCL_NVLS_ENABLE=0; causal varlen (lengths cycling 512..4096), bf16, h=%d, "
+  std::printf("device: %d x %s; NCCL %s, NCCL_NVLS_ENABLE=0; causal varlen (lengths cycling %d..%d), bf16, h=%d, "
               "d=%d, atomic backward; median of %d after %d warm-ups\n",
-              gpus, prop.name, gpu::nccl_version().c_str(), args.heads, args.dim, args.reps, args.warmups);
+              gpus, prop.name, gpu::nccl_version().c_str(), 512 * args.seq_scale, 4096 * args.seq_scale, args.heads,
+              args.dim, args.reps, args.warmups);
   std::printf("physical limits: bf16 dense peak %.0f TFLOP/s per GPU (specification)\n", kBf16DensePeakTflops);
 
   struct Row {
@@ -297,25 +303,28 @@ int main(int argc, char** argv) {
     int W;
     bool backward;
     Measured m;
+    double ref_ms;      // one GPU, one call over the W-rank batch, divided by W
+    double flops;       // per GPU
     double ring_bytes;  // bytes each rank sends per run
   };
   std::vector<Row> rows;
   std::map<int, double> ring_gbps;
-  std::map<std::pair<int64_t, bool>, double> reference;  // (tokens, backward) -> one-GPU ms
   for (const int64_t tokens : args.tokens) {
-    const std::vector<int32_t> lens = varlen_lengths(tokens);
-    check(cudaSetDevice(0), "cudaSetDevice");
-    const sim::CaseSpec one = bench::causal_varlen_case(lens, 1, sim::CommType::p2p, args.heads, args.dim);
-    const auto [fwd, both] = single_gpu_ms(one, args.warmups, args.reps);
-    reference[{tokens, false}] = fwd;
-    reference[{tokens, true}] = both;
-    rows.push_back({tokens, "1 GPU, one attention call", 1, false, {fwd, 0, 0}, 0});
-    rows.push_back({tokens, "1 GPU, one attention call", 1, true, {both, 0, 0}, 0});
-    for (bool backward : {false, true})
-      rows.push_back({tokens, "CP program W=1", 1, backward, program_w1(one, backward, args.warmups, args.reps), 0});
-    for (const int W : sizes) {
-      std::vector<int32_t> global;
-      for (int r = 0; r < W; ++r) global.insert(global.end(), lens.begin(), lens.end());
+    for (const int W : [&] { std::vector<int> all{1}; all.insert(all.end(), sizes.begin(), sizes.end()); return all; }()) {
+      const std::vector<int32_t> global = varlen_lengths(tokens * W, args.seq_scale);
+      check(cudaSetDevice(0), "cudaSetDevice");
+      const sim::CaseSpec one = bench::causal_varlen_case(global, 1, sim::CommType::p2p, args.heads, args.dim);
+      const auto [fwd, both] = single_gpu_ms(one, args.warmups, args.reps);
+      const double ref[2] = {fwd / W, both / W};
+      double flops[2];
+      for (int b = 0; b < 2; ++b) flops[b] = causal_flops(global, args.heads, args.dim, b != 0) / W;
+      for (int b = 0; b < 2; ++b)
+        rows.push_back({tokens, "1 GPU, one call over the W-rank batch, / W", W, b != 0, {ref[b], 0, 0}, ref[b], flops[b], 0});
+      if (W == 1) {
+        for (int b = 0; b < 2; ++b)
+          rows.push_back({tokens, "CP program W=1", 1, b != 0, program_w1(one, b != 0, args.warmups, args.reps), ref[b], flops[b], 0});
+        continue;
+      }
       const sim::CaseInputs inputs = bench_inputs(bench::causal_varlen_case(global, W, sim::CommType::p2p, args.heads, args.dim));
       std::vector<sim::Plan> plans;
       for (const std::string& c : args.comms) {
@@ -368,7 +377,8 @@ int main(int argc, char** argv) {
           const double steps = W - 1;
           double bytes = args.comms[c] == "all_gather" ? steps * kv * (backward ? 2 + 2 : 1)
                                                        : steps * (backward ? kv + kv + 2 * kv : kv);
-          rows.push_back({tokens, args.comms[c], W, backward != 0, summarise(times[c][static_cast<size_t>(backward)]), bytes});
+          rows.push_back({tokens, args.comms[c], W, backward != 0, summarise(times[c][static_cast<size_t>(backward)]),
+                          ref[backward], flops[backward], bytes});
         }
     }
   }
@@ -377,20 +387,14 @@ int main(int argc, char** argv) {
                 "rank): %.1f GB/s per GPU per direction\n",
                 W, args.bandwidth_bytes >> 20, g);
   std::printf("\n| tokens/rank | path | W | pass | slowest rank ms | TFLOP/s per GPU | share of peak | CP efficiency "
-              "(1 GPU ms / W ms) | vs CP program W=1 | exchanges ms | exposed ms | hidden | ring MB/rank | ms at "
-              "measured NVLink |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
-  std::map<std::pair<int64_t, bool>, double> program_one;
-  for (const Row& row : rows)
-    if (row.path == "CP program W=1") program_one[{row.tokens, row.backward}] = row.m.slowest_ms;
+              "(1 GPU ms / W / slowest ms) | exchanges ms | exposed ms | hidden | ring MB/rank | ms at measured NVLink "
+              "|\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   for (const Row& row : rows) {
-    const double flops = causal_flops(varlen_lengths(row.tokens), args.heads, args.dim, row.backward);
-    const double tflops = flops / (row.m.slowest_ms * 1e-3) / 1e12;
-    const double ref = reference[{row.tokens, row.backward}];
-    std::printf("| %lld | %s | %d | %s | %.3f | %.1f | %.1f%% | %.2f | %.2f |", static_cast<long long>(row.tokens),
+    const double tflops = row.flops / (row.m.slowest_ms * 1e-3) / 1e12;
+    std::printf("| %lld | %s | %d | %s | %.3f | %.1f | %.1f%% | %.2f |", static_cast<long long>(row.tokens),
                 row.path.c_str(), row.W, row.backward ? "fwd+bwd" : "fwd", row.m.slowest_ms, tflops,
-                100.0 * tflops / kBf16DensePeakTflops, ref / row.m.slowest_ms,
-                program_one[{row.tokens, row.backward}] / row.m.slowest_ms);
-    if (row.W > 1) {
+                100.0 * tflops / kBf16DensePeakTflops, row.ref_ms / row.m.slowest_ms);
+    if (row.ring_bytes > 0) {
       const double hidden = row.m.comm_ms > 0 ? 1.0 - row.m.exposed_ms / row.m.comm_ms : 0.0;
       std::printf(" %.3f | %.3f | %.0f%% | %.0f | %.3f |\n", row.m.comm_ms, row.m.exposed_ms, 100.0 * hidden,
                   row.ring_bytes / 1e6, row.ring_bytes / (ring_gbps[row.W] * 1e9) * 1e3);

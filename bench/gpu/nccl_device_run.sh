@@ -8,7 +8,7 @@
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 MODES="${*:-check}"
-B=/tmp/b
+B=${B:-/tmp/b}
 OUT=${OUT:-/tmp/out}
 mkdir -p $OUT
 echo "== commit $(cat .commit 2>/dev/null)"
@@ -57,8 +57,11 @@ for mode in $MODES; do
     verify) source bench/gpu/nccl_verify_run.sh ;;
     w2) source bench/gpu/nccl_w2_run.sh ;;
     bench)
+      # The benchmarks' length cycle (512..4096 tokens), then long-context sequences (the cycle times 4).
       run bench_cp_nccl 240 $B/bin/bench_cp_nccl ${BENCH_ARGS:-}
-      cat $OUT/bench_cp_nccl.log ;;
+      cat $OUT/bench_cp_nccl.log
+      run bench_cp_nccl_long 240 $B/bin/bench_cp_nccl --seq-scale 4 ${BENCH_ARGS:-}
+      cat $OUT/bench_cp_nccl_long.log ;;
   esac
   (cd $OUT && tar -czf logs.tar.gz *.log $(ls *.digests 2>/dev/null))
 done

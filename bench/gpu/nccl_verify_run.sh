@@ -21,10 +21,19 @@ run verify_w2_threads 75 env CUDA_VISIBLE_DEVICES=0,1 $C verify --backend nccl -
 run verify_w2_mpi 75 env CUDA_VISIBLE_DEVICES=0,1 $MPIRUN -np 2 $C verify --backend nccl --timeout 30 $W2
 run verify_w4_threads 60 $C verify --backend nccl --timeout 30 $W4
 run verify_w4_mpi 60 $MPIRUN -np 4 $C verify --backend nccl --timeout 30 $W4
-for f in verify_w2_threads verify_w2_mpi verify_w4_threads verify_w4_mpi; do
+# Deterministic backward at W = 4, three runs (threads twice, mpirun once): every fixture's output digests must agree.
+run det_w4_threads_1 60 $C verify --backend nccl --deterministic --timeout 30 $W4
+run det_w4_threads_2 60 $C verify --backend nccl --deterministic --timeout 30 $W4
+run det_w4_mpi 60 $MPIRUN -np 4 $C verify --backend nccl --deterministic --timeout 30 $W4
+for f in verify_w2_threads verify_w2_mpi verify_w4_threads verify_w4_mpi det_w4_threads_1 det_w4_threads_2 det_w4_mpi; do
   echo "-- $f"; grep -E "^verify:|^verdict: FAIL|UNSUPPORTED|error" $OUT/$f.log | head -8
   echo "   per-fixture verdicts: $(grep -c '^verdict: PASS' $OUT/$f.log) PASS, $(grep -c '^verdict: FAIL' $OUT/$f.log) FAIL"
 done
+for f in det_w4_threads_1 det_w4_threads_2 det_w4_mpi; do grep -E "^golden|^outputs digest" $OUT/$f.log > $OUT/$f.digests; done
+echo "== W=4 deterministic digests: $(grep -c '^outputs digest' $OUT/det_w4_threads_1.digests) fixtures;" \
+  "threads run 2 $(cmp -s $OUT/det_w4_threads_1.digests $OUT/det_w4_threads_2.digests && echo identical || echo DIFFERENT)," \
+  "mpirun $(cmp -s $OUT/det_w4_threads_1.digests $OUT/det_w4_mpi.digests && echo identical || echo DIFFERENT)"
+echo "== W=4 fixtures by comm type: $(for f in $W4; do $C inspect --no-verify $f | grep -m1 '^case' | grep -o '"comm":"[^"]*"'; done | sort | uniq -c | tr '\n' ' ')"
 A=$(echo $W2 | cut -d' ' -f1); Bf=$(echo $W2 | cut -d' ' -f2)
 run verify_mismatch_threads 60 env CUDA_VISIBLE_DEVICES=0,1 $C verify --backend nccl $A --inject-mismatch 1 --timeout 20
 run verify_mismatch_mpi 60 env CUDA_VISIBLE_DEVICES=0,1 $MPIRUN -np 2 bash -c "if [ \$OMPI_COMM_WORLD_RANK = 1 ]; then exec $C verify --backend nccl $Bf --timeout 20; else exec $C verify --backend nccl $A --timeout 20; fi"
