@@ -18,21 +18,18 @@ build() {  # build SRC DIR NAME TARGETS...
 build $A_DIR /tmp/bA A bench_gpu_attention bench_cp_local
 build . /tmp/bB B bench_gpu_attention bench_cp_local bench_thd_helpers
 CP="--tokens 32768 --heads 16 --dim 128"
-for round in 1 2; do
+for round in ${AB_ROUNDS:-1 2}; do
   for side in A B; do
     b=/tmp/b$side
-    echo "== round $round $side: bench_gpu_attention --dims 128/128 --reps 20"
-    timeout 120 $b/bin/bench_gpu_attention --dims 128/128 --reps 20 2>&1 | grep -E "^\|" | tee $OUT/attn_${side}_$round.log
+    echo "== round $round $side: bench_gpu_attention --dims 128/128 --totals 32768 --reps 20"
+    timeout 60 $b/bin/bench_gpu_attention --dims 128/128 --totals 32768 --reps 20 > $OUT/attn_${side}_$round.log 2>&1
+    grep -E "^(impl|cpgold)" $OUT/attn_${side}_$round.log
     echo "== round $round $side: bench_cp_local --comm p2p --cp-size 4 $CP --reps 10 --phases 1"
-    timeout 120 $b/bin/bench_cp_local --comm p2p --cp-size 4 $CP --reps 10 --phases 1 2>&1 | tee $OUT/cp_${side}_$round.log | grep -E "^\|"
+    timeout 100 $b/bin/bench_cp_local --comm p2p --cp-size 4 $CP --reps 10 --phases 1 > $OUT/cp_${side}_$round.log 2>&1
+    grep -E "^\|" $OUT/cp_${side}_$round.log
   done
 done
-for side in A B; do
-  echo "== $side: bench_cp_local --comm a2a --cp-size 4 $CP --reps 5"
-  timeout 120 /tmp/b$side/bin/bench_cp_local --comm a2a --cp-size 4 $CP --reps 5 2>&1 | grep -E "^\|"
-done
-for round in 1 2; do
-  echo "== round $round B: bench_thd_helpers --reps 20"
-  timeout 120 /tmp/bB/bin/bench_thd_helpers --reps 20 2>&1 | grep -E "^\||GB/s" | tee $OUT/thd_$round.log
-done
+echo "== B: bench_thd_helpers --reps 20"
+timeout 90 /tmp/bB/bin/bench_thd_helpers --reps 20 > $OUT/thd.log 2>&1
+grep -E "^\|" $OUT/thd.log
 cd $OUT && tar -czf logs.tar.gz *.log && rm -f *.log
