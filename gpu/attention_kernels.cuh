@@ -277,19 +277,6 @@ __device__ __forceinline__ void acc_to_smem(T* smem, int ld, const float (&acc)[
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// Block -> (tile, head): the grid is (tiles, heads) but blocks are handed out tile-major (every head of list entry 0,
-// then of entry 1, ...), so the plan's order (heaviest tiles first) is the order in which the device starts them.
-struct TileHead {
-  int tile, head;
-};
-// AttentionPlan::build keeps tiles x heads below 2^31, so 32 bits hold the linear index.
-__device__ __forceinline__ TileHead tile_major_block(int heads) {
-  const unsigned linear = blockIdx.y * gridDim.x + blockIdx.x;
-  const unsigned h = static_cast<unsigned>(heads);
-  return {static_cast<int>(linear / h), static_cast<int>(linear % h)};
-}
-
-// ---------------------------------------------------------------------------------------------------------------
 // Masks from global positions (docs/design.md): key position kp visible to query position qp iff
 // qp + delta - wl <= kp <= qp + delta + wr (a -1 side unbounded); keys past a segment's count are never visible.
 
@@ -363,9 +350,8 @@ __global__ void __launch_bounds__(WARPS * 32) attention_forward_kernel(Attention
   T* sK = sQ + Cfg::kBlockM * Cfg::kLdQ;
   T* sV = sK + Cfg::kBlockN * Cfg::kLdK;
 
-  const TileHead block = tile_major_block(p.heads_q);
-  const RowTile tile = p.q_tiles[block.tile];
-  const int head = block.head;
+  const RowTile tile = p.q_tiles[blockIdx.x];
+  const int head = blockIdx.y;
   const int kv_head = head / p.group;
   const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
   const int g = lane / 4, t = lane % 4;
@@ -564,9 +550,8 @@ __global__ void __launch_bounds__(128) attention_backward_dkdv_kernel(AttentionP
   float* sDelta = sLse + Cfg::kBlockM;
   float* sDq = sDelta + Cfg::kBlockM + warp_index() * 16 * Cfg::kLdDq;  // this warp's dQ staging
 
-  const TileHead block = tile_major_block(p.heads_kv);
-  const RowTile kv_tile = p.kv_tiles[block.tile];
-  const int kv_head = block.head;
+  const RowTile kv_tile = p.kv_tiles[blockIdx.x];
+  const int kv_head = blockIdx.y;
   const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
   const int g = lane / 4, t = lane % 4;
   const int64_t q_stride = static_cast<int64_t>(p.heads_q) * D;
@@ -730,9 +715,8 @@ __global__ void __launch_bounds__(128) attention_backward_dq_kernel(AttentionPar
   T* sK = sdO + Cfg::kBlockM * Cfg::kLdO;
   T* sV = sK + Cfg::kBlockN * Cfg::kLdK;
 
-  const TileHead block = tile_major_block(p.heads_q);
-  const RowTile tile = p.q_tiles[block.tile];
-  const int head = block.head;
+  const RowTile tile = p.q_tiles[blockIdx.x];
+  const int head = blockIdx.y;
   const int kv_head = head / p.group;
   const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
   const int g = lane / 4;

@@ -68,40 +68,6 @@ void add_pad_tiles(std::vector<RowTile>& tiles, std::vector<Interval> covered, i
   pad(cursor, total);
 }
 
-// (query, key) pairs a work tile's CTA visits: its rows times the keys (Q tile) or queries (KV tile) in the visible
-// ranges of the kernels (gpu/attention_kernels.cuh, visible_key_range / visible_query_range). Pad tiles: 0.
-int64_t tile_work(const AttentionCall& call, const RowTile& t, bool q_side) {
-  if (t.sequence < 0) return 0;
-  const SequenceTile& seq = call.sequences[static_cast<size_t>(t.sequence)];
-  const int64_t delta = seq.delta();
-  const int64_t wl = call.window.left, wr = call.window.right;
-  const int64_t lo_pos = t.position, hi_pos = t.position + t.rows - 1;
-  int64_t work = 0;
-  for (const RowSegment& other : q_side ? seq.kv : seq.q) {
-    int64_t l = 0, h = other.count - 1;
-    if (q_side) {  // keys a query in [lo_pos, hi_pos] may see
-      if (wl >= 0) l = std::max(l, lo_pos + delta - wl - other.position);
-      if (wr >= 0) h = std::min(h, hi_pos + delta + wr - other.position);
-    } else {  // queries that may see a key in [lo_pos, hi_pos]
-      if (wr >= 0) l = std::max(l, lo_pos - delta - wr - other.position);
-      if (wl >= 0) h = std::min(h, hi_pos - delta + wl - other.position);
-    }
-    if (h >= l) work += (h - l + 1) * t.rows;
-  }
-  return work;
-}
-
-// Heaviest tiles first (stable: ties keep the layout order), so that the kernels, which hand out tiles in list order
-// (all heads of a tile next to each other), start the long CTAs first and end on short ones: causal and windowed
-// calls over short CP chunks otherwise finish on a tail of long CTAs.
-void order_by_work(std::vector<RowTile>& tiles, const AttentionCall& call, bool q_side) {
-  std::vector<std::pair<int64_t, RowTile>> keyed;
-  keyed.reserve(tiles.size());
-  for (const RowTile& t : tiles) keyed.emplace_back(tile_work(call, t, q_side), t);
-  std::stable_sort(keyed.begin(), keyed.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
-  for (size_t i = 0; i < tiles.size(); ++i) tiles[i] = keyed[i].second;
-}
-
 }  // namespace
 
 PlanTiles make_plan_tiles(const AttentionCall& call) {
@@ -135,9 +101,6 @@ PlanTiles make_plan_tiles(const AttentionCall& call) {
   add_pad_tiles(plan.q_tiles_small, q_cover, call.q_rows, kSmallTileRows, "q");
   add_pad_tiles(plan.q_tiles_large, q_cover, call.q_rows, kLargeTileRows, "q");
   add_pad_tiles(plan.kv_tiles, kv_cover, call.kv_rows, kKvTileRows, "kv");
-  order_by_work(plan.q_tiles_small, call, true);
-  order_by_work(plan.q_tiles_large, call, true);
-  order_by_work(plan.kv_tiles, call, false);
   return plan;
 }
 
@@ -160,11 +123,8 @@ Outcome AttentionPlan::build(const AttentionCall& call, const AttentionShape& sh
   } catch (const std::exception& e) {
     return {Status::invalid_argument, e.what()};
   }
-  // The kernels number their blocks tile-major in 32 bits (tiles x heads).
-  const size_t heads = static_cast<size_t>(std::max(shape.heads_q, shape.heads_kv));
-  if (tiles.q_tiles_small.size() * heads >= (size_t{1} << 31) || tiles.kv_tiles.size() * heads >= (size_t{1} << 31))
-    return {Status::invalid_argument, "too many tiles: " + std::to_string(tiles.q_tiles_small.size()) + " Q tiles x " +
-                                          std::to_string(heads) + " heads reach 2^31 blocks"};
+  if (tiles.q_tiles_small.size() > (1u << 30) || tiles.kv_tiles.size() > (1u << 30))
+    return {Status::invalid_argument, "too many tiles"};
 
   auto impl = std::make_unique<Impl>();
   impl->shape = shape;

@@ -93,26 +93,3 @@ TEST_CASE("overlapping KV rows of two sequences are rejected") {
   call.sequences = {a, b};
   CHECK_THROWS_AS(make_plan_tiles(call), std::invalid_argument);
 }
-
-TEST_CASE("tile lists start with the heaviest tiles: causal Q tiles by visible keys, KV tiles by visible queries") {
-  // One causal sequence of 300 tokens and one of 70, 40 pad rows after them.
-  ThdLayout layout{make_packed_sequences({300, 70}, {}, 410, "q"), make_packed_sequences({300, 70}, {}, 410, "kv")};
-  const AttentionCall call = non_cp_call(layout, {-1, 0}, 0.125);
-  const PlanTiles tiles = make_plan_tiles(call);
-  check_cover(tiles.q_tiles_small, call.q_rows, kSmallTileRows, call, true);
-  check_cover(tiles.kv_tiles, call.kv_rows, kKvTileRows, call, false);
-  // Q side: a tile's last query sees keys 0..its last position, so later tiles of the long sequence come first.
-  const std::vector<RowTile>& q = tiles.q_tiles_small;
-  REQUIRE(q.size() == 5 + 2 + 1);  // 300 = 4 x 64 + 44, 70 = 64 + 6, 40 pad rows
-  CHECK(q[0].sequence == 0);
-  CHECK(q[0].position == 192);  // rows 192..255: 64 x (193..256) keys, more than the 44-row tail tile at 256
-  CHECK(q[1].position == 256);
-  CHECK(q.back().sequence == -1);  // pad tiles last
-  // KV side: a key tile is seen by the queries at or after it, so the first tile of the long sequence comes first.
-  CHECK(tiles.kv_tiles[0].sequence == 0);
-  CHECK(tiles.kv_tiles[0].position == 0);
-  CHECK(tiles.kv_tiles.back().sequence == -1);
-  // Non-increasing work along the Q list: positions within sequence 0 only ever decrease after the first two.
-  for (size_t i = 2; i + 1 < q.size(); ++i)
-    if (q[i].sequence == 0 && q[i + 1].sequence == 0) CHECK(q[i].position > q[i + 1].position);
-}
