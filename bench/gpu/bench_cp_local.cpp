@@ -109,6 +109,7 @@ void print_phases(const sim::Plan& plan, const sim::CaseInputs& in, double copy_
 }  // namespace
 
 int main(int argc, char** argv) {
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);  // lines reach a log even if a guard stops the run
   int W = 4, heads = 16, dim = 128, reps = 10;
   int64_t tokens = 32768;
   std::string comm = "p2p";

@@ -280,6 +280,7 @@ Args parse(int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);  // lines reach a log even if a guard stops the run
   const Args args = parse(argc, argv);
   const int devices = gpu::cuda_device_count();
   if (devices == 0) {

@@ -1,8 +1,10 @@
 #!/bin/bash
 # Multi-GPU runs on the device: build, the NCCL test suite, coded-value exchanges and fault cases in every launch
-# mode, then (when asked) `verify --backend nccl` on fixtures. Usage: nccl_device_run.sh [check] [verify] [w2] [bench]
+# mode, then (when asked) `verify --backend nccl` on fixtures.
+# Usage: nccl_device_run.sh [check] [verify] [w2] [random] [bench]
 #   check, verify: W = 2 and W = 4 (a four-GPU machine); w2: the W = 2 part alone with deterministic reruns (a
-#   two-GPU machine, bench/gpu/nccl_w2_run.sh); bench: bench_cp_nccl over every visible GPU.
+#   two-GPU machine, bench/gpu/nccl_w2_run.sh); random: random fixtures at W = 2 and 4 plus the one-GPU verify
+#   paths (bench/gpu/nccl_random_run.sh); bench: bench_cp_nccl over every visible GPU.
 # Run from the repository root of a source snapshot; $OUT is where logs go; CPGOLD_PREFIX names header-only deps.
 # NVLink multicast stays off in every process (KINDS.md): exported here and passed through mpirun with -x.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -56,6 +58,7 @@ for mode in $MODES; do
     check) check_part ;;
     verify) source bench/gpu/nccl_verify_run.sh ;;
     w2) source bench/gpu/nccl_w2_run.sh ;;
+    random) source bench/gpu/nccl_random_run.sh ;;
     bench)
       # The benchmarks' length cycle (512..4096 tokens), then long-context sequences (the cycle times 4).
       run bench_cp_nccl 240 $B/bin/bench_cp_nccl ${BENCH_ARGS:-}
