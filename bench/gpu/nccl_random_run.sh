@@ -16,12 +16,20 @@ R2=$(pick 2); R4=$(pick 4)
 count_comms() { for f in "$@"; do $C inspect --no-verify $f | grep -m1 '^case' | grep -o '"comm":"[^"]*"'; done | sort | uniq -c | tr '\n' ' '; }
 echo "== random fixtures: $COUNT; cp_size 2: $(echo $R2 | wc -w) ($(count_comms $R2)); cp_size 4: $(echo $R4 | wc -w) ($(count_comms $R4))"
 run random_w2_threads 120 env CUDA_VISIBLE_DEVICES=0,1 $C verify --backend nccl --timeout 30 $R2
-run random_w4_threads 120 $C verify --backend nccl --timeout 30 $R4
-run random_w4_mpi 120 $MPIRUN -np 4 $C verify --backend nccl --timeout 30 $R4
+GPUS=$(nvidia-smi -L | wc -l)
+W4_RUNS=""
+if [ $GPUS -ge 4 ]; then
+  run random_w4_threads 120 $C verify --backend nccl --timeout 30 $R4
+  run random_w4_mpi 120 $MPIRUN -np 4 $C verify --backend nccl --timeout 30 $R4
+  W4_RUNS="random_w4_threads random_w4_mpi"
+else
+  echo "== W=4 random runs not made: $GPUS GPUs visible"
+fi
+run random_w2_mpi 120 env CUDA_VISIBLE_DEVICES=0,1 $MPIRUN -np 2 $C verify --backend nccl --timeout 30 $R2
 ALL="/tmp/fx/quick/*.h5 /tmp/fx/edge/*.h5 /tmp/fx/te/*.h5"
 run verify_noncp 150 env CUDA_VISIBLE_DEVICES=0 $C verify $ALL
 run verify_local 200 env CUDA_VISIBLE_DEVICES=0 $C verify --backend local $ALL
-for f in random_w2_threads random_w4_threads random_w4_mpi verify_noncp verify_local; do
+for f in random_w2_threads random_w2_mpi $W4_RUNS verify_noncp verify_local; do
   echo "-- $f"; grep -E "^verify:|^verdict: FAIL" $OUT/$f.log | head -6
   echo "   per-fixture verdicts: $(grep -c '^verdict: PASS' $OUT/$f.log) PASS, $(grep -c '^verdict: FAIL' $OUT/$f.log) FAIL;" \
     "unsupported reasons: $(grep -o 'unsupported: [a-z ]*[a-z_]*=\?[0-9a-z]*' $OUT/$f.log | sort | uniq -c | tr '\n' ' ')"
