@@ -96,11 +96,8 @@ FixtureVerdict verify_fixture_on_rank(RankContext& context, Communicator& comm, 
   fs::remove(candidate);
   const std::vector<std::string> all = channel.all_gather(serialise(check), "verdict gather", context.timeout);
   std::vector<RankCheck> checks;
-  bool pass = true;
-  for (const std::string& bytes : all) {
-    checks.push_back(deserialise_rank_check(bytes));
-    pass = pass && checks.back().pass;
-  }
+  for (const std::string& bytes : all) checks.push_back(deserialise_rank_check(bytes));
+  const bool pass = combined_pass(checks);
   char mine[32];
   std::snprintf(mine, sizeof(mine), "%016llx", static_cast<unsigned long long>(outputs_digest(outputs)));
   const std::vector<std::string> digests = channel.all_gather(mine, "output digest gather", context.timeout);

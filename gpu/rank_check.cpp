@@ -1,6 +1,7 @@
 // check_rank_outputs / combined_report: the check engine per rank, one table on rank 0.
 #include "gpu/rank_check.hpp"
 
+#include <algorithm>
 #include <sstream>
 
 #include "fixtures/check.hpp"
@@ -50,7 +51,10 @@ RankCheck check_rank_outputs(const std::string& fixture_path, int rank, const si
   const std::string text = fx::render_text(report);
   RankCheck check;
   check.rank = rank;
-  check.pass = !report.results.empty() && report.pass();
+  // The engine fails a report that compared nothing; across ranks that rule belongs to the combined verdict.
+  check.compared = report.compared();
+  check.pass = !report.results.empty() &&
+               std::all_of(report.results.begin(), report.results.end(), [](const fx::TensorResult& r) { return r.ok(); });
   check.rows = lines_between(text, "tensor ", "(max/lim", true);  // the table's header line, then the rows
   if (!check.pass) {
     // After the margins: the failing tensors' details, up to the reproduce line.
@@ -62,7 +66,8 @@ RankCheck check_rank_outputs(const std::string& fixture_path, int rank, const si
 
 std::string serialise(const RankCheck& check) {
   std::ostringstream out;
-  out << check.rank << "\n" << (check.pass ? 1 : 0) << "\n" << check.rows.size() << "\n" << check.rows << check.details;
+  out << check.rank << "\n" << (check.pass ? 1 : 0) << "\n" << check.compared << "\n" << check.rows.size() << "\n"
+      << check.rows << check.details;
   return out.str();
 }
 
@@ -71,13 +76,22 @@ RankCheck deserialise_rank_check(const std::string& bytes) {
   RankCheck check;
   int pass = 0;
   size_t rows = 0;
-  in >> check.rank >> pass >> rows;
+  in >> check.rank >> pass >> check.compared >> rows;
   in.get();
   check.pass = pass != 0;
   const std::string rest((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   check.rows = rest.substr(0, rows);
   check.details = rows < rest.size() ? rest.substr(rows) : std::string();
   return check;
+}
+
+bool combined_pass(const std::vector<RankCheck>& ranks) {
+  int64_t compared = 0;
+  for (const RankCheck& r : ranks) {
+    if (!r.pass) return false;
+    compared += r.compared;
+  }
+  return !ranks.empty() && compared > 0;
 }
 
 std::string combined_report(const std::string& fixture_path, const std::vector<RankCheck>& ranks) {
@@ -90,14 +104,20 @@ std::string combined_report(const std::string& fixture_path, const std::vector<R
   out << "golden     " << fixture_path << "\n";
   out << "candidates every rank's outputs, checked on that rank against /ranks/<r>\n\n";
   if (!ranks.empty()) out << split_header(ranks.front().rows).first;
-  bool pass = !ranks.empty();
+  int64_t compared = 0;
   for (const RankCheck& r : ranks) {
     out << split_header(r.rows).second;
-    pass = pass && r.pass;
+    compared += r.compared;
   }
   for (const RankCheck& r : ranks)
     if (!r.pass) out << "\nrank " << r.rank << ":" << (r.details.empty() ? std::string(" no results\n") : r.details);
-  out << "\nverdict: " << (pass ? "PASS" : "FAIL") << "\n";
+  for (const RankCheck& r : ranks)
+    if (r.pass && r.compared == 0)
+      out << "\nrank " << r.rank << " holds only padding: nothing to compare under the budget rule, its pad rows are "
+          << "exactly 0\n";
+  if (!ranks.empty() && compared == 0)
+    out << "\nno element was compared on any rank (every row is padding): a check that compares nothing fails\n";
+  out << "\nverdict: " << (combined_pass(ranks) ? "PASS" : "FAIL") << "\n";
   return out.str();
 }
 

@@ -307,6 +307,47 @@ TEST_CASE("rank check: each rank checks its own outputs, rank 0's table has ever
   std::filesystem::remove_all(folder);
 }
 
+TEST_CASE("rank check: a rank holding only padding passes on exact zeros; a run that compares nothing fails") {
+  const auto folder = fresh_folder("rank-check-pad");
+  std::filesystem::create_directories(folder);
+  const std::string golden = (folder / "golden.h5").string();
+  // One token, W = 2: the sequence is padded to 4 rows, rank 0 holds chunks 0 and 3 (the token and a pad row),
+  // rank 1 holds chunks 1 and 2, both padding.
+  const sim::CaseSpec spec = sim::parse_case_text(
+      R"({"seqlens_q":[1],"heads_q":1,"dim_qk":16,"cp_size":2,"comm":"p2p","pad_fill":"nan","seed":7})");
+  fx::write_fixture(fx::generate(spec), golden);
+  const sim::CpRun<float> run = sim::run_cp_peer(sim::make_plan(spec), sim::make_case_inputs(spec), spec.dtype);
+  std::vector<RankCheck> checks;
+  for (int r = 0; r < 2; ++r)
+    checks.push_back(deserialise_rank_check(serialise(check_rank_outputs(
+        golden, r, run.ranks[static_cast<size_t>(r)], (folder / ("rank" + std::to_string(r) + ".h5")).string()))));
+  CHECK(checks[0].pass);
+  CHECK(checks[0].compared > 0);
+  CHECK(checks[1].pass);
+  CHECK(checks[1].compared == 0);
+  CHECK(combined_pass(checks));
+  std::string table = combined_report(golden, checks);
+  INFO(table);
+  CHECK(table.find("rank 1 holds only padding") != std::string::npos);
+  CHECK(table.find("verdict: PASS") != std::string::npos);
+  // A non-zero value in one of rank 1's pad rows is an exact-class violation: rank 1 fails, and so does the run.
+  sim::RankOutputs<float> leak = run.ranks[1];
+  leak.o.values[0] = 0.5f;
+  checks[1] = deserialise_rank_check(serialise(check_rank_outputs(golden, 1, leak, (folder / "leak.h5").string())));
+  CHECK_FALSE(checks[1].pass);
+  CHECK_FALSE(combined_pass(checks));
+  // Ranks that all compared nothing prove nothing: the combined verdict fails and says why.
+  RankCheck empty0 = checks[0], empty1 = checks[0];
+  empty0.compared = empty1.compared = 0;
+  empty1.rank = 1;
+  CHECK_FALSE(combined_pass({empty0, empty1}));
+  table = combined_report(golden, {empty0, empty1});
+  CHECK(table.find("no element was compared on any rank") != std::string::npos);
+  CHECK(table.find("verdict: FAIL") != std::string::npos);
+  CHECK_FALSE(combined_pass({}));
+  std::filesystem::remove_all(folder);
+}
+
 // --- the CP program over NCCL: each comm type on 2 (and 4) GPUs, every rank checked against /ranks/<r> ----------
 
 #include "gpu/cp_executor.hpp"
