@@ -307,7 +307,7 @@ TEST_CASE("rank check: each rank checks its own outputs, rank 0's table has ever
   std::filesystem::remove_all(folder);
 }
 
-TEST_CASE("rank check: a rank holding only padding passes on exact zeros; a run that compares nothing fails") {
+TEST_CASE("rank check: a rank holding only padding passes on exact zeros, and a run that compares nothing fails") {
   const auto folder = fresh_folder("rank-check-pad");
   std::filesystem::create_directories(folder);
   const std::string golden = (folder / "golden.h5").string();
