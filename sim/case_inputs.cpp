@@ -2,16 +2,11 @@
 
 #include <limits>
 
+#include "reference/splitmix64.hpp"
+
 namespace cpgold::sim {
 
 namespace {
-
-uint64_t splitmix64(uint64_t x) {
-  x += 0x9E3779B97F4A7C15ull;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-  return x ^ (x >> 31);
-}
 
 // t: [rows, heads, dim]; fills every element from its own counter, then overwrites pad and tail rows per `fill`.
 Tensor3<float> make_tensor(const CaseSpec& spec, InputTensor which, const PackedSequences& side, int heads, int dim) {

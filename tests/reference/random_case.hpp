@@ -6,21 +6,12 @@
 #include <vector>
 
 #include "reference/attention_call.hpp"
+#include "reference/splitmix64.hpp"
 #include "reference/tensor.hpp"
 
 namespace cpgold::test {
 
-struct SplitMix64 {
-  uint64_t state;
-  uint64_t next() {
-    uint64_t z = (state += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-  }
-  double uniform() { return static_cast<double>(next() >> 11) * 0x1.0p-53; }  // [0, 1)
-  int below(int n) { return static_cast<int>(next() % static_cast<uint64_t>(n)); }
-};
+using cpgold::SplitMix64;  // reference/splitmix64.hpp
 
 // Lengths include 0 and 1; padding between sequences and tail rows are random.
 inline ThdLayout random_layout(SplitMix64& rng, int batch, int max_len, bool same_q_kv, int tail_rows) {

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "reference/attention.hpp"
+#include "reference/splitmix64.hpp"
 #include "sim/case_inputs.hpp"
 #include "sim/coverage.hpp"
 #include "sim/executor.hpp"
@@ -105,17 +106,7 @@ inline void check_case(const CaseSpec& spec, double tol = 1e-12) {
 }
 
 // Small deterministic generator for test layouts (independent of std distributions).
-struct TestRng {
-  uint64_t state;
-  uint64_t next() {
-    state += 0x9E3779B97F4A7C15ull;
-    uint64_t z = state;
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-  }
-  int below(int n) { return static_cast<int>(next() % static_cast<uint64_t>(n)); }
-};
+using TestRng = SplitMix64;
 
 // A random layout with the edge cases of docs verification.md mixed in: zero lengths, length 1, lengths below 2W,
 // lengths not divisible by 2W, a chunk r partly valid, extra padding between sequences.
