@@ -6,6 +6,7 @@
 #include <cstring>
 #include <mutex>
 #include <exception>
+#include <stdexcept>
 #include <thread>
 #include <vector>
 
@@ -24,9 +25,15 @@ void nvls_off() {
   std::call_once(once, [] { setenv("NCCL_NVLS_ENABLE", "0", 1); });
 }
 
-ncclConfig_t non_blocking_config() {
+ncclConfig_t non_blocking_config(NcclCtaPolicy policy) {
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
   config.blocking = 0;
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 27, 0)
+  if (policy == NcclCtaPolicy::efficiency) config.CTAPolicy = NCCL_CTA_POLICY_EFFICIENCY;
+  if (policy == NcclCtaPolicy::zero) config.CTAPolicy = NCCL_CTA_POLICY_ZERO;
+#else
+  (void)policy;  // create() refuses a non-default policy before this is reached
+#endif
   return config;
 }
 
@@ -41,6 +48,7 @@ struct NcclCommunicator::Shared {
   RankChannel* channel = nullptr;
   int world_rank = 0, world_size = 0;
   cudaStream_t stream = nullptr;
+  NcclCtaPolicy cta_policy = NcclCtaPolicy::nccl_default;
   ~Shared() {
     if (stream) cudaStreamDestroy(stream);
   }
@@ -51,6 +59,21 @@ std::string nccl_version() {
   ncclGetVersion(&code);
   // NCCL_VERSION(X, Y, Z) = X * 10000 + Y * 100 + Z since 2.9.
   return std::to_string(code / 10000) + "." + std::to_string(code / 100 % 100) + "." + std::to_string(code % 100);
+}
+
+const char* nccl_cta_policy_name(NcclCtaPolicy policy) {
+  switch (policy) {
+    case NcclCtaPolicy::efficiency: return "efficiency";
+    case NcclCtaPolicy::zero: return "zero";
+    case NcclCtaPolicy::nccl_default: break;
+  }
+  return "default";
+}
+
+NcclCtaPolicy parse_nccl_cta_policy(const std::string& name) {
+  for (NcclCtaPolicy p : {NcclCtaPolicy::nccl_default, NcclCtaPolicy::efficiency, NcclCtaPolicy::zero})
+    if (name == nccl_cta_policy_name(p)) return p;
+  throw std::invalid_argument("CTA policy: expected default, efficiency or zero, got \"" + name + "\"");
 }
 
 NcclCommunicator::NcclCommunicator(std::shared_ptr<Shared> shared, ncclComm_t comm, int rank, int size, std::string name)
@@ -95,12 +118,20 @@ void NcclCommunicator::wait_enqueued(CommOp op, const char* call) {
   }
 }
 
-std::unique_ptr<NcclCommunicator> NcclCommunicator::create(RankChannel& channel, int device, const CommOptions& options) {
+std::unique_ptr<NcclCommunicator> NcclCommunicator::create(RankChannel& channel, int device, const CommOptions& options,
+                                                           NcclCtaPolicy cta_policy) {
   nvls_off();
   auto shared = std::make_shared<Shared>();
   shared->channel = &channel;
   shared->world_rank = channel.rank();
   shared->world_size = channel.size();
+  shared->cta_policy = cta_policy;
+#if NCCL_VERSION_CODE < NCCL_VERSION(2, 27, 0)
+  if (cta_policy != NcclCtaPolicy::nccl_default)
+    throw CommError(channel.rank(), channel.size(), CommOp::barrier, CommFault::invalid_argument,
+                    std::string("CTA policy ") + nccl_cta_policy_name(cta_policy) + " needs NCCL 2.27 or later, this is " +
+                        nccl_version());
+#endif
   auto cuda_fail = [&](const char* call, cudaError_t e) {
     throw CommError(channel.rank(), channel.size(), CommOp::barrier, CommFault::device_error,
                     std::string(call) + " on device " + std::to_string(device) + ": " + cudaGetErrorString(e));
@@ -125,7 +156,7 @@ std::unique_ptr<NcclCommunicator> NcclCommunicator::create(RankChannel& channel,
   std::memcpy(&id, ids[0].data(), sizeof(id));
   std::unique_ptr<NcclCommunicator> result(new NcclCommunicator(shared, nullptr, channel.rank(), channel.size(), "world"));
   result->options_ = options;
-  ncclConfig_t config = non_blocking_config();
+  ncclConfig_t config = non_blocking_config(cta_policy);
   result->check_nccl(ncclCommInitRankConfig(&result->comm_, channel.size(), id, channel.rank(), &config),
                      CommOp::barrier, "ncclCommInitRankConfig");
   result->wait_enqueued(CommOp::barrier, "ncclCommInitRankConfig");
@@ -135,7 +166,7 @@ std::unique_ptr<NcclCommunicator> NcclCommunicator::create(RankChannel& channel,
 std::unique_ptr<Communicator> NcclCommunicator::split(int color, int key) {
   check_usable(CommOp::split);
   ncclComm_t child = nullptr;
-  ncclConfig_t config = non_blocking_config();
+  ncclConfig_t config = non_blocking_config(shared_->cta_policy);
   check_nccl(ncclCommSplit(comm_, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, &child, &config), CommOp::split,
              "ncclCommSplit");
   // Non-blocking split: the parent reports its progress, and NCCL stores the new communicator into `child` from

@@ -20,13 +20,23 @@ typedef struct ncclComm* ncclComm_t;
 
 namespace cpgold::gpu {
 
+// NCCL's CTA policy (ncclConfig_t::CTAPolicy, NCCL 2.27 and later): how many thread blocks NCCL's kernels take
+// beside the application's. `efficiency` takes fewer (NCCL's choice for communication overlapped with compute),
+// `zero` none where NCCL can move the data otherwise. Applies to the communicator and its splits.
+enum class NcclCtaPolicy { nccl_default, efficiency, zero };
+const char* nccl_cta_policy_name(NcclCtaPolicy policy);  // "default", "efficiency", "zero"
+// "default", "efficiency" or "zero"; std::invalid_argument naming the value otherwise.
+NcclCtaPolicy parse_nccl_cta_policy(const std::string& name);
+
 class NcclCommunicator final : public Communicator {
  public:
   // Collective over `channel` (every rank calls it, each from its own thread or process): rank 0 makes NCCL's
   // unique id, the channel hands it to the others, every rank joins on CUDA device `device` (made current on the
   // calling thread) with a new non-blocking stream of the highest priority. CommError(split is not involved:
-  // CommOp::barrier names the creation) or RankFailure (the channel) on failure or timeout.
-  static std::unique_ptr<NcclCommunicator> create(RankChannel& channel, int device, const CommOptions& options = {});
+  // CommOp::barrier names the creation) or RankFailure (the channel) on failure or timeout. A CTA policy other than
+  // the default needs NCCL 2.27 or later (CommError otherwise).
+  static std::unique_ptr<NcclCommunicator> create(RankChannel& channel, int device, const CommOptions& options = {},
+                                                  NcclCtaPolicy cta_policy = NcclCtaPolicy::nccl_default);
   ~NcclCommunicator() override;  // finalizes (bounded by the timeout) and destroys; aborts after a fault
 
   int rank() const override { return rank_; }
@@ -46,7 +56,7 @@ class NcclCommunicator final : public Communicator {
   const std::string& name() const { return name_; }  // "world", "split color 1"
 
  private:
-  struct Shared;  // what a communicator and its splits share: the channel, the world rank and size, the stream
+  struct Shared;  // what a communicator and its splits share: the channel, world rank and size, stream, CTA policy
   NcclCommunicator(std::shared_ptr<Shared> shared, ncclComm_t comm, int rank, int size, std::string name);
 
   [[noreturn]] void fail(CommOp op, CommFault fault, const std::string& detail);

@@ -236,13 +236,14 @@ struct Args {
   std::vector<int64_t> tokens{8192, 16384, 32768};
   std::vector<std::string> comms{"p2p", "all_gather"};
   size_t bandwidth_bytes = size_t{256} << 20;
+  gpu::NcclCtaPolicy cta_policy = gpu::NcclCtaPolicy::nccl_default;
 };
 
 [[noreturn]] void usage(const std::string& why) {
   std::fprintf(stderr,
                "bench_cp_nccl: %s\nusage: bench_cp_nccl [--gpus N] [--tokens-per-rank 8192,16384,32768] "
                "[--comms p2p,all_gather] [--seq-scale 1] [--heads 16] [--dim 128] [--reps 20] [--warmups 3] "
-               "[--bandwidth-mib 256]\n",
+               "[--bandwidth-mib 256] [--cta-policy default|efficiency|zero]\n",
                why.c_str());
   std::exit(2);
 }
@@ -262,6 +263,13 @@ Args parse(int argc, char** argv) {
       else if (k == "--seq-scale") a.seq_scale = std::stoi(v);
       else if (k == "--bandwidth-mib") a.bandwidth_bytes = static_cast<size_t>(std::stoll(v)) << 20;
       else if (k == "--comms") a.comms = split_list(v);
+      else if (k == "--cta-policy") {
+        try {
+          a.cta_policy = gpu::parse_nccl_cta_policy(v);
+        } catch (const std::invalid_argument& e) {
+          usage(std::string("--cta-policy: ") + e.what());
+        }
+      }
       else if (k == "--tokens-per-rank") {
         a.tokens.clear();
         for (const std::string& t : split_list(v)) a.tokens.push_back(std::stoll(t));
@@ -292,10 +300,10 @@ int main(int argc, char** argv) {
   for (int W = 2; W <= gpus; W *= 2) sizes.push_back(W);
   cudaDeviceProp prop{};
   check(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
-  std::printf("device: %d x %s; NCCL %s, NCCL_NVLS_ENABLE=0; causal varlen (lengths cycling %d..%d), bf16, h=%d, "
-              "d=%d, atomic backward; median of %d after %d warm-ups\n",
-              gpus, prop.name, gpu::nccl_version().c_str(), 512 * args.seq_scale, 4096 * args.seq_scale, args.heads,
-              args.dim, args.reps, args.warmups);
+  std::printf("device: %d x %s; NCCL %s, NCCL_NVLS_ENABLE=0, CTA policy %s; causal varlen (lengths cycling %d..%d), "
+              "bf16, h=%d, d=%d, atomic backward; median of %d after %d warm-ups\n",
+              gpus, prop.name, gpu::nccl_version().c_str(), gpu::nccl_cta_policy_name(args.cta_policy),
+              512 * args.seq_scale, 4096 * args.seq_scale, args.heads, args.dim, args.reps, args.warmups);
   std::printf("physical limits: bf16 dense peak %.0f TFLOP/s per GPU (specification)\n", kBf16DensePeakTflops);
 
   struct Row {
@@ -347,7 +355,7 @@ int main(int argc, char** argv) {
         const int r = context.channel.rank();
         gpu::CommOptions comm_options;
         comm_options.timeout = std::chrono::seconds(120);
-        auto comm = gpu::NcclCommunicator::create(context.channel, context.device, comm_options);
+        auto comm = gpu::NcclCommunicator::create(context.channel, context.device, comm_options, args.cta_policy);
         if (measure_bandwidth)
           gbps[static_cast<size_t>(r)] = ring_shift_gbps(*comm, context.channel, args.bandwidth_bytes, args.reps);
         for (size_t c = 0; c < plans.size(); ++c)

@@ -420,7 +420,14 @@ bool same_bits(const sim::RankOutputs<float>& a, const sim::RankOutputs<float>& 
 
 }  // namespace
 
-TEST_CASE("nccl CP W=2 p2p, deterministic backward: the bits of the single-GPU run, on every rerun, exchange times measured") {
+TEST_CASE("nccl CTA policy: the names round trip, an unknown name is an error naming it") {
+  for (NcclCtaPolicy p : {NcclCtaPolicy::nccl_default, NcclCtaPolicy::efficiency, NcclCtaPolicy::zero})
+    CHECK(parse_nccl_cta_policy(nccl_cta_policy_name(p)) == p);
+  CHECK(std::string(nccl_cta_policy_name(NcclCtaPolicy::nccl_default)) == "default");
+  CHECK_THROWS_WITH_AS(parse_nccl_cta_policy("fast"), doctest::Contains("\"fast\""), std::invalid_argument);
+}
+
+TEST_CASE("nccl CP W=2 p2p, deterministic backward: the bits of the single-GPU run, on every rerun and under NCCL's efficiency CTA policy") {
   if (skip_unless_devices(2)) return;
   const sim::CaseSpec spec = sim::parse_case_text(
       R"({"seqlens_q":[1024,512,2048,96],"heads_q":8,"heads_kv":4,"dim_qk":128,"mask":"causal","cp_size":2,"comm":"p2p","seed":31})");
@@ -431,22 +438,33 @@ TEST_CASE("nccl CP W=2 p2p, deterministic backward: the bits of the single-GPU r
   REQUIRE(cudaSetDevice(0) == cudaSuccess);
   const sim::CpRun<float> local = run_cp_local(plan, inputs, spec.dtype, options);
   options.time_exchanges = true;
-  const int reruns = 3;
+  // Three runs on one communicator with NCCL's default CTA policy, then two with the efficiency policy (fewer
+  // thread blocks for NCCL's kernels: the data must not change).
+  // (CTA policies came with NCCL 2.27: with an older NCCL the default policy runs all five.)
+  const bool has_policies = nccl_version() >= std::string("2.27");
+  const std::vector<NcclCtaPolicy> policies =
+      has_policies ? std::vector<NcclCtaPolicy>{NcclCtaPolicy::nccl_default, NcclCtaPolicy::efficiency}
+                   : std::vector<NcclCtaPolicy>{NcclCtaPolicy::nccl_default};
+  const int reruns = 5;
   std::vector<std::vector<RankRun>> runs(2);
   RankEnds ends(2);
   const int code = run_ranks(thread_launch(2, 60, ends), [&](RankContext& context) {
     CommOptions comm_options;
     comm_options.timeout = std::chrono::seconds(60);
-    std::unique_ptr<NcclCommunicator> comm = NcclCommunicator::create(context.channel, context.device, comm_options);
-    RankCpExecutor executor(plan, inputs, spec.dtype, *comm, options);
-    for (int i = 0; i < reruns; ++i) runs[static_cast<size_t>(comm->rank())].push_back(executor.run(true));
+    for (NcclCtaPolicy policy : policies) {
+      std::unique_ptr<NcclCommunicator> comm =
+          NcclCommunicator::create(context.channel, context.device, comm_options, policy);
+      RankCpExecutor executor(plan, inputs, spec.dtype, *comm, options);
+      for (int i = 0; i < (policies.size() == 1 ? reruns : policy == NcclCtaPolicy::nccl_default ? 3 : 2); ++i)
+        runs[static_cast<size_t>(comm->rank())].push_back(executor.run(true));
+    }
     return 0;
   });
   for (int r = 0; r < 2; ++r) INFO("rank " << r << ": " << ends.errors[static_cast<size_t>(r)]);
   REQUIRE(code == 0);
   for (int r = 0; r < 2; ++r)
     for (int i = 0; i < reruns; ++i) {
-      INFO("rank " << r << " run " << i);
+      INFO("rank " << r << " run " << i << (i < 3 ? " (default CTA policy)" : " (efficiency CTA policy)"));
       const RankRun& run = runs[static_cast<size_t>(r)][static_cast<size_t>(i)];
       CHECK(same_bits(run.outputs, local.ranks[static_cast<size_t>(r)]));
       // Forward: one KV shift per step; backward: a KV and a dKV shift per step (the last ones empty).
@@ -457,4 +475,6 @@ TEST_CASE("nccl CP W=2 p2p, deterministic backward: the bits of the single-GPU r
     }
   std::printf("p2p W=2 overlap, rank 0 run 2: run %.3f ms, communication %.3f ms, exposed %.3f ms\n",
               runs[0][2].times.run_ms, runs[0][2].times.comm_ms, runs[0][2].times.exposed_ms);
+  std::printf("p2p W=2 overlap, efficiency CTA policy, rank 0 run 4: run %.3f ms, communication %.3f ms, exposed %.3f ms\n",
+              runs[0][4].times.run_ms, runs[0][4].times.comm_ms, runs[0][4].times.exposed_ms);
 }
