@@ -1,7 +1,6 @@
 // check_rank_outputs / combined_report: the check engine per rank, one table on rank 0.
 #include "gpu/rank_check.hpp"
 
-#include <algorithm>
 #include <sstream>
 
 #include "fixtures/check.hpp"
@@ -53,8 +52,7 @@ RankCheck check_rank_outputs(const std::string& fixture_path, int rank, const si
   check.rank = rank;
   // The engine fails a report that compared nothing; across ranks that rule belongs to the combined verdict.
   check.compared = report.compared();
-  check.pass = !report.results.empty() &&
-               std::all_of(report.results.begin(), report.results.end(), [](const fx::TensorResult& r) { return r.ok(); });
+  check.pass = report.every_result_ok();
   check.rows = lines_between(text, "tensor ", "(max/lim", true);  // the table's header line, then the rows
   if (!check.pass) {
     // After the margins: the failing tensors' details, up to the reproduce line.
