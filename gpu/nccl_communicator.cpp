@@ -70,6 +70,14 @@ const char* nccl_cta_policy_name(NcclCtaPolicy policy) {
   return "default";
 }
 
+bool nccl_has_cta_policies() {
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 27, 0)
+  return true;
+#else
+  return false;
+#endif
+}
+
 NcclCtaPolicy parse_nccl_cta_policy(const std::string& name) {
   for (NcclCtaPolicy p : {NcclCtaPolicy::nccl_default, NcclCtaPolicy::efficiency, NcclCtaPolicy::zero})
     if (name == nccl_cta_policy_name(p)) return p;
@@ -126,12 +134,10 @@ std::unique_ptr<NcclCommunicator> NcclCommunicator::create(RankChannel& channel,
   shared->world_rank = channel.rank();
   shared->world_size = channel.size();
   shared->cta_policy = cta_policy;
-#if NCCL_VERSION_CODE < NCCL_VERSION(2, 27, 0)
-  if (cta_policy != NcclCtaPolicy::nccl_default)
+  if (cta_policy != NcclCtaPolicy::nccl_default && !nccl_has_cta_policies())
     throw CommError(channel.rank(), channel.size(), CommOp::barrier, CommFault::invalid_argument,
                     std::string("CTA policy ") + nccl_cta_policy_name(cta_policy) + " needs NCCL 2.27 or later, this is " +
                         nccl_version());
-#endif
   auto cuda_fail = [&](const char* call, cudaError_t e) {
     throw CommError(channel.rank(), channel.size(), CommOp::barrier, CommFault::device_error,
                     std::string(call) + " on device " + std::to_string(device) + ": " + cudaGetErrorString(e));

@@ -27,6 +27,7 @@ enum class NcclCtaPolicy { nccl_default, efficiency, zero };
 const char* nccl_cta_policy_name(NcclCtaPolicy policy);  // "default", "efficiency", "zero"
 // "default", "efficiency" or "zero"; std::invalid_argument naming the value otherwise.
 NcclCtaPolicy parse_nccl_cta_policy(const std::string& name);
+bool nccl_has_cta_policies();  // built against NCCL 2.27 or later: a policy other than the default can be set
 
 class NcclCommunicator final : public Communicator {
  public:

@@ -438,25 +438,25 @@ TEST_CASE("nccl CP W=2 p2p, deterministic backward: the bits of the single-GPU r
   REQUIRE(cudaSetDevice(0) == cudaSuccess);
   const sim::CpRun<float> local = run_cp_local(plan, inputs, spec.dtype, options);
   options.time_exchanges = true;
-  // Three runs on one communicator with NCCL's default CTA policy, then two with the efficiency policy (fewer
-  // thread blocks for NCCL's kernels: the data must not change).
-  // (CTA policies came with NCCL 2.27: with an older NCCL the default policy runs all five.)
-  const bool has_policies = nccl_version() >= std::string("2.27");
-  const std::vector<NcclCtaPolicy> policies =
-      has_policies ? std::vector<NcclCtaPolicy>{NcclCtaPolicy::nccl_default, NcclCtaPolicy::efficiency}
-                   : std::vector<NcclCtaPolicy>{NcclCtaPolicy::nccl_default};
-  const int reruns = 5;
+  // Three runs on one communicator with NCCL's default CTA policy, then two on a new one with the efficiency policy
+  // (fewer thread blocks for NCCL's kernels: the data must not change; before NCCL 2.27, the default again).
+  std::vector<NcclCtaPolicy> schedule(3, NcclCtaPolicy::nccl_default);
+  schedule.resize(5, nccl_has_cta_policies() ? NcclCtaPolicy::efficiency : NcclCtaPolicy::nccl_default);
+  const int reruns = static_cast<int>(schedule.size());
   std::vector<std::vector<RankRun>> runs(2);
   RankEnds ends(2);
   const int code = run_ranks(thread_launch(2, 60, ends), [&](RankContext& context) {
     CommOptions comm_options;
     comm_options.timeout = std::chrono::seconds(60);
-    for (NcclCtaPolicy policy : policies) {
-      std::unique_ptr<NcclCommunicator> comm =
-          NcclCommunicator::create(context.channel, context.device, comm_options, policy);
-      RankCpExecutor executor(plan, inputs, spec.dtype, *comm, options);
-      for (int i = 0; i < (policies.size() == 1 ? reruns : policy == NcclCtaPolicy::nccl_default ? 3 : 2); ++i)
-        runs[static_cast<size_t>(comm->rank())].push_back(executor.run(true));
+    std::unique_ptr<NcclCommunicator> comm;
+    std::unique_ptr<RankCpExecutor> executor;
+    for (int i = 0; i < reruns; ++i) {
+      if (i == 0 || i == 3) {
+        executor.reset();
+        comm = NcclCommunicator::create(context.channel, context.device, comm_options, schedule[static_cast<size_t>(i)]);
+        executor = std::make_unique<RankCpExecutor>(plan, inputs, spec.dtype, *comm, options);
+      }
+      runs[static_cast<size_t>(comm->rank())].push_back(executor->run(true));
     }
     return 0;
   });
@@ -464,7 +464,7 @@ TEST_CASE("nccl CP W=2 p2p, deterministic backward: the bits of the single-GPU r
   REQUIRE(code == 0);
   for (int r = 0; r < 2; ++r)
     for (int i = 0; i < reruns; ++i) {
-      INFO("rank " << r << " run " << i << (i < 3 ? " (default CTA policy)" : " (efficiency CTA policy)"));
+      INFO("rank " << r << " run " << i << " (CTA policy " << nccl_cta_policy_name(schedule[static_cast<size_t>(i)]) << ")");
       const RankRun& run = runs[static_cast<size_t>(r)][static_cast<size_t>(i)];
       CHECK(same_bits(run.outputs, local.ranks[static_cast<size_t>(r)]));
       // Forward: one KV shift per step; backward: a KV and a dKV shift per step (the last ones empty).
@@ -475,6 +475,7 @@ TEST_CASE("nccl CP W=2 p2p, deterministic backward: the bits of the single-GPU r
     }
   std::printf("p2p W=2 overlap, rank 0 run 2: run %.3f ms, communication %.3f ms, exposed %.3f ms\n",
               runs[0][2].times.run_ms, runs[0][2].times.comm_ms, runs[0][2].times.exposed_ms);
-  std::printf("p2p W=2 overlap, efficiency CTA policy, rank 0 run 4: run %.3f ms, communication %.3f ms, exposed %.3f ms\n",
-              runs[0][4].times.run_ms, runs[0][4].times.comm_ms, runs[0][4].times.exposed_ms);
+  std::printf("p2p W=2 overlap, %s CTA policy, rank 0 run 4: run %.3f ms, communication %.3f ms, exposed %.3f ms\n",
+              nccl_cta_policy_name(schedule[4]), runs[0][4].times.run_ms, runs[0][4].times.comm_ms,
+              runs[0][4].times.exposed_ms);
 }
