@@ -362,6 +362,70 @@ __global__ void __launch_bounds__(kThreads, PACKED ? (CORRECT ? 3 : 4) : 2) seco
   }
 }
 
+// The packed kernels on 16-byte vectors, for offsets whose rank-local lengths are multiples of 8 (every chunk a
+// multiple of 4 rows, as CP layouts padded to multiples of 8W have) and head strides and pointers multiple of 4
+// floats / 16 bytes: a run of 4 step rows x..x+3 with x % 4 == 0 then lies in one sequence, and its full-tensor rows
+// x + cu[s+1]/2 start at a multiple of 4 too. Lane `lane` of a warp tile moves rows base + it * 128 + 4 * lane + j.
+template <bool CORRECT>
+__global__ void __launch_bounds__(kThreads, CORRECT ? 3 : 4) second_half_lse_vector_kernel(LseArgs a) {
+  constexpr int kHeadsPerGroup = CORRECT ? 2 : 4;  // 16-byte loads in flight per lane: 8 (correction, read)
+  constexpr int kVectors = kRowsPerLane / 4;        // per lane and head
+  float* __restrict__ full = a.full;
+  float* __restrict__ half = a.half;
+  const int lane = threadIdx.x & 31;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (kThreads / 32);
+  const int64_t fs = a.full_seqlen, hs = a.half_seqlen;
+  for (int64_t base = ((static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) >> 5) * kTileRows; base < a.items;
+       base += warps * kTileRows) {
+    int s = base < a.rows ? warp_find_sequence(a.cu, a.batch, base, 2, lane) : 0;
+    int32_t f0[kVectors];  // the shift local row - step row of the lane's run
+    unsigned inside = 0, valid = 0;
+#pragma unroll
+    for (int it = 0; it < kVectors; ++it) {
+      const int64_t x = base + it * 128 + 4 * lane;
+      f0[it] = 0;
+      if (x >= a.items) continue;  // items and rows are multiples of 4: a run is all in or all out
+      inside |= 1u << it;
+      if (x < a.rows) {
+        s = advance_sequence(a.cu, a.batch, x, 2, s);
+        f0[it] = __ldg(a.cu + s + 1) / 2;
+        valid |= 1u << it;
+      }
+    }
+    for (int k0 = 0; k0 < a.heads; k0 += kHeadsPerGroup) {
+      float4 v[kHeadsPerGroup][kVectors], w[kHeadsPerGroup][kVectors];
+#pragma unroll
+      for (int u = 0; u < kHeadsPerGroup; ++u)
+#pragma unroll
+        for (int it = 0; it < kVectors; ++it) {
+          const int64_t k = k0 + u, x = base + it * 128 + 4 * lane;
+          v[u][it] = w[u][it] = make_float4(0.f, 0.f, 0.f, 0.f);
+          if (k < a.heads && (valid >> it & 1u)) {
+            const auto* src = reinterpret_cast<const float4*>(full + x + f0[it] + k * fs);
+            v[u][it] = CORRECT ? *src : __ldg(src);
+            if (CORRECT) w[u][it] = __ldg(reinterpret_cast<const float4*>(half + x + k * hs));
+          }
+        }
+#pragma unroll
+      for (int u = 0; u < kHeadsPerGroup; ++u)
+#pragma unroll
+        for (int it = 0; it < kVectors; ++it) {
+          const int64_t k = k0 + u, x = base + it * 128 + 4 * lane;
+          if (k >= a.heads) continue;
+          if (CORRECT) {
+            if (!(valid >> it & 1u)) continue;
+            using Merge = sim::LseMergeFloat<DeviceFloatOps>;
+            const float4 p = v[u][it], q = w[u][it];
+            *reinterpret_cast<float4*>(full + x + f0[it] + k * fs) = make_float4(
+                Merge::merge(p.x, q.x), Merge::merge(p.y, q.y), Merge::merge(p.z, q.z), Merge::merge(p.w, q.w));
+          } else if (inside >> it & 1u) {
+            *reinterpret_cast<float4*>(half + x + k * hs) = v[u][it];  // zeros where the run is not copied
+          }
+        }
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------------------------------------------
 // Out correction: one warp per step row; a lane's vector lies in one head (head bytes % 16 == 0).
 
@@ -641,6 +705,12 @@ Outcome second_half_lse(const DeviceLse& lse, const DeviceLse& lse_half, const D
                     cu_local.device(), cu_local.batch(), step_rows,       items};
     const int64_t tiles = (items + kTileRows - 1) / kTileRows;
     const int grid = grid_for((tiles + kThreads / 32 - 1) / (kThreads / 32));
+    const auto aligned = [](const float* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+    const bool vectors = packed && f.ordered && f.length_gcd % 8 == 0 && lse.shape.seqlen % 4 == 0 &&
+                         lse_half.shape.seqlen % 4 == 0 && aligned(lse.data) && aligned(lse_half.data);
+    if (vectors && correct) second_half_lse_vector_kernel<true><<<grid, kThreads, 0, stream>>>(a);
+    if (vectors && !correct) second_half_lse_vector_kernel<false><<<grid, kThreads, 0, stream>>>(a);
+    if (vectors) return cuda_status(correct ? "second_half_lse_correction" : "read_second_half_lse");
     if (correct && packed) second_half_lse_kernel<true, true><<<grid, kThreads, 0, stream>>>(a);
     if (correct && !packed) second_half_lse_kernel<true, false><<<grid, kThreads, 0, stream>>>(a);
     if (!correct && packed) second_half_lse_kernel<false, true><<<grid, kThreads, 0, stream>>>(a);

@@ -76,7 +76,10 @@ Outcome read_half(const DeviceRows& in, const DeviceRows& out, const DeviceOffse
 Outcome copy_valid_rows(const DeviceRows& out, const DeviceRows& in, const DeviceOffsets& cu_padded_step,
                         const DeviceOffsets& cu_step, void* stream = nullptr);
 
-// lse [full], lse_half [half shape]: lse[second-half row] = logaddexp(lse, lse_half) (double, rounded to float).
+// lse [full], lse_half [half shape]: lse[second-half row] = logaddexp(lse, lse_half), the float32 formula of
+// sim/lse_merge_float.hpp (correctly rounded operations only, so the kernel and its twin agree bit for bit).
+// Packed layouts whose rank-local lengths are multiples of 8, with head strides multiple of 4 and 16-byte aligned
+// tensors, move 16-byte vectors; the others 4-byte elements (the same results).
 Outcome second_half_lse_correction(const DeviceLse& lse, const DeviceLse& lse_half, const DeviceOffsets& cu_local,
                                    void* stream = nullptr);
 

@@ -2,19 +2,37 @@
 # A/B timing of two source trees on one device: builds the GPU benchmarks of tree A (a folder holding an exported
 # commit, e.g. `git archive REV | tar -x -C .dev-base`) and of the current tree B, then runs each benchmark as
 # A, B, A, B so that drift of the machine between runs shows next to the difference. Then bench_thd_helpers of B.
-# Usage (repository root of B, $OUT set, CPGOLD_PREFIX naming header-only deps): ab_device_run.sh A_DIR
-A_DIR=${1:?usage: ab_device_run.sh A_DIR}
+# Usage (repository root of B, $OUT set, CPGOLD_PREFIX naming header-only deps): ab_device_run.sh A_DIR [cp|thd]
+# thd: only bench_thd_helpers, A, B, A, B (and test_gpu's helper cases of B first: a faster kernel must stay exact).
+A_DIR=${1:?usage: ab_device_run.sh A_DIR [cp|thd]}
+SUITE=${2:-cp}
 OUT=${OUT:-/tmp/out}
 mkdir -p $OUT
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
 build() {  # build SRC DIR NAME TARGETS...
   local src=$1 dir=$2 name=$3; shift 3
   local t0=$(date +%s)
+  rm -rf $dir  # a warm machine keeps the last call's build, and a re-sent tree need not look newer to make
   cmake -S $src -B $dir -DCMAKE_BUILD_TYPE=Release ${CPGOLD_PREFIX:+-DCMAKE_PREFIX_PATH=$CPGOLD_PREFIX} \
     > $OUT/configure_$name.log 2>&1 || { tail -20 $OUT/configure_$name.log; exit 1; }
   cmake --build $dir -j16 --target "$@" > $OUT/build_$name.log 2>&1 || { grep -E "error" $OUT/build_$name.log | head -20; exit 1; }
   echo "== build $name ok ($(( $(date +%s) - t0 )) s)"
 }
+if [ "$SUITE" = thd ]; then
+  build $A_DIR /tmp/bA A bench_thd_helpers
+  build . /tmp/bB B bench_thd_helpers test_gpu
+  (cd /tmp/bB && timeout 300 ./bin/test_gpu -tc="thd helpers*" > $OUT/test_helpers_B.log 2>&1; echo "B: test_gpu -tc='thd helpers*' rc=$?")
+  grep -E "test cases|assertions|ERROR" $OUT/test_helpers_B.log | head -20
+  for round in ${AB_ROUNDS:-1 2}; do
+    for side in A B; do
+      echo "== round $round $side: bench_thd_helpers --reps 20"
+      timeout 90 /tmp/b$side/bin/bench_thd_helpers --reps 20 > $OUT/thd_${side}_$round.log 2>&1
+      grep -E "^\|" $OUT/thd_${side}_$round.log
+    done
+  done
+  cd $OUT && tar -czf logs.tar.gz *.log && rm -f *.log
+  exit 0
+fi
 build $A_DIR /tmp/bA A bench_gpu_attention bench_cp_local
 build . /tmp/bB B bench_gpu_attention bench_cp_local bench_thd_helpers
 CP="--tokens 32768 --heads 16 --dim 128"

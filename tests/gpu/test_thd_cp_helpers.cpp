@@ -77,8 +77,9 @@ struct Layout {
   }
 };
 
-// Random lengths 0..max (a quarter zero-length), padded to multiples of 2W as TransformerEngine's tests do.
-Layout random_layout(std::mt19937_64& rng, int cp_size, int max_batch, int max_len) {
+// Random lengths 0..max (a quarter zero-length), padded to multiples of 2W as TransformerEngine's tests do, or of
+// `pad_factor` * 2W (chunks of multiples of `pad_factor` rows).
+Layout random_layout(std::mt19937_64& rng, int cp_size, int max_batch, int max_len, int pad_factor = 1) {
   Layout l;
   l.cp_size = cp_size;
   const int batch = 1 + static_cast<int>(rng() % max_batch);
@@ -86,13 +87,14 @@ Layout random_layout(std::mt19937_64& rng, int cp_size, int max_batch, int max_l
   l.cu_padded = {0};
   for (int b = 0; b < batch; ++b) {
     const int32_t len = rng() % 4 == 0 ? 0 : static_cast<int32_t>(rng() % (max_len + 1));
-    const int32_t pad = (len + 2 * cp_size - 1) / (2 * cp_size) * (2 * cp_size);
+    const int32_t unit = 2 * cp_size * pad_factor;
+    const int32_t pad = (len + unit - 1) / unit * unit;
     l.lengths.push_back(len);
     l.padded.push_back(pad);
     l.cu.push_back(l.cu.back() + len);
     l.cu_padded.push_back(l.cu_padded.back() + pad);
   }
-  if (l.total() == 0) return random_layout(rng, cp_size, max_batch, max_len);
+  if (l.total() == 0) return random_layout(rng, cp_size, max_batch, max_len, pad_factor);
   return l;
 }
 
@@ -403,38 +405,51 @@ TEST_CASE("thd helpers: second-half LSE read and correction, packed and unpacked
     }
 }
 
+// `vectors`: chunks of multiples of 4 rows and head strides of multiples of 4, the layouts the packed kernels move
+// as 16-byte vectors; the others take the element path.
 TEST_CASE("thd helpers: second-half LSE read and correction over thousands of sequences, bit-exact with the twin") {
   CPGOLD_REQUIRE_DEVICE();
   std::mt19937_64 rng(17);
   for (int w : {2, 4})
-    for (bool packed : {true, false}) {
-      const Layout l = random_layout(rng, w, packed ? 3000 : 800, 300);
-      const std::vector<int32_t> cul = l.local();
-      const sim::StepRows rows(cul, HalfSelect::second);
-      const int heads = 11;  // one group of eight heads in flight and a remainder of three
-      int64_t max_len = 0;
-      for (int b = 0; b < l.batch(); ++b) max_len = std::max<int64_t>(max_len, cul[b + 1] - cul[b]);
-      const sim::LseShape full = packed ? sim::LseShape{true, heads, l.batch(), rows.local_rows() + 5}
-                                        : sim::LseShape{false, heads, l.batch(), max_len + 1};
-      const sim::LseShape half = packed ? sim::LseShape{true, heads, l.batch(), rows.rows() + 300}
-                                        : sim::LseShape{false, heads, l.batch(), max_len / 2 + 3};
-      INFO("W " << w << (packed ? ", packed, " : ", unpacked, ") << l.batch() << " sequences");
-      const DeviceOffsets cu(cul);
-      DeviceBuffer dl(static_cast<size_t>(full.size()) * 4), dh(static_cast<size_t>(half.size()) * 4);
-      std::vector<float> lse = random_lse(full.size(), rng);
-      put(dl, lse);
-      put(dh, std::vector<float>(static_cast<size_t>(half.size()), 7.f));  // must be zeroed
-      require_ok(read_second_half_lse({static_cast<float*>(dl.ptr), full}, {static_cast<float*>(dh.ptr), half}, cu));
-      const auto got = get<float>(dh, static_cast<size_t>(half.size()));
-      const auto twin = sim::read_second_half_lse(lse, full, half, rows);
-      CHECK(std::memcmp(got.data(), twin.data(), got.size() * 4) == 0);
-      const std::vector<float> h = random_lse(half.size(), rng);
-      put(dh, h);
-      require_ok(second_half_lse_correction({static_cast<float*>(dl.ptr), full}, {static_cast<float*>(dh.ptr), half}, cu));
-      const auto corrected = get<float>(dl, lse.size());
-      sim::second_half_lse_correction(lse, full, h, half, rows);
-      CHECK(std::memcmp(corrected.data(), lse.data(), lse.size() * 4) == 0);
-    }
+    for (bool packed : {true, false})
+      for (bool vectors : {false, true}) {
+        if (vectors && !packed) continue;
+        const Layout l = random_layout(rng, w, packed ? 3000 : 800, 300, vectors ? 4 : 1);
+        const std::vector<int32_t> cul = l.local();
+        const sim::StepRows rows(cul, HalfSelect::second);
+        const int heads = 11;  // the read's head groups of four, and a remainder of three
+        int64_t max_len = 0;
+        for (int b = 0; b < l.batch(); ++b) max_len = std::max<int64_t>(max_len, cul[b + 1] - cul[b]);
+        const int64_t full_extra = vectors ? 8 : 5, half_extra = vectors ? 300 : 301;
+        const sim::LseShape full = packed ? sim::LseShape{true, heads, l.batch(), rows.local_rows() + full_extra}
+                                          : sim::LseShape{false, heads, l.batch(), max_len + 1};
+        const sim::LseShape half = packed ? sim::LseShape{true, heads, l.batch(), rows.rows() + half_extra}
+                                          : sim::LseShape{false, heads, l.batch(), max_len / 2 + 3};
+        INFO("W " << w << (packed ? ", packed, " : ", unpacked, ") << (vectors ? "vectors, " : "elements, ")
+                  << l.batch() << " sequences");
+        if (vectors) {
+          REQUIRE(sim::offset_facts(cul).length_gcd % 8 == 0);
+          REQUIRE(full.seqlen % 4 == 0);
+          REQUIRE(half.seqlen % 4 == 0);
+        }
+        const DeviceOffsets cu(cul);
+        DeviceBuffer dl(static_cast<size_t>(full.size()) * 4), dh(static_cast<size_t>(half.size()) * 4);
+        std::vector<float> lse = random_lse(full.size(), rng);
+        put(dl, lse);
+        put(dh, std::vector<float>(static_cast<size_t>(half.size()), 7.f));  // must be zeroed
+        require_ok(
+            read_second_half_lse({static_cast<float*>(dl.ptr), full}, {static_cast<float*>(dh.ptr), half}, cu));
+        const auto got = get<float>(dh, static_cast<size_t>(half.size()));
+        const auto twin = sim::read_second_half_lse(lse, full, half, rows);
+        CHECK(std::memcmp(got.data(), twin.data(), got.size() * 4) == 0);
+        const std::vector<float> h = random_lse(half.size(), rng);
+        put(dh, h);
+        require_ok(
+            second_half_lse_correction({static_cast<float*>(dl.ptr), full}, {static_cast<float*>(dh.ptr), half}, cu));
+        const auto corrected = get<float>(dl, lse.size());
+        sim::second_half_lse_correction(lse, full, h, half, rows);
+        CHECK(std::memcmp(corrected.data(), lse.data(), lse.size() * 4) == 0);
+      }
 }
 
 // The float merge of the correction on 2^20 pairs: differences from -110 to 0 (subnormal and zero exp, rounding
