@@ -19,6 +19,12 @@
 #include "sim/cp_program.hpp"
 
 namespace cpgold::gpu {
+
+std::string attention_phase(sim::PassKind pass, sim::StepSection section) {
+  return std::string(pass == sim::PassKind::forward ? "attention forward, " : "attention backward, ") +
+         std::string(sim::section_name(section));
+}
+
 namespace {
 
 // One stream-ordered device allocation, freed on the stream that made it. pending_zero: the program asked for zeros
@@ -234,7 +240,7 @@ class DeviceRankBackend {
     r.lse.rows = q.rows;
     r.lse.mem = raw(r.lse.bytes());
     Outcome out;
-    timed("attention forward", 0, [&] {
+    timed(attention_phase(sim::PassKind::forward, t.section).c_str(), 0, [&] {
       out = attention_forward(plan, {q.data(), k.data(), v.data(), r.o.data(), r.lse.data()}, stream_);
     });
     if (!out.ok()) fail_step(t, "attention_forward", out);
@@ -248,7 +254,7 @@ class DeviceRankBackend {
     Backward r{alloc(q.rows, q.heads, q.dim, storage_), alloc(k.rows, k.heads, k.dim, storage_),
                alloc(v.rows, v.heads, v.dim, storage_)};
     Outcome out;
-    timed("attention backward", 0, [&] {
+    timed(attention_phase(sim::PassKind::backward, t.section).c_str(), 0, [&] {
       out = attention_backward(
           plan, {q.data(), k.data(), v.data(), o.data(), dout.data(), lse.data(), r.dq.data(), r.dk.data(), r.dv.data()},
           options_.mode, stream_);
@@ -318,14 +324,14 @@ class DeviceRankBackend {
     }
     cuda(cudaStreamWaitEvent(comm_stream_, record(stream_)->event, 0), "cudaStreamWaitEvent (exchange start)");
     const EventRef begin = options_.time_exchanges ? record(comm_stream_) : nullptr;
-    if (options_.phases) {  // the exchange alone on the device, timed into the phase table
-      std::lock_guard<std::mutex> alone(device_lock());
+    if (options_.phases) {  // timed into the phase table, rendezvous waits included
+      // Not under device_lock(): the send/recv waits for its peers, and a peer may be waiting for that lock to run
+      // the operation before its own exchange (holding the lock here deadlocked every run of W >= 2).
       double bytes = 0;
       for (const auto& x : recvs) bytes += 2.0 * static_cast<double>(x.tensor ? x.tensor->bytes() : x.lse->bytes());
       cudaEvent_t a = nullptr, z = nullptr;
       cuda(cudaEventCreate(&a), "cudaEventCreate");
       cuda(cudaEventCreate(&z), "cudaEventCreate");
-      cuda(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
       cuda(cudaEventRecord(a, comm_stream_), "cudaEventRecord");
       send_recv(sends, recvs);
       cuda(cudaEventRecord(z, comm_stream_), "cudaEventRecord");
@@ -395,7 +401,9 @@ class DeviceRankBackend {
     cudaEvent_t a = nullptr, z = nullptr;
     cuda(cudaEventCreate(&a), "cudaEventCreate");
     cuda(cudaEventCreate(&z), "cudaEventCreate");
-    cuda(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
+    // Every stream drained (the exchanges' copies of all ranks included, which run outside the lock), so the
+    // operation starts alone; a copy enqueued while it runs can still overlap it.
+    cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
     cuda(cudaEventRecord(a, stream_), "cudaEventRecord");
     launch();
     cuda(cudaEventRecord(z, stream_), "cudaEventRecord");

@@ -28,10 +28,12 @@ struct StepRef {
 };
 
 // Device time per phase of a run (bench_cp_local's breakdown). With CpGpuOptions::phases set, every backend operation
-// except the exchanges runs alone on the device (one lock over all ranks, its stream synchronised before the lock is
-// released), so its event time is its own; an exchange is timed on the receiving stream from before the rendezvous
-// to after its copies (waits for peers included, the ranks' copies concurrent). bytes = bytes read + written.
-// Serialises the run: for the breakdown, never for the wall time.
+// except the exchanges runs under one lock over all ranks, starting on a drained device and synchronised before the
+// lock is released, so its event time is its own (up to exchange copies another rank enqueues meanwhile); an
+// exchange is timed on the communication stream from before the rendezvous to after its copies (waits for peers
+// included, the ranks' copies concurrent), outside the lock. bytes = bytes read + written.
+// Serialises the run: for the breakdown, never for the wall time. The attention calls are kept apart by pass and
+// step section, under attention_phase()'s names.
 struct PhaseTimes {
   struct Entry {
     double ms = 0, bytes = 0;
@@ -40,6 +42,9 @@ struct PhaseTimes {
   std::mutex mutex;
   std::map<std::string, Entry> phases;
 };
+
+// "attention forward, lower" etc.: the PhaseTimes key of one pass's attention calls of one step section.
+std::string attention_phase(sim::PassKind pass, sim::StepSection section);
 
 struct CpGpuOptions {
   bool backward = true;

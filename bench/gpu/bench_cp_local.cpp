@@ -23,6 +23,7 @@
 #include "reference/attention_call.hpp"
 #include "sim/case_inputs.hpp"
 #include "sim/case_spec.hpp"
+#include "sim/explain.hpp"
 #include "sim/plan.hpp"
 
 using namespace cpgold;
@@ -85,7 +86,7 @@ double copy_rate_gbs() {
 }
 
 // One forward + backward run with every backend operation alone on the device: device time per phase.
-void print_phases(const sim::Plan& plan, const sim::CaseInputs& in, double copy_gbs) {
+void print_phases(const sim::CaseSpec& spec, const sim::Plan& plan, const sim::CaseInputs& in, double copy_gbs) {
   gpu::CpGpuOptions options;
   options.phases = std::make_shared<gpu::PhaseTimes>();
   gpu::LocalCpExecutor executor(plan, in, DType::bf16, options);
@@ -104,6 +105,27 @@ void print_phases(const sim::Plan& plan, const sim::CaseInputs& in, double copy_
     total_gb += gb;
   }
   std::printf("| total | | %.3f | %.3f | | %.3f |\n", total, total_gb, total_gb / copy_gbs * 1e3);
+  // The attention calls by step section: useful FLOPs (visible (q, k) pairs x heads, as sim::tile_work counts them;
+  // forward 2 matmuls, backward 5) over the summed device time of those calls.
+  std::printf("\nattention calls by step section (FLOPs of the visible pairs only)\n");
+  std::printf("| pass | section | calls | device ms | TFLOP | TFLOP/s |\n|---|---|---|---|---|---|\n");
+  for (const sim::PassKind pass : {sim::PassKind::forward, sim::PassKind::backward}) {
+    const sim::PassPlan& pp = pass == sim::PassKind::forward ? plan.forward : plan.backward;
+    const double per_pair = pass == sim::PassKind::forward ? 2.0 * (spec.dim_qk + spec.dim_v)
+                                                           : 2.0 * (3.0 * spec.dim_qk + 2.0 * spec.dim_v);
+    for (const sim::StepSection sec : {sim::StepSection::diagonal, sim::StepSection::lower, sim::StepSection::upper,
+                                       sim::StepSection::all}) {
+      const auto it = options.phases->phases.find(gpu::attention_phase(pass, sec));
+      if (it == options.phases->phases.end()) continue;
+      double work = 0;
+      for (const sim::Tile& t : pp.tiles)
+        if (t.section == sec) work += static_cast<double>(sim::tile_work(t));
+      const double tflop = work * per_pair / 1e12;
+      std::printf("| %s | %s | %lld | %.3f | %.3f | %.1f |\n", pass == sim::PassKind::forward ? "forward" : "backward",
+                  std::string(sim::section_name(sec)).c_str(), static_cast<long long>(it->second.calls), it->second.ms,
+                  tflop, tflop / (it->second.ms * 1e-3));
+    }
+  }
 }
 
 }  // namespace
@@ -173,6 +195,6 @@ int main(int argc, char** argv) {
   std::printf("| path | forward ms | forward + backward ms | ratio (fwd+bwd) |\n|---|---|---|---|\n");
   std::printf("| non-CP GPU (one call) | %.3f | %.3f | 1.00 |\n", non_cp_fwd, non_cp);
   std::printf("| local CP %s W=%d (one GPU) | %.3f | %.3f | %.2f |\n", comm.c_str(), W, cp_fwd, cp, cp / non_cp);
-  if (phases) print_phases(plan, in, copy_rate_gbs());
+  if (phases) print_phases(s, plan, in, copy_rate_gbs());
   return 0;
 }

@@ -195,6 +195,43 @@ TEST_CASE("local CP: the deterministic backward gives the same bits on 5 reruns,
   }
 }
 
+// The phase breakdown (bench_cp_local --phases 1) serialises the ranks' operations under one lock while the
+// exchanges rendezvous outside it: every comm type completes (a lock held across a rendezvous deadlocked W >= 2),
+// gives the same outputs as the untimed run, and files every attention call under its pass and step section.
+TEST_CASE("local CP: the phase breakdown completes for every comm type and counts every attention call") {
+  CPGOLD_REQUIRE_DEVICE();
+  for (const fx::SuiteCase& c : one_case_per_comm()) {
+    CAPTURE(c.name);
+    const sim::Plan plan = sim::make_plan(c.spec);
+    const sim::CaseInputs inputs = sim::make_case_inputs(c.spec);
+    gpu::CpGpuOptions plain;
+    plain.mode = gpu::BackwardMode::deterministic;
+    gpu::CpGpuOptions timed = plain;
+    timed.phases = std::make_shared<gpu::PhaseTimes>();
+    timed.timeout = std::chrono::milliseconds(20000);
+    const sim::CpRun<float> want = gpu::LocalCpExecutor(plan, inputs, c.spec.dtype, plain).run(true);
+    const sim::CpRun<float> got = gpu::LocalCpExecutor(plan, inputs, c.spec.dtype, timed).run(true);
+    for (int r = 0; r < plan.cp_size; ++r) {
+      const auto& a = want.ranks[static_cast<size_t>(r)];
+      const auto& b = got.ranks[static_cast<size_t>(r)];
+      CHECK(std::memcmp(a.o.values.data(), b.o.values.data(), a.o.values.size() * 4) == 0);
+      CHECK(std::memcmp(a.dk.values.data(), b.dk.values.data(), a.dk.values.size() * 4) == 0);
+    }
+    for (const sim::PassKind pass : {sim::PassKind::forward, sim::PassKind::backward}) {
+      const sim::PassPlan& pp = pass == sim::PassKind::forward ? plan.forward : plan.backward;
+      for (const sim::StepSection sec : {sim::StepSection::diagonal, sim::StepSection::lower, sim::StepSection::upper,
+                                         sim::StepSection::all}) {
+        int64_t calls = 0;
+        for (const sim::Tile& t : pp.tiles) calls += t.computed && t.section == sec;
+        const auto it = timed.phases->phases.find(gpu::attention_phase(pass, sec));
+        CAPTURE(gpu::attention_phase(pass, sec));
+        CHECK((it == timed.phases->phases.end() ? 0 : it->second.calls) == calls);
+      }
+    }
+    if (plan.cp_size > 1) CHECK(timed.phases->phases.count("exchange") == 1);
+  }
+}
+
 TEST_CASE("local communicator: a receive without a matching send times out naming rank and operation") {
   CPGOLD_REQUIRE_DEVICE();
   gpu::CommOptions options;
