@@ -233,9 +233,11 @@ struct RankToSequenceMap {
 struct ReadHalfMap {
   const int32_t* cu;
   int batch, half;
+  // The whole warp maps the same row (row_kernel), so the 32-wide search applies: its source loads wait for the search.
   __device__ int operator()(int64_t x, int64_t& d, int64_t& s) const {
     d = x;
-    s = step_row(cu, batch, half == 0 ? 1 : 2, x).local_row;
+    const int select = half == 0 ? 1 : 2;
+    s = step_row_in(cu, select, x, warp_find_sequence(cu, batch, x, 2, threadIdx.x & 31)).local_row;
     return kCopy;
   }
 };
