@@ -297,10 +297,49 @@ struct LseArgs {
   int64_t items;  // packed: step rows (correction) or S2 (read); unpacked: B * S2
 };
 
-// Blocks per SM: enough warps to hide the loads (and the merge arithmetic) without register spills.
-template <bool CORRECT, bool PACKED>
+// Accesses of WIDTH consecutive floats: 4-byte elements, or 16-byte vectors for the packed layout when every
+// rank-local length is a multiple of 8 (every chunk a multiple of 4 rows, as CP layouts padded to multiples of 8W
+// have) and head strides and pointers are multiples of 4 floats / 16 bytes: a run of 4 step rows x..x+3 with
+// x % 4 == 0 then lies in one sequence, and its full-tensor rows x + cu[s+1]/2 start at a multiple of 4 too.
+template <int WIDTH>
+struct LseAccess;
+template <>
+struct LseAccess<1> {
+  using V = float;
+  __device__ static V zero() { return 0.f; }
+  __device__ static V load(const float* p) { return *p; }
+  __device__ static V load_nc(const float* p) { return __ldg(p); }
+  __device__ static void store(float* p, V v) { *p = v; }
+};
+template <>
+struct LseAccess<4> {
+  using V = float4;
+  __device__ static V zero() { return make_float4(0.f, 0.f, 0.f, 0.f); }
+  __device__ static V load(const float* p) { return *reinterpret_cast<const float4*>(p); }
+  __device__ static V load_nc(const float* p) { return __ldg(reinterpret_cast<const float4*>(p)); }
+  __device__ static void store(float* p, V v) { *reinterpret_cast<float4*>(p) = v; }
+};
+
+// sim::LseMergeFloat per element (templates: its constexpr functions are then built for the device only).
+template <class Ops>
+__device__ __forceinline__ float lse_merge(float a, float b) {
+  return sim::LseMergeFloat<Ops>::merge(a, b);
+}
+template <class Ops>
+__device__ __forceinline__ float4 lse_merge(float4 a, float4 b) {
+  using M = sim::LseMergeFloat<Ops>;
+  return make_float4(M::merge(a.x, b.x), M::merge(a.y, b.y), M::merge(a.z, b.z), M::merge(a.w, b.w));
+}
+
+// Lane `lane` of a warp tile moves rows base + it * 32 * WIDTH + WIDTH * lane + j (j < WIDTH). Blocks per SM: enough
+// warps to hide the loads (and the merge arithmetic) without register spills.
+template <bool CORRECT, bool PACKED, int WIDTH>
 __global__ void __launch_bounds__(kThreads, PACKED ? (CORRECT ? 3 : 4) : 2) second_half_lse_kernel(LseArgs a) {
-  constexpr int kHeadsPerGroup = CORRECT ? 1 : 4;  // loads in flight per lane: 16 (correction) or 32 (read)
+  static_assert(WIDTH == 1 || PACKED, "16-byte accesses serve the packed layout only");
+  using Access = LseAccess<WIDTH>;
+  // Loads in flight per lane: 16 elements (correction) or 32 (read); 8 vectors either way.
+  constexpr int kHeadsPerGroup = CORRECT ? (WIDTH == 4 ? 2 : 1) : 4;
+  constexpr int kItems = kRowsPerLane / WIDTH;  // accesses per lane and head
   float* __restrict__ full = a.full;  // the two LSE tensors never overlap: loads of later heads may pass stores
   float* __restrict__ half = a.half;
   const int lane = threadIdx.x & 31;
@@ -310,14 +349,14 @@ __global__ void __launch_bounds__(kThreads, PACKED ? (CORRECT ? 3 : 4) : 2) seco
        base += warps * kTileRows) {
     int s = PACKED && base < a.rows ? warp_find_sequence(a.cu, a.batch, base, 2, lane) : 0;
     // f0: packed, the shift local row - step row (int32: fewer registers); unpacked, the full offset.
-    std::conditional_t<PACKED, int32_t, int64_t> f0[kRowsPerLane];
-    int64_t h0[kRowsPerLane];
-    unsigned inside = 0, valid = 0;  // bit it: row exists / row is copied (else zero-filled by the read)
+    std::conditional_t<PACKED, int32_t, int64_t> f0[kItems];
+    int64_t h0[kItems];
+    unsigned inside = 0, valid = 0;  // bit it: rows exist / rows are copied (else zero-filled by the read)
 #pragma unroll
-    for (int it = 0; it < kRowsPerLane; ++it) {
-      const int64_t x = base + it * 32 + lane;
+    for (int it = 0; it < kItems; ++it) {
+      const int64_t x = base + it * 32 * WIDTH + WIDTH * lane;
       f0[it] = h0[it] = 0;  // packed: the half column is x itself (not kept, fewer registers)
-      if (x >= a.items) continue;
+      if (x >= a.items) continue;  // with WIDTH 4, items and rows are multiples of 4: a run is all in or all out
       inside |= 1u << it;
       if (PACKED) {  // x: step row, or a column of lse_half beyond them (read: zeros)
         if (x < a.rows) {
@@ -335,93 +374,30 @@ __global__ void __launch_bounds__(kThreads, PACKED ? (CORRECT ? 3 : 4) : 2) seco
       }
     }
     for (int k0 = 0; k0 < a.heads; k0 += kHeadsPerGroup) {
-      float v[kHeadsPerGroup][kRowsPerLane] = {}, w[kHeadsPerGroup][kRowsPerLane] = {};
+      typename Access::V v[kHeadsPerGroup][kItems], w[kHeadsPerGroup][kItems];
 #pragma unroll
       for (int u = 0; u < kHeadsPerGroup; ++u)
 #pragma unroll
-        for (int it = 0; it < kRowsPerLane; ++it) {
-          const int64_t k = k0 + u;
+        for (int it = 0; it < kItems; ++it) {
+          const int64_t k = k0 + u, x = base + it * 32 * WIDTH + WIDTH * lane;
+          v[u][it] = w[u][it] = Access::zero();
           if (k < a.heads && (valid >> it & 1u)) {
-            const int64_t fi = (PACKED ? base + it * 32 + lane : 0) + f0[it] + k * fs;
-            v[u][it] = CORRECT ? full[fi] : __ldg(full + fi);
-            if (CORRECT) w[u][it] = __ldg(half + (PACKED ? base + it * 32 + lane : h0[it]) + k * hs);
+            const int64_t fi = (PACKED ? x : 0) + f0[it] + k * fs;
+            v[u][it] = CORRECT ? Access::load(full + fi) : Access::load_nc(full + fi);
+            if (CORRECT) w[u][it] = Access::load_nc(half + (PACKED ? x : h0[it]) + k * hs);
           }
         }
 #pragma unroll
       for (int u = 0; u < kHeadsPerGroup; ++u)
 #pragma unroll
-        for (int it = 0; it < kRowsPerLane; ++it) {
-          const int64_t k = k0 + u;
+        for (int it = 0; it < kItems; ++it) {
+          const int64_t k = k0 + u, x = base + it * 32 * WIDTH + WIDTH * lane;
           if (k >= a.heads) continue;
           if (CORRECT) {
-            const int64_t fi = (PACKED ? base + it * 32 + lane : 0) + f0[it] + k * fs;
-            if (valid >> it & 1u) full[fi] = sim::LseMergeFloat<DeviceFloatOps>::merge(v[u][it], w[u][it]);
+            if (valid >> it & 1u)
+              Access::store(full + (PACKED ? x : 0) + f0[it] + k * fs, lse_merge<DeviceFloatOps>(v[u][it], w[u][it]));
           } else if (inside >> it & 1u) {
-            half[(PACKED ? base + it * 32 + lane : h0[it]) + k * hs] = (valid >> it & 1u) ? v[u][it] : 0.f;
-          }
-        }
-    }
-  }
-}
-
-// The packed kernels on 16-byte vectors, for offsets whose rank-local lengths are multiples of 8 (every chunk a
-// multiple of 4 rows, as CP layouts padded to multiples of 8W have) and head strides and pointers multiple of 4
-// floats / 16 bytes: a run of 4 step rows x..x+3 with x % 4 == 0 then lies in one sequence, and its full-tensor rows
-// x + cu[s+1]/2 start at a multiple of 4 too. Lane `lane` of a warp tile moves rows base + it * 128 + 4 * lane + j.
-template <bool CORRECT>
-__global__ void __launch_bounds__(kThreads, CORRECT ? 3 : 4) second_half_lse_vector_kernel(LseArgs a) {
-  constexpr int kHeadsPerGroup = CORRECT ? 2 : 4;  // 16-byte loads in flight per lane: 8 (correction, read)
-  constexpr int kVectors = kRowsPerLane / 4;        // per lane and head
-  float* __restrict__ full = a.full;
-  float* __restrict__ half = a.half;
-  const int lane = threadIdx.x & 31;
-  const int64_t warps = static_cast<int64_t>(gridDim.x) * (kThreads / 32);
-  const int64_t fs = a.full_seqlen, hs = a.half_seqlen;
-  for (int64_t base = ((static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) >> 5) * kTileRows; base < a.items;
-       base += warps * kTileRows) {
-    int s = base < a.rows ? warp_find_sequence(a.cu, a.batch, base, 2, lane) : 0;
-    int32_t f0[kVectors];  // the shift local row - step row of the lane's run
-    unsigned inside = 0, valid = 0;
-#pragma unroll
-    for (int it = 0; it < kVectors; ++it) {
-      const int64_t x = base + it * 128 + 4 * lane;
-      f0[it] = 0;
-      if (x >= a.items) continue;  // items and rows are multiples of 4: a run is all in or all out
-      inside |= 1u << it;
-      if (x < a.rows) {
-        s = advance_sequence(a.cu, a.batch, x, 2, s);
-        f0[it] = __ldg(a.cu + s + 1) / 2;
-        valid |= 1u << it;
-      }
-    }
-    for (int k0 = 0; k0 < a.heads; k0 += kHeadsPerGroup) {
-      float4 v[kHeadsPerGroup][kVectors], w[kHeadsPerGroup][kVectors];
-#pragma unroll
-      for (int u = 0; u < kHeadsPerGroup; ++u)
-#pragma unroll
-        for (int it = 0; it < kVectors; ++it) {
-          const int64_t k = k0 + u, x = base + it * 128 + 4 * lane;
-          v[u][it] = w[u][it] = make_float4(0.f, 0.f, 0.f, 0.f);
-          if (k < a.heads && (valid >> it & 1u)) {
-            const auto* src = reinterpret_cast<const float4*>(full + x + f0[it] + k * fs);
-            v[u][it] = CORRECT ? *src : __ldg(src);
-            if (CORRECT) w[u][it] = __ldg(reinterpret_cast<const float4*>(half + x + k * hs));
-          }
-        }
-#pragma unroll
-      for (int u = 0; u < kHeadsPerGroup; ++u)
-#pragma unroll
-        for (int it = 0; it < kVectors; ++it) {
-          const int64_t k = k0 + u, x = base + it * 128 + 4 * lane;
-          if (k >= a.heads) continue;
-          if (CORRECT) {
-            if (!(valid >> it & 1u)) continue;
-            using Merge = sim::LseMergeFloat<DeviceFloatOps>;
-            const float4 p = v[u][it], q = w[u][it];
-            *reinterpret_cast<float4*>(full + x + f0[it] + k * fs) = make_float4(
-                Merge::merge(p.x, q.x), Merge::merge(p.y, q.y), Merge::merge(p.z, q.z), Merge::merge(p.w, q.w));
-          } else if (inside >> it & 1u) {
-            *reinterpret_cast<float4*>(half + x + k * hs) = v[u][it];  // zeros where the run is not copied
+            Access::store(half + (PACKED ? x : h0[it]) + k * hs, v[u][it]);  // zeros where the rows are not copied
           }
         }
     }
@@ -710,13 +686,12 @@ Outcome second_half_lse(const DeviceLse& lse, const DeviceLse& lse_half, const D
     const auto aligned = [](const float* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
     const bool vectors = packed && f.ordered && f.length_gcd % 8 == 0 && lse.shape.seqlen % 4 == 0 &&
                          lse_half.shape.seqlen % 4 == 0 && aligned(lse.data) && aligned(lse_half.data);
-    if (vectors && correct) second_half_lse_vector_kernel<true><<<grid, kThreads, 0, stream>>>(a);
-    if (vectors && !correct) second_half_lse_vector_kernel<false><<<grid, kThreads, 0, stream>>>(a);
-    if (vectors) return cuda_status(correct ? "second_half_lse_correction" : "read_second_half_lse");
-    if (correct && packed) second_half_lse_kernel<true, true><<<grid, kThreads, 0, stream>>>(a);
-    if (correct && !packed) second_half_lse_kernel<true, false><<<grid, kThreads, 0, stream>>>(a);
-    if (!correct && packed) second_half_lse_kernel<false, true><<<grid, kThreads, 0, stream>>>(a);
-    if (!correct && !packed) second_half_lse_kernel<false, false><<<grid, kThreads, 0, stream>>>(a);
+    if (vectors && correct) second_half_lse_kernel<true, true, 4><<<grid, kThreads, 0, stream>>>(a);
+    if (vectors && !correct) second_half_lse_kernel<false, true, 4><<<grid, kThreads, 0, stream>>>(a);
+    if (!vectors && correct && packed) second_half_lse_kernel<true, true, 1><<<grid, kThreads, 0, stream>>>(a);
+    if (!vectors && !correct && packed) second_half_lse_kernel<false, true, 1><<<grid, kThreads, 0, stream>>>(a);
+    if (correct && !packed) second_half_lse_kernel<true, false, 1><<<grid, kThreads, 0, stream>>>(a);
+    if (!correct && !packed) second_half_lse_kernel<false, false, 1><<<grid, kThreads, 0, stream>>>(a);
     return cuda_status(correct ? "second_half_lse_correction" : "read_second_half_lse");
   });
 }
