@@ -5,6 +5,8 @@
 // Prints one table; numbers go to docs/PERF.md with the command, device and date. --phases 1 adds the device time of
 // each phase of one forward + backward run (every operation alone on the device, gpu::PhaseTimes) and the device's
 // measured copy rate (1 GiB device-to-device copy, bytes read + written), the limit of the copying phases.
+// --once cp|noncp runs one untimed forward + backward of that path and exits, for a profiler
+// (bench/gpu/profile_cp_local.sh).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -136,6 +138,7 @@ int main(int argc, char** argv) {
   int64_t tokens = 32768;
   std::string comm = "p2p";
   bool phases = false;
+  std::string once;  // "cp" or "noncp": one untimed forward + backward of that path, then exit (for a profiler)
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i], v = argv[i + 1];
     if (a == "--cp-size") W = std::stoi(v);
@@ -145,8 +148,9 @@ int main(int argc, char** argv) {
     else if (a == "--comm") comm = v;
     else if (a == "--reps") reps = std::stoi(v);
     else if (a == "--phases") phases = v == "1";
+    else if (a == "--once" && (v == "cp" || v == "noncp")) once = v;
     else {
-      std::fprintf(stderr, "usage: bench_cp_local [--cp-size W] [--heads h] [--dim d] [--tokens t] [--comm c] [--reps n] [--phases 0|1]\n");
+      std::fprintf(stderr, "usage: bench_cp_local [--cp-size W] [--heads h] [--dim d] [--tokens t] [--comm c] [--reps n] [--phases 0|1] [--once cp|noncp]\n");
       return 2;
     }
   }
@@ -172,6 +176,20 @@ int main(int argc, char** argv) {
   check(cudaMalloc(&dk, rows_kv * heads * dim * 2), "cudaMalloc");
   check(cudaMalloc(&dv, rows_kv * heads * dim * 2), "cudaMalloc");
   check(cudaMalloc(reinterpret_cast<void**>(&lse), rows_q * heads * 4), "cudaMalloc");
+  if (once == "noncp") {
+    check(gpu::attention_forward(full, {q, k, v, o, lse}), "forward");
+    check(gpu::attention_backward(full, {q, k, v, o, dout, lse, dq, dk, dv}), "backward");
+    check(cudaDeviceSynchronize(), "non-CP run");
+    std::printf("one non-CP forward + backward done\n");
+    return 0;
+  }
+  if (once == "cp") {
+    gpu::CpGpuOptions options;
+    gpu::LocalCpExecutor executor(plan, in, DType::bf16, options);
+    executor.run(false);
+    std::printf("one local CP %s W=%d forward + backward done\n", comm.c_str(), W);
+    return 0;
+  }
   const double non_cp = median_ms(
       [&] {
         check(gpu::attention_forward(full, {q, k, v, o, lse}), "forward");
