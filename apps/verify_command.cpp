@@ -94,7 +94,14 @@ int run_verify_nccl(const VerifyArgs& args, const RankLaunchOptions& launch_opti
   options.inject_failure = gpu::parse_exchange_fault(args.inject_failure);
   options.inject_mismatch = args.inject_mismatch;
   const RankLaunchOptions& o = launch_options;
-  const gpu::RankLaunch launch{o.launch, o.ranks, o.rendezvous, o.rank, o.world_size, o.device, gpu::Seconds(o.timeout_s)};
+  gpu::RankLaunch launch;
+  launch.launch = o.launch;
+  launch.ranks = o.ranks;
+  launch.rendezvous = o.rendezvous;
+  launch.rank = o.rank;
+  launch.world_size = o.world_size;
+  launch.device = o.device;
+  launch.timeout = gpu::Seconds(o.timeout_s);
   return gpu::verify_fixtures_nccl(args.fixtures, options, launch,
                                    [](const sim::Plan& plan, const sim::CaseInputs& inputs, int rank,
                                       gpu::Communicator& comm, DType dtype, gpu::BackwardMode mode) {

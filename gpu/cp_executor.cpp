@@ -27,19 +27,36 @@ std::string attention_phase(sim::PassKind pass, sim::StepSection section) {
 
 namespace {
 
+// A CUDA event, destroyed when the last holder lets go (a recorded event may be destroyed before it completes).
+struct Event {
+  cudaEvent_t event = nullptr;
+  Event() = default;
+  Event(const Event&) = delete;
+  Event& operator=(const Event&) = delete;
+  ~Event() {
+    if (event) cudaEventDestroy(event);
+  }
+};
+using EventRef = std::shared_ptr<Event>;
+
 // One stream-ordered device allocation, freed on the stream that made it. pending_zero: the program asked for zeros
 // and nothing has been written yet; the zeros are written only if something reads the buffer before a write that
 // covers all of it (a receive, a first accumulation over every row, the forward merge), so buffers that are fully
 // overwritten are never filled. Shared by every copy of a tensor, so all of them see the write.
+// side_use: the accumulation stream read or wrote the buffer last (that operation's end event) and no other stream
+// has waited for it since; while it is set the buffer is freed on the accumulation stream, and any other stream
+// waits for the event before touching the buffer (DeviceRankBackend::own).
 struct DeviceMemory {
   void* ptr = nullptr;
   cudaStream_t stream = nullptr;
+  cudaStream_t side_stream = nullptr;
+  EventRef side_use;
   bool pending_zero = false;
   DeviceMemory() = default;
   DeviceMemory(const DeviceMemory&) = delete;
   DeviceMemory& operator=(const DeviceMemory&) = delete;
   ~DeviceMemory() {
-    if (ptr) cudaFreeAsync(ptr, stream);
+    if (ptr) cudaFreeAsync(ptr, side_use ? side_stream : stream);
   }
 };
 
@@ -69,24 +86,16 @@ Elem storage_elem(DType dtype) {
   throw std::invalid_argument("dtype: the GPU CP path runs bf16 or fp16, not " + std::string(dtype_name(dtype)));
 }
 
-// A CUDA event, destroyed when the last holder lets go (a recorded event may be destroyed before it completes).
-struct Event {
-  cudaEvent_t event = nullptr;
-  Event() = default;
-  Event(const Event&) = delete;
-  Event& operator=(const Event&) = delete;
-  ~Event() {
-    if (event) cudaEventDestroy(event);
-  }
-};
-using EventRef = std::shared_ptr<Event>;
-
 // The rank's compute stream: created with the backend, destroyed after every tensor freed on it.
 struct ComputeStream {
   cudaStream_t stream = nullptr;
-  ComputeStream() {
-    if (const cudaError_t e = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking); e != cudaSuccess)
-      throw std::runtime_error(std::string("cudaStreamCreate (compute stream): ") + cudaGetErrorString(e));
+  // priority: 0 = the default, 1 = the device's highest (its blocks are dispatched before waiting default ones).
+  explicit ComputeStream(int priority = 0) {
+    int least = 0, greatest = 0;
+    cudaDeviceGetStreamPriorityRange(&least, &greatest);
+    if (const cudaError_t e = cudaStreamCreateWithPriority(&stream, cudaStreamNonBlocking, priority ? greatest : 0);
+        e != cudaSuccess)
+      throw std::runtime_error(std::string("cudaStreamCreate (rank stream): ") + cudaGetErrorString(e));
   }
   ComputeStream(const ComputeStream&) = delete;
   ComputeStream& operator=(const ComputeStream&) = delete;
@@ -96,11 +105,15 @@ struct ComputeStream {
   }
 };
 
-// Two streams per rank: attention, copies and merges run on the backend's compute stream; exchanges run on the
-// communicator's stream. An exchange starts on the communication stream once the compute stream has passed what was
-// enqueued before it (the sent tensors' producers, the receive buffers' allocation); the compute stream waits for
-// the exchange only where the program finishes it, so what the program enqueues in between overlaps it. Every
-// tensor is allocated and freed on the compute stream, freed only after the exchanges that used it have finished.
+// Three streams per rank: attention, copies and merges run on the backend's compute stream; exchanges run on the
+// communicator's stream; with CpGpuOptions::accumulate_aside the float32 accumulation of the backward partials
+// (scatter_add) runs on the accumulation stream, otherwise on the compute stream. An exchange starts on the communication stream once the compute stream has passed what was enqueued before
+// it (the sent tensors' producers, the receive buffers' allocation); the compute stream waits for the exchange only
+// where the program finishes it, so what the program enqueues in between overlaps it. An accumulation starts once
+// the compute stream has produced its partial; the compute and communication streams wait for it only where they
+// touch its accumulator (DeviceMemory::side_use), so step i's memory-bound accumulation runs beside step i + 1's
+// compute-bound attention. Every tensor is allocated on the compute stream and freed on it, or on the accumulation
+// stream where that stream used it last, only after the exchanges that used it have finished.
 class DeviceRankBackend {
  public:
   using Tensor = DeviceTensor;
@@ -115,7 +128,8 @@ class DeviceRankBackend {
 
   DeviceRankBackend(int rank, Communicator& comm, DType dtype, const CpGpuOptions& options)
       : rank_(rank), comm_(comm), dtype_(dtype), storage_(storage_elem(dtype)), options_(options),
-        stream_(compute_.stream), comm_stream_(static_cast<cudaStream_t>(comm.stream())) {}
+        stream_(compute_.stream), side_stream_(accumulate_.stream),
+        comm_stream_(static_cast<cudaStream_t>(comm.stream())) {}
 
   int rank() const { return rank_; }
   cudaStream_t stream() const { return stream_; }
@@ -129,6 +143,7 @@ class DeviceRankBackend {
   // The communication stream waits for the compute stream's last operation, so that the communicator's
   // synchronize() (bounded, watching the peers) covers the whole run.
   void join_streams() {
+    cuda(cudaStreamWaitEvent(stream_, record(side_stream_)->event, 0), "cudaStreamWaitEvent (join)");
     run_end_ = record(stream_);
     cuda(cudaStreamWaitEvent(comm_stream_, run_end_->event, 0), "cudaStreamWaitEvent (join)");
   }
@@ -200,17 +215,34 @@ class DeviceRankBackend {
     if (dst.elem != Elem::f32) throw std::logic_error("rank " + std::to_string(rank_) + ": accumulation into 16-bit");
     if (src.heads * src.dim != dst.heads * dst.dim)
       throw std::logic_error("rank " + std::to_string(rank_) + ": scatter_add between row widths");
-    materialize(src);
+    // With accumulate_aside, both are only read and written on the accumulation stream from here on, in program
+    // order there: no wait for an earlier accumulation, only for the zero fills (on the compute stream).
+    const bool aside = options_.accumulate_aside;
+    const cudaStream_t on = aside ? side_stream_ : stream_;
+    fill_pending_zeros(src);
     // A first contribution to every row of a fresh zero buffer is written, not added (0 + x, the same bits).
     const bool assign = dst.mem && dst.mem->pending_zero && covers_every_row(rows, dst.rows);
-    if (!assign) materialize(dst);
+    if (!assign) fill_pending_zeros(dst);
     if (dst.mem) dst.mem->pending_zero = false;
     const auto idx = upload_rows(rows);
-    timed("scatter_add", src.bytes() + (assign ? 1.0 : 2.0) * src.count() * 4, [&] {
-      cuda(launch_scatter_add(static_cast<float*>(dst.data()), src.data(), src.elem, rows_ptr(idx),
-                              static_cast<int64_t>(rows.size()), src.heads * src.dim, assign, stream_),
-           "scatter_add");
-    });
+    // The accumulation stream starts after everything the compute stream has enqueued so far (the partial, the zero
+    // fill, the upload of the rows, the exchange that delivered dst).
+    if (aside) cuda(cudaStreamWaitEvent(on, record(stream_)->event, 0), "cudaStreamWaitEvent (accumulation)");
+    timed(
+        "scatter_add", src.bytes() + (assign ? 1.0 : 2.0) * src.count() * 4,
+        [&] {
+          cuda(launch_scatter_add(static_cast<float*>(dst.data()), src.data(), src.elem, rows_ptr(idx),
+                                  static_cast<int64_t>(rows.size()), src.heads * src.dim, assign, on),
+               "scatter_add");
+        },
+        on);
+    if (!aside) return;
+    const EventRef done = record(side_stream_);
+    for (const auto& m : {dst.mem, src.mem})
+      if (m) {
+        m->side_stream = side_stream_;
+        m->side_use = done;
+      }
   }
   Lse lse_gather(const Lse& x, const std::vector<int64_t>& rows) {
     DeviceLse out;
@@ -292,6 +324,7 @@ class DeviceRankBackend {
   }
   void finalize(Tensor& x) {
     if (x.elem == storage_) return;
+    own(x.mem);
     DeviceTensor out = alloc(x.rows, x.heads, x.dim, storage_);
     if (x.mem && x.mem->pending_zero) {
       out.mem->pending_zero = true;
@@ -313,12 +346,19 @@ class DeviceRankBackend {
   Pending exchange_start(const std::vector<sim::Outgoing<DeviceRankBackend>>& sends,
                          const std::vector<sim::Incoming<DeviceRankBackend>>& recvs) {
     Pending p;
+    // A sent tensor the accumulation stream wrote last: the communication stream waits for that accumulation, not
+    // the compute stream (the next step's attention runs meanwhile); exchange_finish hands it back.
     for (const auto& x : sends) {
-      if (x.tensor) materialize(*x.tensor);
-      p.in_flight.push_back(x.tensor ? x.tensor->mem : x.lse->mem);
+      const auto& m = x.tensor ? x.tensor->mem : x.lse->mem;
+      if (m && m->side_use)
+        cuda(cudaStreamWaitEvent(comm_stream_, m->side_use->event, 0), "cudaStreamWaitEvent (accumulation sent)");
+      else if (x.tensor)
+        fill_pending_zeros(*x.tensor);
+      p.in_flight.push_back(m);
     }
     // A receive overwrites its whole buffer (the communicator checks the sizes match).
     for (const auto& x : recvs) {
+      if (x.tensor) own(x.tensor->mem);
       if (x.tensor && x.tensor->mem) x.tensor->mem->pending_zero = false;
       p.in_flight.push_back(x.tensor ? x.tensor->mem : x.lse->mem);
     }
@@ -344,11 +384,14 @@ class DeviceRankBackend {
     return p;
   }
   // The compute stream waits for the exchange; with timing, the wait's span is the communication not hidden. The
-  // buffers are released only after the wait is enqueued (see Pending::in_flight).
+  // buffers are released only after the wait is enqueued (see Pending::in_flight); the sent ones that the
+  // accumulation stream wrote last are the compute stream's again (the exchange waited for that accumulation).
   void exchange_finish(Pending& p) {
     const EventRef before = options_.time_exchanges ? record(stream_) : nullptr;
     cuda(cudaStreamWaitEvent(stream_, p.done->event, 0), "cudaStreamWaitEvent (exchange finish)");
     if (before) wait_spans_.emplace_back(before, record(stream_));
+    for (const auto& m : p.in_flight)
+      if (m) m->side_use.reset();
     p.in_flight.clear();
   }
   void exchange(const std::vector<sim::Outgoing<DeviceRankBackend>>& sends,
@@ -395,8 +438,9 @@ class DeviceRankBackend {
  private:
   // Runs `launch` (enqueues on stream_); with options_.phases, alone on the device and timed into `phase`.
   template <class F>
-  void timed(const char* phase, double bytes, F&& launch) {
+  void timed(const char* phase, double bytes, F&& launch, cudaStream_t stream = nullptr) {
     if (!options_.phases) return launch();
+    if (stream == nullptr) stream = stream_;
     std::lock_guard<std::mutex> alone(device_lock());
     cudaEvent_t a = nullptr, z = nullptr;
     cuda(cudaEventCreate(&a), "cudaEventCreate");
@@ -404,9 +448,9 @@ class DeviceRankBackend {
     // Every stream drained (the exchanges' copies of all ranks included, which run outside the lock), so the
     // operation starts alone; a copy enqueued while it runs can still overlap it.
     cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
-    cuda(cudaEventRecord(a, stream_), "cudaEventRecord");
+    cuda(cudaEventRecord(a, stream), "cudaEventRecord");
     launch();
-    cuda(cudaEventRecord(z, stream_), "cudaEventRecord");
+    cuda(cudaEventRecord(z, stream), "cudaEventRecord");
     add_phase(phase, bytes, elapsed_ms(a, z));
   }
   // Waits for z, destroys both events, returns the time between them.
@@ -430,12 +474,25 @@ class DeviceRankBackend {
     return m;
   }
 
-  // Writes the zeros of a tensor still pending_zero (before anything reads it or writes part of it).
+  // Before an operation of the compute stream reads or writes x: waits for the accumulation stream's use of it (own)
+  // and writes its zeros if it is still pending_zero.
   void materialize(const DeviceTensor& x) {
+    own(x.mem);
+    fill_pending_zeros(x);
+  }
+  // Writes the zeros of a tensor still pending_zero (before anything reads it or writes part of it).
+  void fill_pending_zeros(const DeviceTensor& x) {
     if (!x.mem || !x.mem->pending_zero) return;
     x.mem->pending_zero = false;
     if (x.bytes() > 0)
       timed("zero fill", x.bytes(), [&] { cuda(cudaMemsetAsync(x.data(), 0, x.bytes(), stream_), "cudaMemsetAsync"); });
+  }
+  // Before the compute stream (or an exchange it starts) touches a buffer the accumulation stream used last: the
+  // compute stream waits for that use, and the buffer is the compute stream's again (freed there).
+  void own(const std::shared_ptr<DeviceMemory>& m) {
+    if (!m || !m->side_use) return;
+    cuda(cudaStreamWaitEvent(stream_, m->side_use->event, 0), "cudaStreamWaitEvent (accumulation done)");
+    m->side_use.reset();
   }
   static bool covers_every_row(const std::vector<int64_t>& rows, int64_t n) {
     if (static_cast<int64_t>(rows.size()) != n) return false;
@@ -540,13 +597,15 @@ class DeviceRankBackend {
       throw std::runtime_error("rank " + std::to_string(rank_) + " " + what + ": " + cudaGetErrorString(e));
   }
 
-  ComputeStream compute_;  // first member: destroyed after every tensor freed on it
+  ComputeStream compute_;        // first members: destroyed after every tensor freed on them
+  ComputeStream accumulate_{1};  // the accumulation stream, at the highest priority
   int rank_;
   Communicator& comm_;
   DType dtype_;
   Elem storage_;
   CpGpuOptions options_;
   cudaStream_t stream_;       // compute
+  cudaStream_t side_stream_;  // accumulation
   cudaStream_t comm_stream_;  // the communicator's
   EventRef run_begin_, run_end_;
   std::vector<std::pair<EventRef, EventRef>> comm_spans_, wait_spans_;
@@ -572,12 +631,20 @@ void upload_shards(DeviceRankBackend& b, const sim::Plan& plan, const sim::CaseI
 }
 
 // The ranks allocate their step buffers stream-ordered; with the default release threshold (0) the pool returns its
-// memory to the driver at every synchronisation and each run pays for fresh physical pages.
-void keep_pool_memory(int device) {
+// memory to the driver at every synchronisation and each run pays for fresh physical pages. With accumulate_aside, a
+// block freed on the accumulation stream is not handed to an allocation on the compute stream by making the compute
+// stream wait for that free (the pool's internal dependencies would tie step i + 1's attention to step i's
+// accumulation); the pool takes other memory instead, or the block once its free has completed. (The attribute is the
+// device pool's, so it stays for the rest of the process.)
+void keep_pool_memory(int device, bool accumulate_aside) {
   cudaMemPool_t pool = nullptr;
   if (cudaDeviceGetDefaultMemPool(&pool, device) == cudaSuccess) {
     uint64_t keep = UINT64_MAX;
     cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep);
+    if (accumulate_aside) {
+      int no = 0;
+      cudaMemPoolSetAttribute(pool, cudaMemPoolReuseAllowInternalDependencies, &no);
+    }
   }
 }
 
@@ -609,7 +676,7 @@ LocalCpExecutor::LocalCpExecutor(const sim::Plan& plan, const sim::CaseInputs& i
   if (const Outcome cap = cp_capability(plan, dtype, inputs); !cap.ok())
     throw std::invalid_argument("GPU CP: " + std::string(status_name(cap.status)) + ": " + cap.message);
   if (cudaGetDevice(&s.device) != cudaSuccess) throw std::runtime_error("GPU CP: no CUDA device");
-  keep_pool_memory(s.device);
+  keep_pool_memory(s.device, options.accumulate_aside);
   CommOptions comm_options;
   comm_options.timeout = options.timeout;
   const int W = plan.cp_size;
@@ -694,7 +761,7 @@ RankCpExecutor::RankCpExecutor(const sim::Plan& plan, const sim::CaseInputs& inp
   s.options = options;
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess) throw std::runtime_error("GPU CP: no CUDA device");
-  keep_pool_memory(device);
+  keep_pool_memory(device, options.accumulate_aside);
   s.backend = std::make_unique<DeviceRankBackend>(comm.rank(), comm, dtype, options);
   upload_shards(*s.backend, s.plan, inputs);
 }

@@ -56,6 +56,10 @@ struct CpGpuOptions {
   std::chrono::milliseconds timeout{std::chrono::seconds(120)};
   std::shared_ptr<PhaseTimes> phases;  // per-phase device times (serialises the ranks' operations)
   bool time_exchanges = false;  // CUDA events around every exchange and wait (RankRun::times)
+  // Schedule (same results, bit for bit): run the float32 accumulation of the backward partials on a third stream
+  // per rank, so that step i's accumulation (memory-bound) can run beside step i + 1's attention (compute-bound)
+  // instead of after it. Off: everything but the exchanges in program order on the compute stream.
+  bool accumulate_aside = false;
 };
 
 // Device time of one rank's run (CpGpuOptions::time_exchanges), from CUDA events, in milliseconds.

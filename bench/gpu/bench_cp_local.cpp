@@ -5,7 +5,8 @@
 // Prints one table; numbers go to docs/PERF.md with the command, device and date. --phases 1 adds the device time of
 // each phase of one forward + backward run (every operation alone on the device, gpu::PhaseTimes) and the device's
 // measured copy rate (1 GiB device-to-device copy, bytes read + written), the limit of the copying phases.
-// --once cp|noncp runs one untimed forward + backward of that path and exits, for a profiler
+// --aside 1 runs the CP path with CpGpuOptions::accumulate_aside (the backward's float32 accumulation on its own
+// stream per rank). --once cp|noncp runs one untimed forward + backward of that path and exits, for a profiler
 // (bench/gpu/profile_cp_local.sh).
 #include <cuda_runtime_api.h>
 
@@ -88,8 +89,10 @@ double copy_rate_gbs() {
 }
 
 // One forward + backward run with every backend operation alone on the device: device time per phase.
-void print_phases(const sim::CaseSpec& spec, const sim::Plan& plan, const sim::CaseInputs& in, double copy_gbs) {
+void print_phases(const sim::CaseSpec& spec, const sim::Plan& plan, const sim::CaseInputs& in, double copy_gbs,
+                  bool aside) {
   gpu::CpGpuOptions options;
+  options.accumulate_aside = aside;
   options.phases = std::make_shared<gpu::PhaseTimes>();
   gpu::LocalCpExecutor executor(plan, in, DType::bf16, options);
   executor.run(false);  // warm-up: attention plans, row index uploads, pool
@@ -138,6 +141,7 @@ int main(int argc, char** argv) {
   int64_t tokens = 32768;
   std::string comm = "p2p";
   bool phases = false;
+  bool aside = false;  // CpGpuOptions::accumulate_aside
   std::string once;  // "cp" or "noncp": one untimed forward + backward of that path, then exit (for a profiler)
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i], v = argv[i + 1];
@@ -149,8 +153,9 @@ int main(int argc, char** argv) {
     else if (a == "--reps") reps = std::stoi(v);
     else if (a == "--phases") phases = v == "1";
     else if (a == "--once" && (v == "cp" || v == "noncp")) once = v;
+    else if (a == "--aside" && (v == "0" || v == "1")) aside = v == "1";
     else {
-      std::fprintf(stderr, "usage: bench_cp_local [--cp-size W] [--heads h] [--dim d] [--tokens t] [--comm c] [--reps n] [--phases 0|1] [--once cp|noncp]\n");
+      std::fprintf(stderr, "usage: bench_cp_local [--cp-size W] [--heads h] [--dim d] [--tokens t] [--comm c] [--reps n] [--phases 0|1] [--once cp|noncp] [--aside 0|1]\n");
       return 2;
     }
   }
@@ -185,6 +190,7 @@ int main(int argc, char** argv) {
   }
   if (once == "cp") {
     gpu::CpGpuOptions options;
+    options.accumulate_aside = aside;
     gpu::LocalCpExecutor executor(plan, in, DType::bf16, options);
     executor.run(false);
     std::printf("one local CP %s W=%d forward + backward done\n", comm.c_str(), W);
@@ -198,6 +204,7 @@ int main(int argc, char** argv) {
       reps);
 
   gpu::CpGpuOptions options;
+  options.accumulate_aside = aside;
   gpu::LocalCpExecutor executor(plan, in, DType::bf16, options);
   const double cp = median_ms([&] { executor.run(false); }, reps);
   gpu::CpGpuOptions fwd_only;
@@ -208,11 +215,13 @@ int main(int argc, char** argv) {
 
   cudaDeviceProp prop{};
   cudaGetDeviceProperties(&prop, 0);
-  std::printf("device: %s; case: %lld tokens in %zu sequences, causal, bf16, h=%d, d=%d, %s W=%d; median of %d\n",
-              prop.name, static_cast<long long>(tokens), s.seqlens_q.size(), heads, dim, comm.c_str(), W, reps);
+  std::printf("device: %s; case: %lld tokens in %zu sequences, causal, bf16, h=%d, d=%d, %s W=%d; median of %d; "
+              "accumulation %s\n",
+              prop.name, static_cast<long long>(tokens), s.seqlens_q.size(), heads, dim, comm.c_str(), W, reps,
+              aside ? "on its own stream (--aside 1)" : "in order on the compute stream");
   std::printf("| path | forward ms | forward + backward ms | ratio (fwd+bwd) |\n|---|---|---|---|\n");
   std::printf("| non-CP GPU (one call) | %.3f | %.3f | 1.00 |\n", non_cp_fwd, non_cp);
   std::printf("| local CP %s W=%d (one GPU) | %.3f | %.3f | %.2f |\n", comm.c_str(), W, cp_fwd, cp, cp / non_cp);
-  if (phases) print_phases(s, plan, in, copy_rate_gbs());
+  if (phases) print_phases(s, plan, in, copy_rate_gbs(), aside);
   return 0;
 }

@@ -195,6 +195,68 @@ TEST_CASE("local CP: the deterministic backward gives the same bits on 5 reruns,
   }
 }
 
+// CpGpuOptions::accumulate_aside changes the schedule only: the accumulation of the backward partials moves to a
+// third stream per rank, ordered by events where the compute and communication streams touch its buffers. The same
+// bits as the in-order schedule (deterministic backward) for every comm type, plain, traced (the trace reads the
+// accumulators in flight between steps) and under the phase breakdown; repeated runs of one executor (the pool
+// reuses blocks freed on the accumulation stream) stay equal too.
+TEST_CASE("local CP: accumulating on its own stream gives the in-order bits, every comm type") {
+  CPGOLD_REQUIRE_DEVICE();
+  auto same = [](const Tensor3<float>& a, const Tensor3<float>& b) {
+    return a.values.size() == b.values.size() &&
+           std::memcmp(a.values.data(), b.values.data(), a.values.size() * 4) == 0;
+  };
+  for (const fx::SuiteCase& c : one_case_per_comm()) {
+    CAPTURE(c.name);
+    const sim::Plan plan = sim::make_plan(c.spec);
+    const sim::CaseInputs inputs = sim::make_case_inputs(c.spec);
+    for (const bool traced : {false, true}) {
+      CAPTURE(traced);
+      gpu::CpGpuOptions in_order;
+      in_order.mode = gpu::BackwardMode::deterministic;
+      in_order.record_trace = traced;
+      gpu::CpGpuOptions aside = in_order;
+      aside.accumulate_aside = true;
+      const sim::CpRun<float> want = gpu::LocalCpExecutor(plan, inputs, c.spec.dtype, in_order).run(true);
+      gpu::LocalCpExecutor executor(plan, inputs, c.spec.dtype, aside);
+      for (int run = 0; run < 3; ++run) {
+        CAPTURE(run);
+        const sim::CpRun<float> got = executor.run(true);
+        for (int r = 0; r < plan.cp_size; ++r) {
+          const auto& a = want.ranks[static_cast<size_t>(r)];
+          const auto& b = got.ranks[static_cast<size_t>(r)];
+          CHECK(same(a.o, b.o));
+          CHECK(same(a.dq, b.dq));
+          CHECK(same(a.dk, b.dk));
+          CHECK(same(a.dv, b.dv));
+        }
+        REQUIRE(got.trace.backward.size() == want.trace.backward.size());
+        for (size_t i = 0; i < want.trace.backward.size(); ++i) {
+          const auto& a = want.trace.backward[i];
+          const auto& b = got.trace.backward[i];
+          CHECK(same(a.dq, b.dq));
+          CHECK(same(a.dk_in_flight, b.dk_in_flight));
+          CHECK(same(a.dv_in_flight, b.dv_in_flight));
+        }
+      }
+    }
+    gpu::CpGpuOptions timed;
+    timed.mode = gpu::BackwardMode::deterministic;
+    timed.accumulate_aside = true;
+    timed.phases = std::make_shared<gpu::PhaseTimes>();
+    timed.timeout = std::chrono::milliseconds(20000);
+    gpu::CpGpuOptions in_order;
+    in_order.mode = gpu::BackwardMode::deterministic;
+    const sim::CpRun<float> want = gpu::LocalCpExecutor(plan, inputs, c.spec.dtype, in_order).run(true);
+    const sim::CpRun<float> got = gpu::LocalCpExecutor(plan, inputs, c.spec.dtype, timed).run(true);
+    for (int r = 0; r < plan.cp_size; ++r) {
+      CHECK(same(want.ranks[static_cast<size_t>(r)].dq, got.ranks[static_cast<size_t>(r)].dq));
+      CHECK(same(want.ranks[static_cast<size_t>(r)].dk, got.ranks[static_cast<size_t>(r)].dk));
+    }
+    CHECK(timed.phases->phases.count("scatter_add") == 1);
+  }
+}
+
 // The phase breakdown (bench_cp_local --phases 1) serialises the ranks' operations under one lock while the
 // exchanges rendezvous outside it: every comm type completes (a lock held across a rendezvous deadlocked W >= 2),
 // gives the same outputs as the untimed run, and files every attention call under its pass and step section.
