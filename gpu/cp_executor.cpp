@@ -16,6 +16,7 @@
 #include "gpu/cp_kernels.hpp"
 #include "gpu/dtype_bits.hpp"
 #include "gpu/local_communicator.hpp"
+#include "gpu/timeline.hpp"
 #include "sim/cp_program.hpp"
 
 namespace cpgold::gpu {
@@ -138,6 +139,7 @@ class DeviceRankBackend {
   void begin_run() {
     comm_spans_.clear();
     wait_spans_.clear();
+    op_spans_.clear();
     run_begin_ = record(stream_);
   }
   // The communication stream waits for the compute stream's last operation, so that the communicator's
@@ -157,6 +159,24 @@ class DeviceRankBackend {
     t.exchanges = static_cast<int>(comm_spans_.size());
     return t;
   }
+
+  // Appends the last run's spans to options.timeline, in milliseconds from `ref` (null: this rank's run start).
+  // After join_streams and a synchronize, so that every event has completed. Nothing with phases (serialised).
+  void collect_timeline(const EventRef& ref) {
+    if (!options_.timeline || options_.phases) return;
+    const EventRef& zero = ref ? ref : run_begin_;
+    std::vector<TimelineSpan> out;
+    for (const OpSpan& x : op_spans_)
+      out.push_back({rank_, x.stream, x.name, elapsed(zero, x.begin), elapsed(zero, x.end)});
+    for (const auto& [a, b] : comm_spans_) out.push_back({rank_, "exchange", "exchange", elapsed(zero, a), elapsed(zero, b)});
+    for (const auto& [a, b] : wait_spans_)
+      out.push_back({rank_, "exchange wait", "wait for exchange", elapsed(zero, a), elapsed(zero, b)});
+    op_spans_.clear();
+    std::lock_guard<std::mutex> lock(options_.timeline->mutex);
+    for (TimelineSpan& x : out) options_.timeline->spans.push_back(std::move(x));
+  }
+  // A timing event on `stream` (the reference of a timeline).
+  EventRef timing_event(cudaStream_t stream) { return record(stream); }
 
   // Host float tensor holding dtype values -> device storage tensor.
   void upload_input(sim::Payload payload, const Tensor3<float>& x) {
@@ -363,7 +383,7 @@ class DeviceRankBackend {
       p.in_flight.push_back(x.tensor ? x.tensor->mem : x.lse->mem);
     }
     cuda(cudaStreamWaitEvent(comm_stream_, record(stream_)->event, 0), "cudaStreamWaitEvent (exchange start)");
-    const EventRef begin = options_.time_exchanges ? record(comm_stream_) : nullptr;
+    const EventRef begin = timing_events() ? record(comm_stream_) : nullptr;
     if (options_.phases) {  // timed into the phase table, rendezvous waits included
       // Not under device_lock(): the send/recv waits for its peers, and a peer may be waiting for that lock to run
       // the operation before its own exchange (holding the lock here deadlocked every run of W >= 2).
@@ -387,7 +407,7 @@ class DeviceRankBackend {
   // buffers are released only after the wait is enqueued (see Pending::in_flight); the sent ones that the
   // accumulation stream wrote last are the compute stream's again (the exchange waited for that accumulation).
   void exchange_finish(Pending& p) {
-    const EventRef before = options_.time_exchanges ? record(stream_) : nullptr;
+    const EventRef before = timing_events() ? record(stream_) : nullptr;
     cuda(cudaStreamWaitEvent(stream_, p.done->event, 0), "cudaStreamWaitEvent (exchange finish)");
     if (before) wait_spans_.emplace_back(before, record(stream_));
     for (const auto& m : p.in_flight)
@@ -436,11 +456,19 @@ class DeviceRankBackend {
   sim::Trace<float> trace;
 
  private:
-  // Runs `launch` (enqueues on stream_); with options_.phases, alone on the device and timed into `phase`.
+  // Runs `launch` (enqueues on `stream`, the compute stream by default); with options_.phases, alone on the device
+  // and timed into `phase`.
+  // With options_.timeline (and no phases), only brackets it with events on its stream, for the timeline.
   template <class F>
   void timed(const char* phase, double bytes, F&& launch, cudaStream_t stream = nullptr) {
-    if (!options_.phases) return launch();
     if (stream == nullptr) stream = stream_;
+    if (!options_.phases) {
+      if (!options_.timeline) return launch();
+      const EventRef begin = record(stream);
+      launch();
+      op_spans_.push_back({stream == side_stream_ ? "accumulate" : "compute", phase, begin, record(stream)});
+      return;
+    }
     std::lock_guard<std::mutex> alone(device_lock());
     cudaEvent_t a = nullptr, z = nullptr;
     cuda(cudaEventCreate(&a), "cudaEventCreate");
@@ -469,6 +497,7 @@ class DeviceRankBackend {
     e.bytes += bytes;
     ++e.calls;
   }
+  bool timing_events() const { return options_.time_exchanges || options_.timeline != nullptr; }
   static std::mutex& device_lock() {
     static std::mutex m;
     return m;
@@ -529,7 +558,7 @@ class DeviceRankBackend {
   }
   EventRef record(cudaStream_t stream) {
     auto ev = std::make_shared<Event>();
-    cuda(cudaEventCreateWithFlags(&ev->event, options_.time_exchanges ? cudaEventDefault : cudaEventDisableTiming),
+    cuda(cudaEventCreateWithFlags(&ev->event, timing_events() ? cudaEventDefault : cudaEventDisableTiming),
          "cudaEventCreate");
     cuda(cudaEventRecord(ev->event, stream), "cudaEventRecord");
     return ev;
@@ -609,6 +638,12 @@ class DeviceRankBackend {
   cudaStream_t comm_stream_;  // the communicator's
   EventRef run_begin_, run_end_;
   std::vector<std::pair<EventRef, EventRef>> comm_spans_, wait_spans_;
+  struct OpSpan {
+    const char* stream;
+    std::string name;
+    EventRef begin, end;
+  };
+  std::vector<OpSpan> op_spans_;  // options_.timeline: every timed() operation of the run
   std::map<int, DeviceTensor> inputs_;
   std::map<const sim::Tile*, AttentionPlan> plans_;
   struct RowsHash {
@@ -695,6 +730,8 @@ sim::CpRun<float> LocalCpExecutor::run(bool download) {
   const int W = s.plan.cp_size;
   sim::CpRun<float> out;
   out.ranks.resize(static_cast<size_t>(W));
+  // One reference for every rank's timeline: recorded on rank 0's idle stream before any rank starts.
+  const EventRef timeline_zero = s.options.timeline ? s.backends[0]->timing_event(s.backends[0]->stream()) : nullptr;
   sim::run_rank_threads(
       W,
       [&](int g) {
@@ -706,6 +743,7 @@ sim::CpRun<float> LocalCpExecutor::run(bool download) {
           sim::RankResult<DeviceRankBackend> r = sim::run_rank(s.plan, b, s.options.backward);
           b.join_streams();
           s.comms[static_cast<size_t>(g)]->synchronize();
+          b.collect_timeline(timeline_zero);
           if (download) {
             sim::RankOutputs<float>& mine = out.ranks[static_cast<size_t>(g)];
             mine.o = b.to_host(r.o);
@@ -777,6 +815,7 @@ RankRun RankCpExecutor::run(bool download) {
   sim::RankResult<DeviceRankBackend> res = sim::run_rank(s.plan, b, s.options.backward);
   b.join_streams();
   s.comm->synchronize();  // bounded: a peer that fails or never arrives ends the wait with a CommError
+  b.collect_timeline(nullptr);
   if (download) {
     out.outputs.o = b.to_host(res.o);
     out.outputs.lse = b.to_host(res.lse);

@@ -17,6 +17,7 @@
 
 #include "gpu/attention.hpp"
 #include "gpu/communicator.hpp"
+#include "gpu/timeline.hpp"
 #include "sim/case_inputs.hpp"
 #include "sim/executor.hpp"
 #include "sim/plan.hpp"
@@ -60,6 +61,10 @@ struct CpGpuOptions {
   // per rank, so that step i's accumulation (memory-bound) can run beside step i + 1's attention (compute-bound)
   // instead of after it. Off: everything but the exchanges in program order on the compute stream.
   bool accumulate_aside = false;
+  // Every operation's span on its stream, from CUDA events, without serialising (gpu/timeline.hpp); appended to by
+  // each run, in ms from a reference recorded before the ranks start (LocalCpExecutor) or from the rank's own run
+  // start (run_cp_rank). Not with phases.
+  std::shared_ptr<Timeline> timeline;
 };
 
 // Device time of one rank's run (CpGpuOptions::time_exchanges), from CUDA events, in milliseconds.

@@ -7,7 +7,9 @@
 // measured copy rate (1 GiB device-to-device copy, bytes read + written), the limit of the copying phases.
 // --aside 1 runs the CP path with CpGpuOptions::accumulate_aside (the backward's float32 accumulation on its own
 // stream per rank). --once cp|noncp runs one untimed forward + backward of that path and exits, for a profiler
-// (bench/gpu/profile_cp_local.sh).
+// (bench/gpu/profile_cp_local.sh). --timeline FILE adds one more CP run with CpGpuOptions::timeline: every operation's
+// span on its stream, not serialised, written to FILE in Chrome's trace format (chrome://tracing, Perfetto), and a
+// summary of how long each kind of stream was busy and how long two kinds were busy at once.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -15,6 +17,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <memory>
 #include <string>
 #include <vector>
@@ -133,6 +137,36 @@ void print_phases(const sim::CaseSpec& spec, const sim::Plan& plan, const sim::C
   }
 }
 
+// One forward + backward run with the timeline: the Chrome trace to `path` (through a temporary file, so a failed
+// write leaves an existing file as it was) and the device-wide busy times of each stream kind.
+void print_timeline(const sim::Plan& plan, const sim::CaseInputs& in, bool aside, const std::string& path) {
+  gpu::CpGpuOptions options;
+  options.accumulate_aside = aside;
+  options.timeline = std::make_shared<gpu::Timeline>();
+  gpu::LocalCpExecutor executor(plan, in, DType::bf16, options);
+  executor.run(false);  // warm-up: attention plans, row index uploads, pool
+  options.timeline->spans.clear();
+  executor.run(false);
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream f(tmp);
+    f << gpu::chrome_trace(options.timeline->spans).dump() << "\n";
+    if (!f) {
+      std::fprintf(stderr, "bench_cp_local: --timeline %s: cannot write %s\n", path.c_str(), tmp.c_str());
+      std::exit(2);
+    }
+  }
+  std::filesystem::rename(tmp, path);
+  const gpu::TimelineSummary t = gpu::summarize(options.timeline->spans);
+  const double run = t.end_ms - t.begin_ms;
+  std::printf("\ntimeline of one run (%zu spans, %s): %.3f ms from the first operation to the last\n",
+              options.timeline->spans.size(), path.c_str(), run);
+  std::printf("| streams (all ranks) | busy ms | share of the run |\n|---|---|---|\n");
+  for (const auto& [kind, ms] : t.busy_ms) std::printf("| %s | %.3f | %.0f%% |\n", kind.c_str(), ms, 100 * ms / run);
+  for (const auto& [pair, ms] : t.overlap_ms)
+    std::printf("| %s and %s at once | %.3f | %.0f%% |\n", pair.first.c_str(), pair.second.c_str(), ms, 100 * ms / run);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -142,7 +176,8 @@ int main(int argc, char** argv) {
   std::string comm = "p2p";
   bool phases = false;
   bool aside = false;  // CpGpuOptions::accumulate_aside
-  std::string once;  // "cp" or "noncp": one untimed forward + backward of that path, then exit (for a profiler)
+  std::string once;
+  std::string timeline_file;  // "cp" or "noncp": one untimed forward + backward of that path, then exit (for a profiler)
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i], v = argv[i + 1];
     if (a == "--cp-size") W = std::stoi(v);
@@ -154,8 +189,9 @@ int main(int argc, char** argv) {
     else if (a == "--phases") phases = v == "1";
     else if (a == "--once" && (v == "cp" || v == "noncp")) once = v;
     else if (a == "--aside" && (v == "0" || v == "1")) aside = v == "1";
+    else if (a == "--timeline" && !v.empty()) timeline_file = v;
     else {
-      std::fprintf(stderr, "usage: bench_cp_local [--cp-size W] [--heads h] [--dim d] [--tokens t] [--comm c] [--reps n] [--phases 0|1] [--once cp|noncp] [--aside 0|1]\n");
+      std::fprintf(stderr, "usage: bench_cp_local [--cp-size W] [--heads h] [--dim d] [--tokens t] [--comm c] [--reps n] [--phases 0|1] [--once cp|noncp] [--aside 0|1] [--timeline FILE]\n");
       return 2;
     }
   }
@@ -223,5 +259,6 @@ int main(int argc, char** argv) {
   std::printf("| non-CP GPU (one call) | %.3f | %.3f | 1.00 |\n", non_cp_fwd, non_cp);
   std::printf("| local CP %s W=%d (one GPU) | %.3f | %.3f | %.2f |\n", comm.c_str(), W, cp_fwd, cp, cp / non_cp);
   if (phases) print_phases(s, plan, in, copy_rate_gbs(), aside);
+  if (!timeline_file.empty()) print_timeline(plan, in, aside, timeline_file);
   return 0;
 }

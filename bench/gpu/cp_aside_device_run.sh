@@ -3,7 +3,8 @@
 # not change (test_gpu's local CP cases, among them the bit-for-bit comparison of both schedules, and
 # `verify --backend local` over quick/edge/te in both backward modes), then bench_cp_local's wall times with the
 # accumulation in order (--aside 0) and aside (--aside 1), alternating, p2p W=4 twice each and once each for the other
-# comm types and W = 2 and 8. Run from a source snapshot's root with $OUT set and CPGOLD_PREFIX naming the header
+# comm types and W = 2 and 8. The first p2p W=4 round also writes a timeline of each schedule (bench_cp_local
+# --timeline: Chrome traces in logs.tar.gz, busy and overlap times printed). Run from a source snapshot's root with $OUT set and CPGOLD_PREFIX naming the header
 # dependencies.
 B=/tmp/b-aside
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
@@ -29,10 +30,14 @@ run() {  # name, bench arguments
   grep -E "^\| (non|local)" $OUT/bench_$name.log
 }
 for round in 1 2; do
-  for a in 0 1; do run p2p4_${a}_$round --comm p2p --cp-size 4 --reps 20 --aside $a; done
+  for a in 0 1; do
+    extra=""; [ $round = 1 ] && extra="--timeline $OUT/timeline_p2p4_aside$a.json"
+    run p2p4_${a}_$round --comm p2p --cp-size 4 --reps 20 --aside $a $extra
+    [ $round = 1 ] && sed -n '/^timeline of one run/,$p' $OUT/bench_p2p4_${a}_$round.log
+  done
 done
 for c in "a2a 4" "all_gather 4" "a2a+p2p 4" "p2p 2" "p2p 8"; do
   set -- $c
   for a in 0 1; do run ${1}_${2}_$a --comm $1 --cp-size $2 --reps 10 --aside $a; done
 done
-cd $OUT && tar -czf logs.tar.gz *.log && rm -f *.log
+cd $OUT && tar -czf logs.tar.gz *.log *.json && rm -f *.log *.json

@@ -257,6 +257,59 @@ TEST_CASE("local CP: accumulating on its own stream gives the in-order bits, eve
   }
 }
 
+// The timeline (CpGpuOptions::timeline, bench_cp_local --timeline) brackets every operation with events and nothing
+// else: the outputs are the plain run's; every attention call of every rank has a span on the compute stream; the
+// spans are ordered in time; the accumulation stream shows up exactly when accumulate_aside puts work there.
+TEST_CASE("local CP: the timeline records every attention call of every rank and changes no output") {
+  CPGOLD_REQUIRE_DEVICE();
+  for (const fx::SuiteCase& c : one_case_per_comm()) {
+    CAPTURE(c.name);
+    const sim::Plan plan = sim::make_plan(c.spec);
+    const sim::CaseInputs inputs = sim::make_case_inputs(c.spec);
+    int64_t attention_calls = 0;
+    for (const sim::PassPlan* pp : {&plan.forward, &plan.backward})
+      for (const sim::Tile& t : pp->tiles) attention_calls += t.computed;
+    gpu::CpGpuOptions plain;
+    plain.mode = gpu::BackwardMode::deterministic;
+    const sim::CpRun<float> want = gpu::LocalCpExecutor(plan, inputs, c.spec.dtype, plain).run(true);
+    for (const bool aside : {false, true}) {
+      CAPTURE(aside);
+      gpu::CpGpuOptions options = plain;
+      options.accumulate_aside = aside;
+      options.timeline = std::make_shared<gpu::Timeline>();
+      const sim::CpRun<float> got = gpu::LocalCpExecutor(plan, inputs, c.spec.dtype, options).run(true);
+      for (int r = 0; r < plan.cp_size; ++r) {
+        const auto& a = want.ranks[static_cast<size_t>(r)];
+        const auto& b = got.ranks[static_cast<size_t>(r)];
+        CHECK(std::memcmp(a.o.values.data(), b.o.values.data(), a.o.values.size() * 4) == 0);
+        CHECK(std::memcmp(a.dq.values.data(), b.dq.values.data(), a.dq.values.size() * 4) == 0);
+        CHECK(std::memcmp(a.dk.values.data(), b.dk.values.data(), a.dk.values.size() * 4) == 0);
+      }
+      int64_t attention_spans = 0, accumulate_spans = 0, exchange_spans = 0;
+      std::vector<int> ranks_seen(static_cast<size_t>(plan.cp_size), 0);
+      for (const gpu::TimelineSpan& x : options.timeline->spans) {
+        CHECK(x.end_ms >= x.begin_ms);
+        CHECK(x.begin_ms > -0.05);  // the reference is recorded before any rank starts (allow clock jitter)
+        REQUIRE((x.rank >= 0 && x.rank < plan.cp_size));
+        ranks_seen[static_cast<size_t>(x.rank)] = 1;
+        if (x.name.rfind("attention ", 0) == 0) {
+          ++attention_spans;
+          CHECK(x.stream == "compute");
+        }
+        accumulate_spans += x.stream == "accumulate";
+        exchange_spans += x.stream == "exchange";
+      }
+      CHECK(attention_spans == attention_calls);
+      CHECK((accumulate_spans > 0) == aside);
+      if (plan.cp_size > 1) CHECK(exchange_spans > 0);
+      for (int r = 0; r < plan.cp_size; ++r) CHECK(ranks_seen[static_cast<size_t>(r)] == 1);
+      const gpu::TimelineSummary t = gpu::summarize(options.timeline->spans);
+      CHECK(t.busy_ms.at("compute") > 0.0);
+      CHECK(t.busy_ms.at("compute") <= t.end_ms - t.begin_ms + 1e-9);
+    }
+  }
+}
+
 // The phase breakdown (bench_cp_local --phases 1) serialises the ranks' operations under one lock while the
 // exchanges rendezvous outside it: every comm type completes (a lock held across a rendezvous deadlocked W >= 2),
 // gives the same outputs as the untimed run, and files every attention call under its pass and step section.
