@@ -49,8 +49,8 @@ using EventRef = std::shared_ptr<Event>;
 // waits for the event before touching the buffer (DeviceRankBackend::own).
 struct DeviceMemory {
   void* ptr = nullptr;
-  cudaStream_t stream = nullptr;
-  cudaStream_t side_stream = nullptr;
+  cudaStream_t stream = nullptr;       // the compute stream that allocated it
+  cudaStream_t side_stream = nullptr;  // that rank's accumulation stream
   EventRef side_use;
   bool pending_zero = false;
   DeviceMemory() = default;
@@ -108,9 +108,10 @@ struct ComputeStream {
 
 // Three streams per rank: attention, copies and merges run on the backend's compute stream; exchanges run on the
 // communicator's stream; with CpGpuOptions::accumulate_aside the float32 accumulation of the backward partials
-// (scatter_add) runs on the accumulation stream, otherwise on the compute stream. An exchange starts on the communication stream once the compute stream has passed what was enqueued before
-// it (the sent tensors' producers, the receive buffers' allocation); the compute stream waits for the exchange only
-// where the program finishes it, so what the program enqueues in between overlaps it. An accumulation starts once
+// (scatter_add) runs on the accumulation stream, otherwise on the compute stream. An exchange starts on the
+// communication stream once the compute stream has passed what was enqueued before it (the sent tensors' producers,
+// the receive buffers' allocation); the compute stream waits for the exchange only where the program finishes it, so
+// what the program enqueues in between overlaps it. An accumulation starts once
 // the compute stream has produced its partial; the compute and communication streams wait for it only where they
 // touch its accumulator (DeviceMemory::side_use), so step i's memory-bound accumulation runs beside step i + 1's
 // compute-bound attention. Every tensor is allocated on the compute stream and freed on it, or on the accumulation
@@ -175,8 +176,8 @@ class DeviceRankBackend {
     std::lock_guard<std::mutex> lock(options_.timeline->mutex);
     for (TimelineSpan& x : out) options_.timeline->spans.push_back(std::move(x));
   }
-  // A timing event on `stream` (the reference of a timeline).
-  EventRef timing_event(cudaStream_t stream) { return record(stream); }
+  // A timing event on the compute stream (the reference of a timeline).
+  EventRef timing_event() { return record(stream_); }
 
   // Host float tensor holding dtype values -> device storage tensor.
   void upload_input(sim::Payload payload, const Tensor3<float>& x) {
@@ -259,10 +260,7 @@ class DeviceRankBackend {
     if (!aside) return;
     const EventRef done = record(side_stream_);
     for (const auto& m : {dst.mem, src.mem})
-      if (m) {
-        m->side_stream = side_stream_;
-        m->side_use = done;
-      }
+      if (m) m->side_use = done;
   }
   Lse lse_gather(const Lse& x, const std::vector<int64_t>& rows) {
     DeviceLse out;
@@ -571,6 +569,7 @@ class DeviceRankBackend {
   std::shared_ptr<DeviceMemory> raw(size_t bytes) {
     auto m = std::make_shared<DeviceMemory>();
     m->stream = stream_;
+    m->side_stream = side_stream_;
     cuda(cudaMallocAsync(&m->ptr, std::max<size_t>(bytes, 16), stream_), "cudaMallocAsync");
     return m;
   }
@@ -731,7 +730,7 @@ sim::CpRun<float> LocalCpExecutor::run(bool download) {
   sim::CpRun<float> out;
   out.ranks.resize(static_cast<size_t>(W));
   // One reference for every rank's timeline: recorded on rank 0's idle stream before any rank starts.
-  const EventRef timeline_zero = s.options.timeline ? s.backends[0]->timing_event(s.backends[0]->stream()) : nullptr;
+  const EventRef timeline_zero = s.options.timeline ? s.backends[0]->timing_event() : nullptr;
   sim::run_rank_threads(
       W,
       [&](int g) {

@@ -92,16 +92,28 @@ double copy_rate_gbs() {
   return 2.0 * bytes / (ms[ms.size() / 2] * 1e-3) / 1e9;
 }
 
+gpu::CpGpuOptions cp_options(bool aside) {
+  gpu::CpGpuOptions options;
+  options.accumulate_aside = aside;
+  return options;
+}
+
+// One warm-up run of a local CP executor of `options` (attention plans, row index uploads, pool), then `reset()` (the
+// warm-up's records go), then the run that counts.
+template <class Reset>
+void warm_then_run(const sim::Plan& plan, const sim::CaseInputs& in, const gpu::CpGpuOptions& options, Reset&& reset) {
+  gpu::LocalCpExecutor executor(plan, in, DType::bf16, options);
+  executor.run(false);
+  reset();
+  executor.run(false);
+}
+
 // One forward + backward run with every backend operation alone on the device: device time per phase.
 void print_phases(const sim::CaseSpec& spec, const sim::Plan& plan, const sim::CaseInputs& in, double copy_gbs,
                   bool aside) {
-  gpu::CpGpuOptions options;
-  options.accumulate_aside = aside;
+  gpu::CpGpuOptions options = cp_options(aside);
   options.phases = std::make_shared<gpu::PhaseTimes>();
-  gpu::LocalCpExecutor executor(plan, in, DType::bf16, options);
-  executor.run(false);  // warm-up: attention plans, row index uploads, pool
-  options.phases->phases.clear();
-  executor.run(false);
+  warm_then_run(plan, in, options, [&] { options.phases->phases.clear(); });
   std::printf("\nphases of one run (all ranks summed; each operation alone on the device; copy rate %.0f GB/s)\n",
               copy_gbs);
   std::printf("| phase | calls | device ms | GB moved | GB/s | ms at the copy rate |\n|---|---|---|---|---|---|\n");
@@ -140,13 +152,9 @@ void print_phases(const sim::CaseSpec& spec, const sim::Plan& plan, const sim::C
 // One forward + backward run with the timeline: the Chrome trace to `path` (through a temporary file, so a failed
 // write leaves an existing file as it was) and the device-wide busy times of each stream kind.
 void print_timeline(const sim::Plan& plan, const sim::CaseInputs& in, bool aside, const std::string& path) {
-  gpu::CpGpuOptions options;
-  options.accumulate_aside = aside;
+  gpu::CpGpuOptions options = cp_options(aside);
   options.timeline = std::make_shared<gpu::Timeline>();
-  gpu::LocalCpExecutor executor(plan, in, DType::bf16, options);
-  executor.run(false);  // warm-up: attention plans, row index uploads, pool
-  options.timeline->spans.clear();
-  executor.run(false);
+  warm_then_run(plan, in, options, [&] { options.timeline->spans.clear(); });
   const std::string tmp = path + ".tmp";
   {
     std::ofstream f(tmp);
@@ -156,7 +164,13 @@ void print_timeline(const sim::Plan& plan, const sim::CaseInputs& in, bool aside
       std::exit(2);
     }
   }
-  std::filesystem::rename(tmp, path);
+  std::error_code error;
+  std::filesystem::rename(tmp, path, error);
+  if (error) {
+    std::fprintf(stderr, "bench_cp_local: --timeline %s: cannot rename %s to it: %s\n", path.c_str(), tmp.c_str(),
+                 error.message().c_str());
+    std::exit(2);
+  }
   const gpu::TimelineSummary t = gpu::summarize(options.timeline->spans);
   const double run = t.end_ms - t.begin_ms;
   std::printf("\ntimeline of one run (%zu spans, %s): %.3f ms from the first operation to the last\n",
@@ -176,8 +190,8 @@ int main(int argc, char** argv) {
   std::string comm = "p2p";
   bool phases = false;
   bool aside = false;  // CpGpuOptions::accumulate_aside
-  std::string once;
-  std::string timeline_file;  // "cp" or "noncp": one untimed forward + backward of that path, then exit (for a profiler)
+  std::string once;  // "cp" or "noncp": one untimed forward + backward of that path, then exit (for a profiler)
+  std::string timeline_file;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i], v = argv[i + 1];
     if (a == "--cp-size") W = std::stoi(v);
@@ -225,9 +239,7 @@ int main(int argc, char** argv) {
     return 0;
   }
   if (once == "cp") {
-    gpu::CpGpuOptions options;
-    options.accumulate_aside = aside;
-    gpu::LocalCpExecutor executor(plan, in, DType::bf16, options);
+    gpu::LocalCpExecutor executor(plan, in, DType::bf16, cp_options(aside));
     executor.run(false);
     std::printf("one local CP %s W=%d forward + backward done\n", comm.c_str(), W);
     return 0;
@@ -239,9 +251,7 @@ int main(int argc, char** argv) {
       },
       reps);
 
-  gpu::CpGpuOptions options;
-  options.accumulate_aside = aside;
-  gpu::LocalCpExecutor executor(plan, in, DType::bf16, options);
+  gpu::LocalCpExecutor executor(plan, in, DType::bf16, cp_options(aside));
   const double cp = median_ms([&] { executor.run(false); }, reps);
   gpu::CpGpuOptions fwd_only;
   fwd_only.backward = false;
