@@ -67,6 +67,17 @@ struct ForwardBuffers {  // device pointers; 16-bit elements of the shape's dtyp
   float* lse = nullptr;
 };
 
+// A float32 sum that a backward output is added into instead of being written: row i of the output, rounded to the
+// dtype, goes to row rows[i] of `data` (same row width: heads * dim), data[rows[i]] = (assign ? 0 : data[rows[i]]) +
+// value, the bits of writing the output and adding it in float32 afterwards. rows: device array, one entry per row of
+// the call (Q rows for dQ, KV rows for dK and dV); distinct entries. assign: every row of `data` is written by this
+// call before anything reads it (the first contribution to a fresh sum).
+struct RowSum {
+  float* data = nullptr;
+  const int64_t* rows = nullptr;
+  bool assign = false;
+};
+
 struct BackwardBuffers {
   const void* q = nullptr;
   const void* k = nullptr;
@@ -77,6 +88,9 @@ struct BackwardBuffers {
   void* dq = nullptr;
   void* dk = nullptr;
   void* dv = nullptr;
+  // Summing form (all three set, or none): dq/dk/dv are then not written and may be null. Rows of dK and dV share
+  // one map (dk_sum.rows == dv_sum.rows).
+  RowSum dq_sum, dk_sum, dv_sum;
 };
 
 enum class BackwardMode {

@@ -154,6 +154,34 @@ __device__ __forceinline__ void store_tile(T* gmem, int64_t stride, const T* sme
   }
 }
 
+// Adds `valid` rows of a ROWS x COLS shared tile of dtype values (zeros where smem is null: pad rows) in float32 to
+// rows map[0..valid) of `sum` (row stride `stride` floats, the tile's columns from `col0`), 16 bytes at a time:
+// sum = (assign ? 0 : sum) + value, the operation of a separate scatter-add over the stored tile, bit for bit.
+template <int ROWS, int COLS, int THREADS, class T>
+__device__ __forceinline__ void sum_tile(float* sum, const int64_t* map, int64_t stride, int64_t col0, const T* smem,
+                                         int valid, bool assign) {
+  static_assert(COLS % 4 == 0, "float4 columns");
+  constexpr int kChunks = COLS / 4;
+  constexpr int kPitch = Pitch<COLS>::value;
+  for (int i = threadIdx.x; i < valid * kChunks; i += THREADS) {
+    const int r = i / kChunks;
+    const int c = (i % kChunks) * 4;
+    float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (smem != nullptr) {
+      const T* v = smem + r * kPitch + c;
+      x = make_float4(Elem<T>::to_float(v[0]), Elem<T>::to_float(v[1]), Elem<T>::to_float(v[2]),
+                      Elem<T>::to_float(v[3]));
+    }
+    float4* d = reinterpret_cast<float4*>(sum + map[r] * stride + col0 + c);
+    float4 y = assign ? make_float4(0.f, 0.f, 0.f, 0.f) : *d;
+    y.x += x.x;
+    y.y += x.y;
+    y.z += x.z;
+    y.w += x.w;
+    *d = y;
+  }
+}
+
 // Zeros `rows` rows of COLS elements (16-byte stores).
 template <int COLS, int THREADS, class T>
 __device__ __forceinline__ void zero_rows(T* gmem, int64_t stride, int rows) {
@@ -511,6 +539,27 @@ __global__ void attention_backward_convert_dq_kernel(AttentionParams p, int64_t 
     dq[i] = Elem<T>::from_float(p.dq_accum[i] * p.softmax_scale);
 }
 
+// Summing form of the conversion: dq_sum[q_sum_rows[r]] = (assign ? 0 : dq_sum[..]) + float(dtype(dq_accum[r] *
+// scale)) over every row, 16 bytes at a time (row width heads_q * D, a multiple of 4).
+template <class T>
+__global__ void attention_backward_sum_dq_kernel(AttentionParams p, int64_t row_elems) {
+  const int64_t chunks = row_elems / 4, total = p.q_rows * chunks;
+  const bool assign = p.dq_sum_assign != 0;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = i / chunks, c = (i % chunks) * 4;
+    const float4 a = *reinterpret_cast<const float4*>(p.dq_accum + r * row_elems + c);
+    const float s = p.softmax_scale;
+    float4* d = reinterpret_cast<float4*>(p.dq_sum + p.q_sum_rows[r] * row_elems + c);
+    float4 y = assign ? make_float4(0.f, 0.f, 0.f, 0.f) : *d;
+    y.x += Elem<T>::to_float(Elem<T>::from_float(a.x * s));
+    y.y += Elem<T>::to_float(Elem<T>::from_float(a.y * s));
+    y.z += Elem<T>::to_float(Elem<T>::from_float(a.z * s));
+    y.w += Elem<T>::to_float(Elem<T>::from_float(a.w * s));
+    *d = y;
+  }
+}
+
 template <class T, int D, int DV>
 struct BackwardConfig {
   static constexpr int kThreads = 128;
@@ -558,11 +607,22 @@ __global__ void __launch_bounds__(128) attention_backward_dkdv_kernel(AttentionP
   const int64_t o_stride = static_cast<int64_t>(p.heads_q) * DV;
   const int64_t k_stride = static_cast<int64_t>(p.heads_kv) * D;
   const int64_t v_stride = static_cast<int64_t>(p.heads_kv) * DV;
-  T* dk_tile = static_cast<T*>(p.dk) + kv_tile.first_row * k_stride + static_cast<int64_t>(kv_head) * D;
-  T* dv_tile = static_cast<T*>(p.dv) + kv_tile.first_row * v_stride + static_cast<int64_t>(kv_head) * DV;
+  const bool summing = p.dk_sum != nullptr;
+  const int64_t* sum_map = summing ? p.kv_sum_rows + kv_tile.first_row : nullptr;
+  T* dk_tile =
+      summing ? nullptr : static_cast<T*>(p.dk) + kv_tile.first_row * k_stride + static_cast<int64_t>(kv_head) * D;
+  T* dv_tile =
+      summing ? nullptr : static_cast<T*>(p.dv) + kv_tile.first_row * v_stride + static_cast<int64_t>(kv_head) * DV;
   if (kv_tile.sequence < 0) {  // K/V rows outside every segment: dK = dV = 0
-    zero_rows<D, Cfg::kThreads>(dk_tile, k_stride, kv_tile.rows);
-    zero_rows<DV, Cfg::kThreads>(dv_tile, v_stride, kv_tile.rows);
+    if (summing) {
+      sum_tile<Cfg::kBlockN, D, Cfg::kThreads, T>(p.dk_sum, sum_map, k_stride, int64_t{kv_head} * D, nullptr,
+                                                  kv_tile.rows, p.dk_sum_assign != 0);
+      sum_tile<Cfg::kBlockN, DV, Cfg::kThreads, T>(p.dv_sum, sum_map, v_stride, int64_t{kv_head} * DV, nullptr,
+                                                   kv_tile.rows, p.dv_sum_assign != 0);
+    } else {
+      zero_rows<D, Cfg::kThreads>(dk_tile, k_stride, kv_tile.rows);
+      zero_rows<DV, Cfg::kThreads>(dv_tile, v_stride, kv_tile.rows);
+    }
     return;
   }
   const SequenceDesc& seq = p.sequences[kv_tile.sequence];
@@ -689,8 +749,15 @@ __global__ void __launch_bounds__(128) attention_backward_dkdv_kernel(AttentionP
   acc_to_smem<T, D / 8>(sQ + warp * 16 * Cfg::kLdQ, Cfg::kLdQ, acc_dk, p.softmax_scale);
   acc_to_smem<T, DV / 8>(sdO + warp * 16 * Cfg::kLdO, Cfg::kLdO, acc_dv, 1.f);
   __syncthreads();
-  store_tile<Cfg::kBlockN, D, Cfg::kThreads>(dk_tile, k_stride, sQ, kv_tile.rows);
-  store_tile<Cfg::kBlockN, DV, Cfg::kThreads>(dv_tile, v_stride, sdO, kv_tile.rows);
+  if (summing) {
+    sum_tile<Cfg::kBlockN, D, Cfg::kThreads>(p.dk_sum, sum_map, k_stride, int64_t{kv_head} * D, sQ, kv_tile.rows,
+                                             p.dk_sum_assign != 0);
+    sum_tile<Cfg::kBlockN, DV, Cfg::kThreads>(p.dv_sum, sum_map, v_stride, int64_t{kv_head} * DV, sdO, kv_tile.rows,
+                                              p.dv_sum_assign != 0);
+  } else {
+    store_tile<Cfg::kBlockN, D, Cfg::kThreads>(dk_tile, k_stride, sQ, kv_tile.rows);
+    store_tile<Cfg::kBlockN, DV, Cfg::kThreads>(dv_tile, v_stride, sdO, kv_tile.rows);
+  }
 }
 
 template <class T, int D, int DV>
@@ -724,9 +791,16 @@ __global__ void __launch_bounds__(128) attention_backward_dq_kernel(AttentionPar
   const int64_t o_stride = static_cast<int64_t>(p.heads_q) * DV;
   const int64_t k_stride = static_cast<int64_t>(p.heads_kv) * D;
   const int64_t v_stride = static_cast<int64_t>(p.heads_kv) * DV;
-  T* dq_tile = static_cast<T*>(p.dq) + tile.first_row * q_stride + static_cast<int64_t>(head) * D;
+  const bool summing = p.dq_sum != nullptr;
+  const int64_t* sum_map = summing ? p.q_sum_rows + tile.first_row : nullptr;
+  T* dq_tile =
+      summing ? nullptr : static_cast<T*>(p.dq) + tile.first_row * q_stride + static_cast<int64_t>(head) * D;
   if (tile.sequence < 0) {
-    zero_rows<D, Cfg::kThreads>(dq_tile, q_stride, tile.rows);
+    if (summing)
+      sum_tile<Cfg::kBlockM, D, Cfg::kThreads, T>(p.dq_sum, sum_map, q_stride, int64_t{head} * D, nullptr, tile.rows,
+                                                  p.dq_sum_assign != 0);
+    else
+      zero_rows<D, Cfg::kThreads>(dq_tile, q_stride, tile.rows);
     return;
   }
   const SequenceDesc& seq = p.sequences[tile.sequence];
@@ -795,7 +869,11 @@ __global__ void __launch_bounds__(128) attention_backward_dq_kernel(AttentionPar
   __syncthreads();
   acc_to_smem<T, D / 8>(sQ + warp * 16 * Cfg::kLdQ, Cfg::kLdQ, acc_dq, p.softmax_scale);
   __syncthreads();
-  store_tile<Cfg::kBlockM, D, Cfg::kThreads>(dq_tile, q_stride, sQ, tile.rows);
+  if (summing)
+    sum_tile<Cfg::kBlockM, D, Cfg::kThreads>(p.dq_sum, sum_map, q_stride, int64_t{head} * D, sQ, tile.rows,
+                                             p.dq_sum_assign != 0);
+  else
+    store_tile<Cfg::kBlockM, D, Cfg::kThreads>(dq_tile, q_stride, sQ, tile.rows);
 }
 
 }  // namespace cpgold::gpu::detail

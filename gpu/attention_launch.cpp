@@ -37,9 +37,16 @@ Outcome attention_forward(const AttentionPlan& plan, const ForwardBuffers& b, vo
 Outcome attention_backward(const AttentionPlan& plan, const BackwardBuffers& b, BackwardMode mode, void* stream) {
   const AttentionPlan::Impl* impl = plan.impl();
   if (impl == nullptr) return {Status::invalid_argument, "attention_backward: the plan was not built"};
+  const int sums = (b.dq_sum.data != nullptr) + (b.dk_sum.data != nullptr) + (b.dv_sum.data != nullptr);
+  if (sums != 0 && sums != 3)
+    return {Status::invalid_argument, "attention_backward: dq_sum, dk_sum and dv_sum are set together or not at all"};
+  const bool summing = sums == 3;
+  if (summing && ((impl->q_rows > 0 && b.dq_sum.rows == nullptr) ||
+                  (impl->kv_rows > 0 && (b.dk_sum.rows == nullptr || b.dk_sum.rows != b.dv_sum.rows))))
+    return {Status::invalid_argument, "attention_backward: a sum's row map is null, or dK's and dV's differ"};
   if ((impl->q_rows > 0 && (b.q == nullptr || b.o == nullptr || b.lse == nullptr || b.dout == nullptr ||
-                            b.dq == nullptr)) ||
-      (impl->kv_rows > 0 && (b.k == nullptr || b.v == nullptr || b.dk == nullptr || b.dv == nullptr)))
+                            (!summing && b.dq == nullptr))) ||
+      (impl->kv_rows > 0 && (b.k == nullptr || b.v == nullptr || (!summing && (b.dk == nullptr || b.dv == nullptr)))))
     return {Status::invalid_argument, "attention_backward: a buffer is null"};
   auto s = static_cast<cudaStream_t>(stream);
   if (impl->shape.dtype == DType::bf16) return detail::launch_backward_bf16(*impl, b, mode, s);

@@ -89,7 +89,10 @@ Outcome backward_dims(AttentionParams p, BackwardMode mode, cudaStream_t stream,
     const int64_t elems = static_cast<int64_t>(accum_elems);
     const int blocks = static_cast<int>(std::min<int64_t>((elems + 255) / 256, 132 * 16));
     if (out.ok() && elems > 0) {
-      attention_backward_convert_dq_kernel<T><<<blocks, 256, 0, stream>>>(p, elems);
+      if (p.dq_sum != nullptr)
+        attention_backward_sum_dq_kernel<T><<<blocks, 256, 0, stream>>>(p, static_cast<int64_t>(p.heads_q) * D);
+      else
+        attention_backward_convert_dq_kernel<T><<<blocks, 256, 0, stream>>>(p, elems);
       if (cudaError_t e = cudaGetLastError(); e != cudaSuccess)
         step(cuda_failure("attention_backward_convert_dq_kernel", e));
     }
@@ -122,6 +125,14 @@ Outcome backward_typed(const AttentionPlan::Impl& plan, const BackwardBuffers& b
   p.dq = b.dq;
   p.dk = b.dk;
   p.dv = b.dv;
+  p.dq_sum = b.dq_sum.data;
+  p.dk_sum = b.dk_sum.data;
+  p.dv_sum = b.dv_sum.data;
+  p.q_sum_rows = b.dq_sum.rows;
+  p.kv_sum_rows = b.dk_sum.rows;
+  p.dq_sum_assign = b.dq_sum.assign;
+  p.dk_sum_assign = b.dk_sum.assign;
+  p.dv_sum_assign = b.dv_sum.assign;
   const int d = plan.shape.dim_qk, dv = plan.shape.dim_v;
   if (d == 64 && dv == 64) return backward_dims<T, 64, 64>(p, mode, stream, plan);
   if (d == 128 && dv == 128) return backward_dims<T, 128, 128>(p, mode, stream, plan);

@@ -305,12 +305,38 @@ class DeviceRankBackend {
                alloc(v.rows, v.heads, v.dim, storage_)};
     Outcome out;
     timed(attention_phase(sim::PassKind::backward, t.section).c_str(), 0, [&] {
-      out = attention_backward(
-          plan, {q.data(), k.data(), v.data(), o.data(), dout.data(), lse.data(), r.dq.data(), r.dk.data(), r.dv.data()},
-          options_.mode, stream_);
+      out = attention_backward(plan,
+                               {q.data(), k.data(), v.data(), o.data(), dout.data(), lse.data(), r.dq.data(),
+                                r.dk.data(), r.dv.data(), {}, {}, {}},
+                               options_.mode, stream_);
     });
     if (!out.ok()) fail_step(t, "attention_backward", out);
     return r;
+  }
+  bool sums_backward() const { return options_.sum_in_backward && !options_.record_trace; }
+  // backward + scatter_add(dq, qrows, .dq), (dk, krows, .dk), (dv, krows, .dv) in the attention kernels themselves.
+  void backward_sum(const sim::Tile& t, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o,
+                    const Lse& lse, const Tensor& dout, const std::vector<int64_t>& qrows, Tensor& dq,
+                    const std::vector<int64_t>& krows, Tensor& dk, Tensor& dv) {
+    for (const Tensor* x : {&q, &k, &v, &o, &dout}) materialize(*x);
+    const AttentionPlan& plan = plan_for(t, q, k, v);
+    auto sum_of = [&](Tensor& dst, const std::vector<int64_t>& rows, const Tensor& like) {
+      if (dst.elem != Elem::f32 || dst.heads * dst.dim != like.heads * like.dim ||
+          static_cast<int64_t>(rows.size()) != like.rows)
+        throw std::logic_error("rank " + std::to_string(rank_) + ": backward_sum into a sum of another shape");
+      own(dst.mem);
+      // A first contribution to every row of a fresh zero sum is written, not added (as in scatter_add).
+      const bool assign = dst.mem && dst.mem->pending_zero && covers_every_row(rows, dst.rows);
+      if (!assign) fill_pending_zeros(dst);
+      if (dst.mem) dst.mem->pending_zero = false;
+      return RowSum{static_cast<float*>(dst.data()), rows_ptr(upload_rows(rows)), assign};
+    };
+    BackwardBuffers buffers{q.data(), k.data(), v.data(), o.data(), dout.data(), lse.data(), nullptr, nullptr, nullptr,
+                            sum_of(dq, qrows, q), sum_of(dk, krows, k), sum_of(dv, krows, v)};
+    Outcome out;
+    timed(attention_phase(sim::PassKind::backward, t.section).c_str(), 0,
+          [&] { out = attention_backward(plan, buffers, options_.mode, stream_); });
+    if (!out.ok()) fail_step(t, "attention_backward", out);
   }
   // One pass (launch_merge_forward): LSE merged in step order, O summed in float32 in step order and rounded once to
   // the dtype, written straight into a storage tensor that replaces the fresh zero accumulator `o`.

@@ -61,6 +61,11 @@ struct CpGpuOptions {
   // per rank, so that step i's accumulation (memory-bound) can run beside step i + 1's attention (compute-bound)
   // instead of after it. Off: everything but the exchanges in program order on the compute stream.
   bool accumulate_aside = false;
+  // Summing backward (the p2p/a2a/a2a+p2p ring steps): each step's attention backward adds its dQ, dK, dV, rounded to
+  // the dtype, straight into the rank's float32 sums (BackwardBuffers' RowSum) instead of writing partials that a
+  // separate scatter_add adds: the same bits, one pass over the sums fewer. The step's dKV must then have arrived
+  // before its attention starts. Not with record_trace (the trace needs the partials), where it is ignored.
+  bool sum_in_backward = false;
   // Every operation's span on its stream, from CUDA events, without serialising (gpu/timeline.hpp); appended to by
   // each run, in ms from a reference recorded before the ranks start (LocalCpExecutor) or from the rank's own run
   // start (run_cp_rank). Not with phases.

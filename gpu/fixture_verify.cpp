@@ -112,6 +112,7 @@ FixtureVerification verify_fixture_local(const std::string& fixture_path, Backwa
   CpGpuOptions options;
   options.mode = mode;
   options.record_trace = fixture.traced;
+  options.sum_in_backward = true;  // the faster schedule on one GPU (docs/PERF.md); the same bits as without
   options.inject = inject;
   const sim::CpRun<float> run = run_cp_local(fixture.plan, inputs, fixture.spec.dtype, options);
   write_cp_candidate(candidate_path, fixture.plan, run);

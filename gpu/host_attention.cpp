@@ -111,27 +111,49 @@ Outcome forward_on_device(const AttentionCall& call, DType dtype, const Tensor3<
   return {};
 }
 
-Outcome backward_on_device(const AttentionCall& call, DType dtype, const Tensor3<float>& q, const Tensor3<float>& k,
-                           const Tensor3<float>& v, const Tensor3<float>& o, const LseTensor<float>& lse,
-                           const Tensor3<float>& dout, BackwardMode mode, HostBackward& out) {
+namespace {
+
+void upload_floats(DeviceArray& dst, const std::vector<float>& x) {
+  check(dst.allocate(x.size() * 4), "cudaMalloc");
+  check(cudaMemcpy(dst.get(), x.data(), x.size() * 4, cudaMemcpyHostToDevice), "cudaMemcpy to device");
+}
+void upload_rows(DeviceArray& dst, const std::vector<int64_t>& x) {
+  check(dst.allocate(x.size() * 8), "cudaMalloc");
+  check(cudaMemcpy(dst.get(), x.data(), x.size() * 8, cudaMemcpyHostToDevice), "cudaMemcpy to device");
+}
+void download_floats(std::vector<float>& x, const DeviceArray& src) {
+  check(cudaMemcpy(x.data(), src.get(), x.size() * 4, cudaMemcpyDeviceToHost), "cudaMemcpy to host");
+}
+
+// Both forms: with `sums`, the outputs go into its float32 tensors instead of `out`.
+Outcome backward_common(const AttentionCall& call, DType dtype, const Tensor3<float>& q, const Tensor3<float>& k,
+                        const Tensor3<float>& v, const Tensor3<float>& o, const LseTensor<float>& lse,
+                        const Tensor3<float>& dout, BackwardMode mode, HostBackward* out, HostSums* sums) {
   const AttentionShape shape = shape_of(dtype, q, k, v);
   if (q.rows != call.q_rows || k.rows != call.kv_rows || v.rows != call.kv_rows || k.dim != q.dim ||
       v.heads != k.heads || !o.same_shape(dout) || o.rows != q.rows || o.heads != q.heads || o.dim != v.dim ||
       lse.rows != q.rows || lse.heads != q.heads)
     return {Status::invalid_argument, "backward_on_device: tensor shapes do not match the call"};
+  if (sums != nullptr) {
+    auto fits = [](const Tensor3<float>& sum, const Tensor3<float>& x, const std::vector<int64_t>& map) {
+      if (sum.heads * sum.dim != x.heads * x.dim || static_cast<int64_t>(map.size()) != x.rows) return false;
+      for (int64_t r : map)
+        if (r < 0 || r >= sum.rows) return false;
+      return true;
+    };
+    if (!fits(sums->dq, q, sums->q_map) || !fits(sums->dk, k, sums->kv_map) || !fits(sums->dv, v, sums->kv_map))
+      return {Status::invalid_argument, "backward_sum_on_device: a sum's row width or row map does not fit"};
+  }
   AttentionPlan plan;
   if (Outcome r = plan.build(call, shape); !r.ok()) return r;
   try {
-    DeviceArray d_q, d_k, d_v, d_o, d_do, d_lse, d_dq, d_dk, d_dv;
+    DeviceArray d_q, d_k, d_v, d_o, d_do, d_lse, d_dq, d_dk, d_dv, d_qmap, d_kvmap;
     upload(d_q, dtype, q);
     upload(d_k, dtype, k);
     upload(d_v, dtype, v);
     upload(d_o, dtype, o);
     upload(d_do, dtype, dout);
     upload_lse(d_lse, lse);
-    allocate_poisoned(d_dq, q.values.size() * 2);
-    allocate_poisoned(d_dk, k.values.size() * 2);
-    allocate_poisoned(d_dv, v.values.size() * 2);
     BackwardBuffers b;
     b.q = d_q.get();
     b.k = d_k.get();
@@ -139,18 +161,55 @@ Outcome backward_on_device(const AttentionCall& call, DType dtype, const Tensor3
     b.o = d_o.get();
     b.dout = d_do.get();
     b.lse = static_cast<const float*>(d_lse.get());
-    b.dq = d_dq.get();
-    b.dk = d_dk.get();
-    b.dv = d_dv.get();
+    if (sums == nullptr) {
+      allocate_poisoned(d_dq, q.values.size() * 2);
+      allocate_poisoned(d_dk, k.values.size() * 2);
+      allocate_poisoned(d_dv, v.values.size() * 2);
+      b.dq = d_dq.get();
+      b.dk = d_dk.get();
+      b.dv = d_dv.get();
+    } else {
+      upload_floats(d_dq, sums->dq.values);
+      upload_floats(d_dk, sums->dk.values);
+      upload_floats(d_dv, sums->dv.values);
+      upload_rows(d_qmap, sums->q_map);
+      upload_rows(d_kvmap, sums->kv_map);
+      const auto* qmap = static_cast<const int64_t*>(d_qmap.get());
+      const auto* kvmap = static_cast<const int64_t*>(d_kvmap.get());
+      b.dq_sum = {static_cast<float*>(d_dq.get()), qmap, sums->assign_q};
+      b.dk_sum = {static_cast<float*>(d_dk.get()), kvmap, sums->assign_kv};
+      b.dv_sum = {static_cast<float*>(d_dv.get()), kvmap, sums->assign_kv};
+    }
     if (Outcome r = attention_backward(plan, b, mode); !r.ok()) return r;
     check(cudaDeviceSynchronize(), "attention backward");
-    out.dq = download(d_dq, dtype, q.rows, q.heads, q.dim);
-    out.dk = download(d_dk, dtype, k.rows, k.heads, k.dim);
-    out.dv = download(d_dv, dtype, v.rows, v.heads, v.dim);
+    if (sums == nullptr) {
+      out->dq = download(d_dq, dtype, q.rows, q.heads, q.dim);
+      out->dk = download(d_dk, dtype, k.rows, k.heads, k.dim);
+      out->dv = download(d_dv, dtype, v.rows, v.heads, v.dim);
+    } else {
+      download_floats(sums->dq.values, d_dq);
+      download_floats(sums->dk.values, d_dk);
+      download_floats(sums->dv.values, d_dv);
+    }
   } catch (const Failure& f) {
     return f.outcome;
   }
   return {};
+}
+
+}  // namespace
+
+Outcome backward_on_device(const AttentionCall& call, DType dtype, const Tensor3<float>& q, const Tensor3<float>& k,
+                           const Tensor3<float>& v, const Tensor3<float>& o, const LseTensor<float>& lse,
+                           const Tensor3<float>& dout, BackwardMode mode, HostBackward& out) {
+  return backward_common(call, dtype, q, k, v, o, lse, dout, mode, &out, nullptr);
+}
+
+Outcome backward_sum_on_device(const AttentionCall& call, DType dtype, const Tensor3<float>& q,
+                               const Tensor3<float>& k, const Tensor3<float>& v, const Tensor3<float>& o,
+                               const LseTensor<float>& lse, const Tensor3<float>& dout, BackwardMode mode,
+                               HostSums& sums) {
+  return backward_common(call, dtype, q, k, v, o, lse, dout, mode, nullptr, &sums);
 }
 
 }  // namespace cpgold::gpu

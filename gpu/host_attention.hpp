@@ -2,6 +2,9 @@
 // Host-tensor entry points for tests and `cpgold verify`: upload float tensors holding values of the dtype, run the
 // kernels, download the results as float. Synchronous.
 #include "gpu/attention.hpp"
+#include <cstdint>
+#include <vector>
+
 #include "reference/tensor.hpp"
 
 namespace cpgold::gpu {
@@ -22,6 +25,18 @@ Outcome forward_on_device(const AttentionCall& call, DType dtype, const Tensor3<
 Outcome backward_on_device(const AttentionCall& call, DType dtype, const Tensor3<float>& q, const Tensor3<float>& k,
                            const Tensor3<float>& v, const Tensor3<float>& o, const LseTensor<float>& lse,
                            const Tensor3<float>& dout, BackwardMode mode, HostBackward& out);
+
+// The summing form (BackwardBuffers' RowSum): dq, dk and dv are float32 sums of any row count, uploaded, added into at
+// the maps' rows (q_map: one entry per Q row of the call; kv_map: per KV row, shared by dK and dV), downloaded back.
+struct HostSums {
+  Tensor3<float> dq, dk, dv;
+  std::vector<int64_t> q_map, kv_map;
+  bool assign_q = false, assign_kv = false;
+};
+Outcome backward_sum_on_device(const AttentionCall& call, DType dtype, const Tensor3<float>& q,
+                               const Tensor3<float>& k, const Tensor3<float>& v, const Tensor3<float>& o,
+                               const LseTensor<float>& lse, const Tensor3<float>& dout, BackwardMode mode,
+                               HostSums& sums);
 
 // The shape of a call on these tensors (heads and dims read off q and v).
 AttentionShape shape_of(DType dtype, const Tensor3<float>& q, const Tensor3<float>& k, const Tensor3<float>& v);

@@ -42,6 +42,17 @@ struct AttentionParams {
   void* dv;           // [kv_rows, heads_kv, dim_v]
   float* dq_accum;    // [q_rows, heads_q, dim_qk] float32 workspace (atomic backward)
   float* delta;       // [heads_q, q_rows] rowsum(dO * O) workspace (backward)
+  // Summing backward (all three set, or none): instead of writing dq/dk/dv, row i of each output, rounded to the
+  // dtype, is added in float32 to row *_sum_rows[i] of a float32 sum with the same row width:
+  // sum[map[i]] = (assign ? 0 : sum[map[i]]) + float(dtype(value)).
+  float* dq_sum;
+  float* dk_sum;
+  float* dv_sum;
+  const int64_t* q_sum_rows;   // [q_rows]
+  const int64_t* kv_sum_rows;  // [kv_rows]
+  int32_t dq_sum_assign;
+  int32_t dk_sum_assign;
+  int32_t dv_sum_assign;
 
   int64_t q_rows;
   int64_t kv_rows;

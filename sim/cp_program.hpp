@@ -26,8 +26,12 @@
 //                                        writes the sent tensors nor reads the receive buffers until
 //   void exchange_finish(Pending&)       after which the received tensors may be read and the sent ones reused
 //   void record_forward(step, const Forward&); void record_backward(step, Backward&&, dk_in_flight*, dv_in_flight*)
+// Optional (SummingBackend): bool sums_backward() const; true lets the ring program replace backward + scatter_add
+//   with one backward_sum(tile, q, k, v, o, lse, dout, qrows, dq, krows, dk, dv) (dq[qrows[i]] += dQ_i, the same for
+//   dK and dV; no per-step partials, so no record_backward), issued once the step's dKV has arrived.
 #include <cstdint>
 #include <algorithm>
+#include <concepts>
 #include <exception>
 #include <stdexcept>
 #include <string>
@@ -38,6 +42,11 @@
 #include "sim/rendezvous.hpp"
 
 namespace cpgold::sim {
+
+template <class B>
+concept SummingBackend = requires(const B& b) {
+  { b.sums_backward() } -> std::convertible_to<bool>;
+};
 
 // storage: the case's dtype (attention inputs, O); accumulator: float32 sums (dQ, dK, dV, dKV in flight).
 enum class BufferKind { storage, accumulator };
@@ -392,18 +401,34 @@ RankResult<B> run_ring_rank(const Plan& plan, B& b, bool with_backward) {
       const std::vector<int64_t> qrows = half_rows(gq, t.q_half, sq.rows);
       const std::vector<int64_t> krows = half_rows(gk, t.kv_half, b.shape(k).rows);
       const int hh = static_cast<int>(sq.heads), hkk = static_cast<int>(b.shape(k).heads);
-      typename B::Backward res =
-          qfull && kfull ? b.backward(t, q, k, v, o, lse, dout)
-                         : b.backward(t, qfull ? q : b.gather(q, qrows, 0, hh), kfull ? k : b.gather(k, krows, 0, hkk),
-                                      kfull ? v : b.gather(v, krows, 0, hkk),
-                                      qfull ? o : b.gather(o, qrows, 0, static_cast<int>(b.shape(o).heads)),
-                                      qfull ? lse : b.lse_gather(lse, qrows),
-                                      qfull ? dout : b.gather(dout, qrows, 0, static_cast<int>(b.shape(dout).heads)));
-      b.scatter_add(dq, qrows, res.dq);
-      finish_shift(incoming_dkv, Payload::dkv);
-      b.scatter_add(dk, krows, res.dk);
-      b.scatter_add(dv, krows, res.dv);
-      b.record_backward(i, std::move(res), P > 1 ? &dk : nullptr, P > 1 ? &dv : nullptr);
+      // The step's inputs: whole tensors, or the halves the tile reads.
+      auto on_inputs = [&](auto&& run) {
+        return qfull && kfull ? run(q, k, v, o, lse, dout)
+                              : run(qfull ? q : b.gather(q, qrows, 0, hh), kfull ? k : b.gather(k, krows, 0, hkk),
+                                    kfull ? v : b.gather(v, krows, 0, hkk),
+                                    qfull ? o : b.gather(o, qrows, 0, static_cast<int>(b.shape(o).heads)),
+                                    qfull ? lse : b.lse_gather(lse, qrows),
+                                    qfull ? dout : b.gather(dout, qrows, 0, static_cast<int>(b.shape(dout).heads)));
+      };
+      bool summed = false;
+      if constexpr (SummingBackend<B>) {
+        if (b.sums_backward()) {
+          finish_shift(incoming_dkv, Payload::dkv);  // the step adds into the dKV that arrives
+          on_inputs([&](const Tensor& q_, const Tensor& k_, const Tensor& v_, const Tensor& o_, const Lse& lse_,
+                        const Tensor& do_) { b.backward_sum(t, q_, k_, v_, o_, lse_, do_, qrows, dq, krows, dk, dv); });
+          summed = true;
+        }
+      }
+      if (!summed) {
+        typename B::Backward res =
+            on_inputs([&](const Tensor& q_, const Tensor& k_, const Tensor& v_, const Tensor& o_, const Lse& lse_,
+                          const Tensor& do_) { return b.backward(t, q_, k_, v_, o_, lse_, do_); });
+        b.scatter_add(dq, qrows, res.dq);
+        finish_shift(incoming_dkv, Payload::dkv);
+        b.scatter_add(dk, krows, res.dk);
+        b.scatter_add(dv, krows, res.dv);
+        b.record_backward(i, std::move(res), P > 1 ? &dk : nullptr, P > 1 ? &dv : nullptr);
+      }
     }
     finish_shift(incoming_dkv, Payload::dkv);  // a step without attention still passes the dKV on
     finish_shift(next_kv, Payload::kv);

@@ -6,7 +6,8 @@
 // each phase of one forward + backward run (every operation alone on the device, gpu::PhaseTimes) and the device's
 // measured copy rate (1 GiB device-to-device copy, bytes read + written), the limit of the copying phases.
 // --aside 1 runs the CP path with CpGpuOptions::accumulate_aside (the backward's float32 accumulation on its own
-// stream per rank). --once cp|noncp runs one untimed forward + backward of that path and exits, for a profiler
+// stream per rank); --sum 1 with CpGpuOptions::sum_in_backward (the ring steps' attention backward adds into the
+// float32 sums itself, no scatter_add). --once cp|noncp runs one untimed forward + backward of that path and exits, for a profiler
 // (bench/gpu/profile_cp_local.sh). --timeline FILE adds one more CP run with CpGpuOptions::timeline: every operation's
 // span on its stream, not serialised, written to FILE in Chrome's trace format (chrome://tracing, Perfetto), and a
 // summary of how long each kind of stream was busy and how long two kinds were busy at once.
@@ -92,9 +93,16 @@ double copy_rate_gbs() {
   return 2.0 * bytes / (ms[ms.size() / 2] * 1e-3) / 1e9;
 }
 
-gpu::CpGpuOptions cp_options(bool aside) {
+// How the CP path schedules its backward accumulation (--aside, --sum).
+struct Schedule {
+  bool aside = false;  // CpGpuOptions::accumulate_aside
+  bool sum = false;    // CpGpuOptions::sum_in_backward
+};
+
+gpu::CpGpuOptions cp_options(const Schedule& schedule) {
   gpu::CpGpuOptions options;
-  options.accumulate_aside = aside;
+  options.accumulate_aside = schedule.aside;
+  options.sum_in_backward = schedule.sum;
   return options;
 }
 
@@ -110,8 +118,8 @@ void warm_then_run(const sim::Plan& plan, const sim::CaseInputs& in, const gpu::
 
 // One forward + backward run with every backend operation alone on the device: device time per phase.
 void print_phases(const sim::CaseSpec& spec, const sim::Plan& plan, const sim::CaseInputs& in, double copy_gbs,
-                  bool aside) {
-  gpu::CpGpuOptions options = cp_options(aside);
+                  const Schedule& schedule) {
+  gpu::CpGpuOptions options = cp_options(schedule);
   options.phases = std::make_shared<gpu::PhaseTimes>();
   warm_then_run(plan, in, options, [&] { options.phases->phases.clear(); });
   std::printf("\nphases of one run (all ranks summed; each operation alone on the device; copy rate %.0f GB/s)\n",
@@ -151,8 +159,9 @@ void print_phases(const sim::CaseSpec& spec, const sim::Plan& plan, const sim::C
 
 // One forward + backward run with the timeline: the Chrome trace to `path` (through a temporary file, so a failed
 // write leaves an existing file as it was) and the device-wide busy times of each stream kind.
-void print_timeline(const sim::Plan& plan, const sim::CaseInputs& in, bool aside, const std::string& path) {
-  gpu::CpGpuOptions options = cp_options(aside);
+void print_timeline(const sim::Plan& plan, const sim::CaseInputs& in, const Schedule& schedule,
+                    const std::string& path) {
+  gpu::CpGpuOptions options = cp_options(schedule);
   options.timeline = std::make_shared<gpu::Timeline>();
   warm_then_run(plan, in, options, [&] { options.timeline->spans.clear(); });
   const std::string tmp = path + ".tmp";
@@ -189,7 +198,7 @@ int main(int argc, char** argv) {
   int64_t tokens = 32768;
   std::string comm = "p2p";
   bool phases = false;
-  bool aside = false;  // CpGpuOptions::accumulate_aside
+  Schedule schedule;
   std::string once;  // "cp" or "noncp": one untimed forward + backward of that path, then exit (for a profiler)
   std::string timeline_file;
   for (int i = 1; i + 1 < argc; i += 2) {
@@ -202,10 +211,11 @@ int main(int argc, char** argv) {
     else if (a == "--reps") reps = std::stoi(v);
     else if (a == "--phases") phases = v == "1";
     else if (a == "--once" && (v == "cp" || v == "noncp")) once = v;
-    else if (a == "--aside" && (v == "0" || v == "1")) aside = v == "1";
+    else if (a == "--aside" && (v == "0" || v == "1")) schedule.aside = v == "1";
+    else if (a == "--sum" && (v == "0" || v == "1")) schedule.sum = v == "1";
     else if (a == "--timeline" && !v.empty()) timeline_file = v;
     else {
-      std::fprintf(stderr, "usage: bench_cp_local [--cp-size W] [--heads h] [--dim d] [--tokens t] [--comm c] [--reps n] [--phases 0|1] [--once cp|noncp] [--aside 0|1] [--timeline FILE]\n");
+      std::fprintf(stderr, "usage: bench_cp_local [--cp-size W] [--heads h] [--dim d] [--tokens t] [--comm c] [--reps n] [--phases 0|1] [--once cp|noncp] [--aside 0|1] [--sum 0|1] [--timeline FILE]\n");
       return 2;
     }
   }
@@ -233,13 +243,13 @@ int main(int argc, char** argv) {
   check(cudaMalloc(reinterpret_cast<void**>(&lse), rows_q * heads * 4), "cudaMalloc");
   if (once == "noncp") {
     check(gpu::attention_forward(full, {q, k, v, o, lse}), "forward");
-    check(gpu::attention_backward(full, {q, k, v, o, dout, lse, dq, dk, dv}), "backward");
+    check(gpu::attention_backward(full, {q, k, v, o, dout, lse, dq, dk, dv, {}, {}, {}}), "backward");
     check(cudaDeviceSynchronize(), "non-CP run");
     std::printf("one non-CP forward + backward done\n");
     return 0;
   }
   if (once == "cp") {
-    gpu::LocalCpExecutor executor(plan, in, DType::bf16, cp_options(aside));
+    gpu::LocalCpExecutor executor(plan, in, DType::bf16, cp_options(schedule));
     executor.run(false);
     std::printf("one local CP %s W=%d forward + backward done\n", comm.c_str(), W);
     return 0;
@@ -247,11 +257,11 @@ int main(int argc, char** argv) {
   const double non_cp = median_ms(
       [&] {
         check(gpu::attention_forward(full, {q, k, v, o, lse}), "forward");
-        check(gpu::attention_backward(full, {q, k, v, o, dout, lse, dq, dk, dv}), "backward");
+        check(gpu::attention_backward(full, {q, k, v, o, dout, lse, dq, dk, dv, {}, {}, {}}), "backward");
       },
       reps);
 
-  gpu::LocalCpExecutor executor(plan, in, DType::bf16, cp_options(aside));
+  gpu::LocalCpExecutor executor(plan, in, DType::bf16, cp_options(schedule));
   const double cp = median_ms([&] { executor.run(false); }, reps);
   gpu::CpGpuOptions fwd_only;
   fwd_only.backward = false;
@@ -264,11 +274,14 @@ int main(int argc, char** argv) {
   std::printf("device: %s; case: %lld tokens in %zu sequences, causal, bf16, h=%d, d=%d, %s W=%d; median of %d; "
               "accumulation %s\n",
               prop.name, static_cast<long long>(tokens), s.seqlens_q.size(), heads, dim, comm.c_str(), W, reps,
-              aside ? "on its own stream (--aside 1)" : "in order on the compute stream");
+              schedule.sum     ? (schedule.aside ? "in the attention kernels (--sum 1), the rest on its own stream (--aside 1)"
+                                                 : "in the attention kernels (--sum 1)")
+              : schedule.aside ? "on its own stream (--aside 1)"
+                               : "in order on the compute stream");
   std::printf("| path | forward ms | forward + backward ms | ratio (fwd+bwd) |\n|---|---|---|---|\n");
   std::printf("| non-CP GPU (one call) | %.3f | %.3f | 1.00 |\n", non_cp_fwd, non_cp);
   std::printf("| local CP %s W=%d (one GPU) | %.3f | %.3f | %.2f |\n", comm.c_str(), W, cp_fwd, cp, cp / non_cp);
-  if (phases) print_phases(s, plan, in, copy_rate_gbs(), aside);
-  if (!timeline_file.empty()) print_timeline(plan, in, aside, timeline_file);
+  if (phases) print_phases(s, plan, in, copy_rate_gbs(), schedule);
+  if (!timeline_file.empty()) print_timeline(plan, in, schedule, timeline_file);
   return 0;
 }

@@ -144,7 +144,7 @@ std::pair<double, double> single_gpu_ms(const sim::CaseSpec& s, int warmups, int
   });
   const double both = event_median_ms(stream, warmups, reps, [&] {
     check(gpu::attention_forward(plan, {q, k, v, o, lse}, stream), "forward");
-    check(gpu::attention_backward(plan, {q, k, v, o, dout, lse, dq, dk, dv}, gpu::BackwardMode::atomic, stream), "backward");
+    check(gpu::attention_backward(plan, {q, k, v, o, dout, lse, dq, dk, dv, {}, {}, {}}, gpu::BackwardMode::atomic, stream), "backward");
   });
   for (void* p : {q, k, v, dout, o, dq, dk, dv, static_cast<void*>(lse)}) cudaFree(p);
   cudaStreamDestroy(stream);

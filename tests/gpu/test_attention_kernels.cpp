@@ -5,6 +5,7 @@
 // Without a GPU every case prints "SKIPPED: no CUDA device" (CTest reports it as skipped).
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -299,6 +300,107 @@ TEST_CASE("gpu attention: deterministic backward is bitwise identical over 10 ru
   gpu::HostForward fwd2;
   REQUIRE(gpu::forward_on_device(c.call, c.dtype, c.q, c.k, c.v, fwd2).ok());
   CHECK(same_bits(fwd.o, fwd2.o));
+}
+
+// The summing backward (BackwardBuffers' RowSum) against the plain backward plus a host float32 add at the mapped rows:
+// the same bits in the deterministic mode (dQ too); in the atomic mode dK and dV bit for bit, dQ within one dtype ulp
+// (its float32 atomics add in a different order on every run). Sums larger than the call, rows mapped by a random
+// injection (unmapped rows untouched, -0.0 among the starting values); assign into a NaN-filled sum of exactly the
+// call's rows writes every row (0 + value) and reads none.
+TEST_CASE("gpu attention: the summing backward adds the rounded outputs at the mapped rows, bit for bit") {
+  CPGOLD_REQUIRE_DEVICE();
+  const Case c = make_case("summing", DType::bf16, 4, 2, 128, 64, {-1, 0}, {300, 0, 129, 64}, {300, 0, 129, 64}, 21);
+  gpu::HostForward fwd;
+  REQUIRE(gpu::forward_on_device(c.call, c.dtype, c.q, c.k, c.v, fwd).ok());
+  std::mt19937_64 rng(5);
+  auto injection = [&](int64_t n, int64_t into) {
+    std::vector<int64_t> all(static_cast<size_t>(into));
+    for (int64_t i = 0; i < into; ++i) all[static_cast<size_t>(i)] = i;
+    std::shuffle(all.begin(), all.end(), rng);
+    all.resize(static_cast<size_t>(n));
+    return all;
+  };
+  auto start_values = [&](int64_t rows, int64_t heads, int64_t dim) {
+    std::uniform_real_distribution<float> u(-2.f, 2.f);
+    Tensor3<float> x(rows, heads, dim);
+    for (size_t i = 0; i < x.values.size(); ++i) x.values[i] = i % 11 == 0 ? -0.0f : u(rng);
+    return x;
+  };
+  auto bits_of = [](float x) {
+    uint32_t b;
+    std::memcpy(&b, &x, 4);
+    return b;
+  };
+  // sum[map[i]] + x[i] in float32 (or 0 + x[i] with assign) against `got`; tol_ulps > 0 allows that many dtype ulps.
+  auto expect_sum = [&](const char* what, const Tensor3<float>& start, const Tensor3<float>& x,
+                        const std::vector<int64_t>& map, bool assign, const Tensor3<float>& got, int tol_ulps) {
+    Tensor3<float> want = start;
+    const int64_t w = x.heads * x.dim;
+    for (int64_t r = 0; r < x.rows; ++r)
+      for (int64_t e = 0; e < w; ++e) {
+        float& d = want.values[static_cast<size_t>(map[static_cast<size_t>(r)] * w + e)];
+        d = (assign ? 0.0f : d) + x.values[static_cast<size_t>(r * w + e)];
+      }
+    int64_t differ = 0;
+    for (size_t i = 0; i < want.values.size(); ++i) {
+      const float a = want.values[i], b = got.values[i];
+      // ulps: of the dtype value added (at most 2^-7 of it for bf16), plus two float32 ulps of the sums' rounding.
+      const bool ok = tol_ulps == 0 ? bits_of(a) == bits_of(b)
+                                    : std::fabs(a - b) <= tol_ulps * std::ldexp(std::fabs(a - start.values[i]), -7) +
+                                                              std::ldexp(std::fabs(a) + std::fabs(b), -23);
+      differ += ok ? 0 : 1;
+    }
+    std::printf("VERDICT summing backward %-40s %lld of %zu values differ\n", what, static_cast<long long>(differ),
+                want.values.size());
+    INFO(what);
+    CHECK(differ == 0);
+  };
+  for (gpu::BackwardMode mode : {gpu::BackwardMode::deterministic, gpu::BackwardMode::atomic}) {
+    const bool det = mode == gpu::BackwardMode::deterministic;
+    gpu::HostBackward plain;
+    REQUIRE(gpu::backward_on_device(c.call, c.dtype, c.q, c.k, c.v, fwd.o, fwd.lse, c.dout, mode, plain).ok());
+    gpu::HostSums sums;
+    sums.dq = start_values(c.q.rows + 9, c.q.heads, c.q.dim);
+    sums.dk = start_values(c.k.rows + 5, c.k.heads, c.k.dim);
+    sums.dv = start_values(c.v.rows + 5, c.v.heads, c.v.dim);
+    sums.q_map = injection(c.q.rows, sums.dq.rows);
+    sums.kv_map = injection(c.k.rows, sums.dk.rows);
+    const gpu::HostSums start = sums;
+    REQUIRE(gpu::backward_sum_on_device(c.call, c.dtype, c.q, c.k, c.v, fwd.o, fwd.lse, c.dout, mode, sums).ok());
+    expect_sum(det ? "dQ (deterministic)" : "dQ (atomic, within 1 ulp)", start.dq, plain.dq, start.q_map, false,
+               sums.dq, det ? 0 : 1);
+    expect_sum(det ? "dK (deterministic)" : "dK (atomic)", start.dk, plain.dk, start.kv_map, false, sums.dk, 0);
+    expect_sum(det ? "dV (deterministic)" : "dV (atomic)", start.dv, plain.dv, start.kv_map, false, sums.dv, 0);
+  }
+  // assign: NaN-filled sums of exactly the call's rows, identity maps.
+  gpu::HostBackward plain;
+  REQUIRE(gpu::backward_on_device(c.call, c.dtype, c.q, c.k, c.v, fwd.o, fwd.lse, c.dout,
+                                  gpu::BackwardMode::deterministic, plain)
+              .ok());
+  gpu::HostSums sums;
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  sums.dq = Tensor3<float>(c.q.rows, c.q.heads, c.q.dim, nan);
+  sums.dk = Tensor3<float>(c.k.rows, c.k.heads, c.k.dim, nan);
+  sums.dv = Tensor3<float>(c.v.rows, c.v.heads, c.v.dim, nan);
+  for (int64_t r = 0; r < c.q.rows; ++r) sums.q_map.push_back(r);
+  for (int64_t r = 0; r < c.k.rows; ++r) sums.kv_map.push_back(r);
+  sums.assign_q = sums.assign_kv = true;
+  const gpu::HostSums start = sums;
+  REQUIRE(gpu::backward_sum_on_device(c.call, c.dtype, c.q, c.k, c.v, fwd.o, fwd.lse, c.dout,
+                                      gpu::BackwardMode::deterministic, sums)
+              .ok());
+  expect_sum("dQ assign", start.dq, plain.dq, start.q_map, true, sums.dq, 0);
+  expect_sum("dK assign", start.dk, plain.dk, start.kv_map, true, sums.dk, 0);
+  expect_sum("dV assign", start.dv, plain.dv, start.kv_map, true, sums.dv, 0);
+  // Half the sums set is refused, naming the rule.
+  gpu::AttentionPlan plan;
+  REQUIRE(plan.build(c.call, gpu::shape_of(c.dtype, c.q, c.k, c.v)).ok());
+  gpu::BackwardBuffers b;
+  float dummy = 0;
+  b.dq_sum.data = &dummy;
+  const gpu::Outcome refused = gpu::attention_backward(plan, b);
+  CHECK(refused.status == gpu::Status::invalid_argument);
+  CHECK(refused.message.find("dq_sum, dk_sum and dv_sum") != std::string::npos);
 }
 
 // Small enough for compute-sanitizer (memcheck, racecheck): every kernel of the forward and both backward modes,

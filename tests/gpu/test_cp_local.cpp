@@ -258,6 +258,56 @@ TEST_CASE("local CP: accumulating on its own stream gives the in-order bits, eve
   }
 }
 
+// CpGpuOptions::sum_in_backward: the ring steps' attention backward adds dQ, dK, dV into the rank's float32 sums
+// itself. The bits of backward + scatter_add (deterministic backward) for every comm type, alone and with the
+// accumulation stream, over repeated runs of one executor; the phase breakdown shows that no ring step ran a
+// scatter_add (all_gather keeps its own accumulation); a traced run ignores the option and keeps its partials.
+TEST_CASE("local CP: summing inside the backward kernels gives the bits of backward + scatter_add, every comm type") {
+  CPGOLD_REQUIRE_DEVICE();
+  for (const fx::SuiteCase& c : one_case_per_comm()) {
+    CAPTURE(c.name);
+    const sim::Plan plan = sim::make_plan(c.spec);
+    const sim::CaseInputs inputs = sim::make_case_inputs(c.spec);
+    gpu::CpGpuOptions in_order;
+    in_order.mode = gpu::BackwardMode::deterministic;
+    const sim::CpRun<float> want = gpu::LocalCpExecutor(plan, inputs, c.spec.dtype, in_order).run(true);
+    for (const bool aside : {false, true}) {
+      CAPTURE(aside);
+      gpu::CpGpuOptions summing = in_order;
+      summing.sum_in_backward = true;
+      summing.accumulate_aside = aside;
+      gpu::LocalCpExecutor executor(plan, inputs, c.spec.dtype, summing);
+      for (int run = 0; run < 3; ++run) {
+        CAPTURE(run);
+        const sim::CpRun<float> got = executor.run(true);
+        for (int r = 0; r < plan.cp_size; ++r) {
+          const auto& a = want.ranks[static_cast<size_t>(r)];
+          const auto& b = got.ranks[static_cast<size_t>(r)];
+          CHECK(same(a.o, b.o));
+          CHECK(same(a.dq, b.dq));
+          CHECK(same(a.dk, b.dk));
+          CHECK(same(a.dv, b.dv));
+        }
+      }
+    }
+    gpu::CpGpuOptions timed = in_order;
+    timed.sum_in_backward = true;
+    timed.phases = std::make_shared<gpu::PhaseTimes>();
+    timed.timeout = std::chrono::milliseconds(20000);
+    const sim::CpRun<float> got = gpu::LocalCpExecutor(plan, inputs, c.spec.dtype, timed).run(true);
+    for (int r = 0; r < plan.cp_size; ++r)
+      CHECK(same(want.ranks[static_cast<size_t>(r)].dk, got.ranks[static_cast<size_t>(r)].dk));
+    CHECK(timed.phases->phases.count("scatter_add") == (c.spec.comm == sim::CommType::all_gather ? 1u : 0u));
+    gpu::CpGpuOptions traced = in_order;
+    traced.sum_in_backward = true;
+    traced.record_trace = true;
+    const sim::CpRun<float> with_trace = gpu::LocalCpExecutor(plan, inputs, c.spec.dtype, traced).run(true);
+    CHECK(with_trace.trace.backward.size() >= static_cast<size_t>(plan.cp_size));
+    for (int r = 0; r < plan.cp_size; ++r)
+      CHECK(same(want.ranks[static_cast<size_t>(r)].dq, with_trace.ranks[static_cast<size_t>(r)].dq));
+  }
+}
+
 // The timeline (CpGpuOptions::timeline, bench_cp_local --timeline) brackets every operation with events and nothing
 // else: the outputs are the plain run's; every attention call of every rank has a span on the compute stream; the
 // spans are ordered in time; the accumulation stream shows up exactly when accumulate_aside puts work there.
