@@ -6,8 +6,8 @@
 // each phase of one forward + backward run (every operation alone on the device, gpu::PhaseTimes) and the device's
 // measured copy rate (1 GiB device-to-device copy, bytes read + written), the limit of the copying phases.
 // --aside 1 runs the CP path with CpGpuOptions::accumulate_aside (the backward's float32 accumulation on its own
-// stream per rank); --sum 1 with CpGpuOptions::sum_in_backward (the ring steps' attention backward adds into the
-// float32 sums itself, no scatter_add). --once cp|noncp runs one untimed forward + backward of that path and exits, for a profiler
+// stream per rank); --sum 0 without CpGpuOptions::sum_in_backward (default 1, as `verify --backend local`: the ring
+// steps' attention backward adds into the float32 sums itself, no scatter_add). --once cp|noncp runs one untimed forward + backward of that path and exits, for a profiler
 // (bench/gpu/profile_cp_local.sh). --timeline FILE adds one more CP run with CpGpuOptions::timeline: every operation's
 // span on its stream, not serialised, written to FILE in Chrome's trace format (chrome://tracing, Perfetto), and a
 // summary of how long each kind of stream was busy and how long two kinds were busy at once.
@@ -96,7 +96,7 @@ double copy_rate_gbs() {
 // How the CP path schedules its backward accumulation (--aside, --sum).
 struct Schedule {
   bool aside = false;  // CpGpuOptions::accumulate_aside
-  bool sum = false;    // CpGpuOptions::sum_in_backward
+  bool sum = true;     // CpGpuOptions::sum_in_backward (on, as in verify --backend local)
 };
 
 gpu::CpGpuOptions cp_options(const Schedule& schedule) {

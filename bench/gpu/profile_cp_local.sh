@@ -1,7 +1,8 @@
 #!/bin/bash
 # Kernel-by-kernel device time of one local CP forward + backward against one non-CP forward + backward on the same
 # tokens (Nsight Compute; every kernel replayed alone, clocks left as they are). Run from a source snapshot's root
-# with $OUT set and CPGOLD_PREFIX naming the header dependencies. Usage: profile_cp_local.sh [W...] (default 1 4 8).
+# with $OUT set and CPGOLD_PREFIX naming the header dependencies. Usage: profile_cp_local.sh [W...] (default 1 4 8);
+# $CP_ARGS adds bench_cp_local options to the CP runs (e.g. "--sum 0" for the schedule without the summing backward).
 B=/tmp/b-profile
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
 cmake -S . -B $B -DCMAKE_BUILD_TYPE=Release ${CPGOLD_PREFIX:+-DCMAKE_PREFIX_PATH=$CPGOLD_PREFIX} > $OUT/configure.log 2>&1 ||
@@ -17,5 +18,5 @@ prof() {  # label, bench arguments
   python3 bench/gpu/ncu_kernel_totals.py $OUT/ncu_$label.csv "$label"
 }
 prof noncp --once noncp
-for W in ${@:-1 4 8}; do prof p2p_w$W --comm p2p --cp-size $W --once cp; done
+for W in ${@:-1 4 8}; do prof p2p_w$W --comm p2p --cp-size $W --once cp $CP_ARGS; done
 cd $OUT && tar -czf ncu.tar.gz ncu_*.csv ncu_*.err *.log && rm -f ncu_*.csv ncu_*.err *.log
