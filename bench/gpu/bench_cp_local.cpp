@@ -7,8 +7,8 @@
 // measured copy rate (1 GiB device-to-device copy, bytes read + written), the limit of the copying phases.
 // --aside 1 runs the CP path with CpGpuOptions::accumulate_aside (the backward's float32 accumulation on its own
 // stream per rank); --sum 0 without CpGpuOptions::sum_in_backward (default 1, as `verify --backend local`: the ring
-// steps' attention backward adds into the float32 sums itself, no scatter_add). --once cp|noncp runs one untimed forward + backward of that path and exits, for a profiler
-// (bench/gpu/profile_cp_local.sh). --timeline FILE adds one more CP run with CpGpuOptions::timeline: every operation's
+// steps' attention backward adds into the float32 sums itself, no scatter_add). --once cp|noncp runs one untimed
+// forward + backward of that path and exits, for a profiler (bench/gpu/profile_cp_local.sh). --timeline FILE adds one more CP run with CpGpuOptions::timeline: every operation's
 // span on its stream, not serialised, written to FILE in Chrome's trace format (chrome://tracing, Perfetto), and a
 // summary of how long each kind of stream was busy and how long two kinds were busy at once.
 #include <cuda_runtime_api.h>
