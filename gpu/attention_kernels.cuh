@@ -156,29 +156,45 @@ __device__ __forceinline__ void store_tile(T* gmem, int64_t stride, const T* sme
 
 // Adds `valid` rows of a ROWS x COLS shared tile of dtype values (zeros where smem is null: pad rows) in float32 to
 // rows map[0..valid) of `sum` (row stride `stride` floats, the tile's columns from `col0`), 16 bytes at a time:
-// sum = (assign ? 0 : sum) + value, the operation of a separate scatter-add over the stored tile, bit for bit.
+// sum = (assign ? 0 : sum) + value, the operation of a separate scatter-add over the stored tile, bit for bit. Each
+// thread loads four of its float4 before it adds and stores them, so that four reads are in flight at once.
 template <int ROWS, int COLS, int THREADS, class T>
 __device__ __forceinline__ void sum_tile(float* sum, const int64_t* map, int64_t stride, int64_t col0, const T* smem,
                                          int valid, bool assign) {
   static_assert(COLS % 4 == 0, "float4 columns");
   constexpr int kChunks = COLS / 4;
   constexpr int kPitch = Pitch<COLS>::value;
-  for (int i = threadIdx.x; i < valid * kChunks; i += THREADS) {
-    const int r = i / kChunks;
-    const int c = (i % kChunks) * 4;
-    float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (smem != nullptr) {
-      const T* v = smem + r * kPitch + c;
-      x = make_float4(Elem<T>::to_float(v[0]), Elem<T>::to_float(v[1]), Elem<T>::to_float(v[2]),
-                      Elem<T>::to_float(v[3]));
+  constexpr int kBatch = 4;
+  static_assert((ROWS * kChunks) % (THREADS * kBatch) == 0, "whole batches per thread");
+#pragma unroll 1
+  for (int i0 = threadIdx.x; i0 < ROWS * kChunks; i0 += THREADS * kBatch) {
+    float4 y[kBatch];
+    float4* d[kBatch];
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j) {
+      const int i = i0 + j * THREADS;
+      const int r = i / kChunks;
+      d[j] = r < valid ? reinterpret_cast<float4*>(sum + map[r] * stride + col0 + (i % kChunks) * 4) : nullptr;
+      y[j] = assign || d[j] == nullptr ? make_float4(0.f, 0.f, 0.f, 0.f) : *d[j];
     }
-    float4* d = reinterpret_cast<float4*>(sum + map[r] * stride + col0 + c);
-    float4 y = assign ? make_float4(0.f, 0.f, 0.f, 0.f) : *d;
-    y.x += x.x;
-    y.y += x.y;
-    y.z += x.z;
-    y.w += x.w;
-    *d = y;
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j) {
+      if (d[j] == nullptr) continue;
+      const int i = i0 + j * THREADS;
+      if (smem != nullptr) {
+        const T* v = smem + (i / kChunks) * kPitch + (i % kChunks) * 4;
+        y[j].x += Elem<T>::to_float(v[0]);
+        y[j].y += Elem<T>::to_float(v[1]);
+        y[j].z += Elem<T>::to_float(v[2]);
+        y[j].w += Elem<T>::to_float(v[3]);
+      } else {
+        y[j].x += 0.f;
+        y[j].y += 0.f;
+        y[j].z += 0.f;
+        y[j].w += 0.f;
+      }
+      *d[j] = y[j];
+    }
   }
 }
 
