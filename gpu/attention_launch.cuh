@@ -94,7 +94,8 @@ Outcome backward_dims(AttentionParams p, BackwardMode mode, cudaStream_t stream,
       else
         attention_backward_convert_dq_kernel<T><<<blocks, 256, 0, stream>>>(p, elems);
       if (cudaError_t e = cudaGetLastError(); e != cudaSuccess)
-        step(cuda_failure("attention_backward_convert_dq_kernel", e));
+        step(cuda_failure(
+            p.dq_sum != nullptr ? "attention_backward_sum_dq_kernel" : "attention_backward_convert_dq_kernel", e));
     }
   } else {
     if (out.ok())
