@@ -52,9 +52,9 @@ void upload(DeviceArray& dst, DType dtype, const Tensor3<float>& x) {
   check(cudaMemcpy(dst.get(), bits.data(), bits.size() * 2, cudaMemcpyHostToDevice), "cudaMemcpy to device");
 }
 
-void upload_lse(DeviceArray& dst, const LseTensor<float>& x) {
-  check(dst.allocate(x.values.size() * 4), "cudaMalloc");
-  check(cudaMemcpy(dst.get(), x.values.data(), x.values.size() * 4, cudaMemcpyHostToDevice), "cudaMemcpy to device");
+void upload_floats(DeviceArray& dst, const std::vector<float>& x) {
+  check(dst.allocate(x.size() * 4), "cudaMalloc");
+  check(cudaMemcpy(dst.get(), x.data(), x.size() * 4, cudaMemcpyHostToDevice), "cudaMemcpy to device");
 }
 
 // An output buffer pre-filled with 0xFF bytes (NaN in bf16, fp16 and float32).
@@ -113,10 +113,6 @@ Outcome forward_on_device(const AttentionCall& call, DType dtype, const Tensor3<
 
 namespace {
 
-void upload_floats(DeviceArray& dst, const std::vector<float>& x) {
-  check(dst.allocate(x.size() * 4), "cudaMalloc");
-  check(cudaMemcpy(dst.get(), x.data(), x.size() * 4, cudaMemcpyHostToDevice), "cudaMemcpy to device");
-}
 void upload_rows(DeviceArray& dst, const std::vector<int64_t>& x) {
   check(dst.allocate(x.size() * 8), "cudaMalloc");
   check(cudaMemcpy(dst.get(), x.data(), x.size() * 8, cudaMemcpyHostToDevice), "cudaMemcpy to device");
@@ -153,7 +149,7 @@ Outcome backward_common(const AttentionCall& call, DType dtype, const Tensor3<fl
     upload(d_v, dtype, v);
     upload(d_o, dtype, o);
     upload(d_do, dtype, dout);
-    upload_lse(d_lse, lse);
+    upload_floats(d_lse, lse.values);
     BackwardBuffers b;
     b.q = d_q.get();
     b.k = d_k.get();
