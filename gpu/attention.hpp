@@ -40,6 +40,13 @@ struct AttentionShape {
 // The capability table: bf16/fp16; (d_qk, d_v) in {(64,64), (128,128), (128,64), (192,128)}; h_q = g * h_kv.
 Outcome check_capability(const AttentionShape& shape);
 
+// What the backward does with the K/V rows outside the call's KV segments. `write` is the contract above (dK = dV =
+// 0, or +0 added into the sums). `leave` keeps them as they are, for a call that reads part of larger K/V tensors in
+// place (a CP step reading one half of a rank's K/V): only with the summing backward into sums that already hold every
+// row (RowSum::assign false), where it gives the same bits as `write`. Adding +0 changes no float32 sum: the sums are
+// made by float adds from +0, so none is -0, and every NaN in them is the canonical NaN an add returns.
+enum class KvPadRows { write, leave };
+
 // Device-side form of one AttentionCall (sequence descriptors and tile lists), built once, reused by every launch.
 class AttentionPlan {
  public:
@@ -50,7 +57,7 @@ class AttentionPlan {
 
   // Checks the shape against the capability table and the call (AttentionCall::check, KV rows of different
   // sequences disjoint), then uploads. On failure the plan stays empty.
-  Outcome build(const AttentionCall& call, const AttentionShape& shape);
+  Outcome build(const AttentionCall& call, const AttentionShape& shape, KvPadRows kv_pads = KvPadRows::write);
 
   struct Impl;
   const Impl* impl() const { return impl_.get(); }
@@ -91,6 +98,9 @@ struct BackwardBuffers {
   // Summing form (all three set, or none): dq/dk/dv are then not written and may be null. Rows of dK and dV share
   // one map (dk_sum.rows == dv_sum.rows).
   RowSum dq_sum, dk_sum, dv_sum;
+  // Optional: rowsum(dO * O) of the call's Q rows, [h_q, q_rows] float32, from attention_row_delta over the same O and
+  // dO. Given, the backward reads it instead of computing it (the same bits); null, it computes its own.
+  const float* delta = nullptr;
 };
 
 enum class BackwardMode {
@@ -103,6 +113,13 @@ enum class BackwardMode {
 Outcome attention_forward(const AttentionPlan& plan, const ForwardBuffers& buffers, void* stream = nullptr);
 Outcome attention_backward(const AttentionPlan& plan, const BackwardBuffers& buffers,
                            BackwardMode mode = BackwardMode::atomic, void* stream = nullptr);
+
+// delta[h * rows + r] = sum over x of dO[r, h, x] * O[r, h, x] in float32 for every row r < rows and query head h,
+// summed as attention_backward sums it for its own rows (o, dout: [rows, h_q, d_v] of the shape's dtype). One pass
+// over a CP rank's O and dO serves every step's backward (BackwardBuffers::delta). Rows holding NaN (pads) give NaN,
+// which no backward reads (only rows inside segments are).
+Outcome attention_row_delta(const AttentionShape& shape, const void* o, const void* dout, int64_t rows, float* delta,
+                            void* stream = nullptr);
 
 // Number of CUDA devices visible (0 without a driver or GPU; never throws).
 int cuda_device_count();

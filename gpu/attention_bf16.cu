@@ -12,4 +12,9 @@ Outcome launch_backward_bf16(const AttentionPlan::Impl& plan, const BackwardBuff
   return backward_typed<__nv_bfloat16>(plan, buffers, mode, stream);
 }
 
+Outcome launch_row_delta_bf16(const AttentionShape& shape, const void* o, const void* dout, int64_t rows, float* delta,
+                              cudaStream_t stream) {
+  return row_delta_typed<__nv_bfloat16>(shape, o, dout, rows, delta, stream);
+}
+
 }  // namespace cpgold::gpu::detail

@@ -526,6 +526,17 @@ __global__ void __launch_bounds__(WARPS * 32) attention_forward_kernel(Attention
 // ---------------------------------------------------------------------------------------------------------------
 // Backward.
 
+// sum_x dO[x] * O[x] over the DV values at `base` by one warp (every lane gets the sum): lane l sums x = l, l + 32, ...
+// in order, then a butterfly over the lanes. The one summation order of the backward's delta.
+template <class T, int DV>
+__device__ __forceinline__ float warp_row_delta(const T* o, const T* dout, int64_t base, int lane) {
+  float sum = 0.f;
+  for (int x = lane; x < DV; x += 32) sum += Elem<T>::to_float(o[base + x]) * Elem<T>::to_float(dout[base + x]);
+#pragma unroll
+  for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+  return sum;
+}
+
 // delta[h, row] = sum_x dO[row, h, x] * O[row, h, x] over the valid rows of a Q tile (one warp per row).
 template <class T, int DV>
 __global__ void __launch_bounds__(128) attention_backward_delta_kernel(AttentionParams p) {
@@ -534,16 +545,22 @@ __global__ void __launch_bounds__(128) attention_backward_delta_kernel(Attention
   const int head = blockIdx.y;
   const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
   const int64_t stride = static_cast<int64_t>(p.heads_q) * DV;
-  const T* o = static_cast<const T*>(p.o);
-  const T* dout = static_cast<const T*>(p.dout);
   for (int r = warp; r < tile.rows; r += 4) {
     const int64_t base = (tile.first_row + r) * stride + static_cast<int64_t>(head) * DV;
-    float sum = 0.f;
-    for (int x = lane; x < DV; x += 32) sum += Elem<T>::to_float(o[base + x]) * Elem<T>::to_float(dout[base + x]);
-#pragma unroll
-    for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+    const float sum = warp_row_delta<T, DV>(static_cast<const T*>(p.o), static_cast<const T*>(p.dout), base, lane);
     if (lane == 0) p.delta[static_cast<int64_t>(head) * p.q_rows + tile.first_row + r] = sum;
   }
+}
+
+// The same delta for every row of [rows, heads, DV] tensors (attention_row_delta): block (x, h) takes rows 4x..4x+3.
+template <class T, int DV>
+__global__ void __launch_bounds__(128) attention_row_delta_kernel(const T* o, const T* dout, float* delta,
+                                                                  int64_t rows) {
+  const int64_t r = static_cast<int64_t>(blockIdx.x) * 4 + threadIdx.x / 32;
+  if (r >= rows) return;
+  const int head = blockIdx.y, lane = threadIdx.x & 31;
+  const float sum = warp_row_delta<T, DV>(o, dout, (r * gridDim.y + head) * DV, lane);
+  if (lane == 0) delta[static_cast<int64_t>(head) * rows + r] = sum;
 }
 
 // dQ = dtype(dq_accum * scale) over every row (rows outside the segments hold 0 in dq_accum).

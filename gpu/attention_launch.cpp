@@ -1,5 +1,6 @@
 // Entry points of the GPU attention: argument checks and dispatch on the dtype.
 #include <cmath>
+#include <string>
 
 #include "gpu/attention_launch.hpp"
 
@@ -48,10 +49,25 @@ Outcome attention_backward(const AttentionPlan& plan, const BackwardBuffers& b, 
                             (!summing && b.dq == nullptr))) ||
       (impl->kv_rows > 0 && (b.k == nullptr || b.v == nullptr || (!summing && (b.dk == nullptr || b.dv == nullptr)))))
     return {Status::invalid_argument, "attention_backward: a buffer is null"};
+  if (impl->kv_pads == KvPadRows::leave && impl->kv_rows > 0 && (!summing || b.dk_sum.assign || b.dv_sum.assign))
+    return {Status::invalid_argument,
+            "attention_backward: a plan built with KvPadRows::leave needs the summing form into sums that hold every "
+            "row already (dk_sum/dv_sum assign false)"};
   auto s = static_cast<cudaStream_t>(stream);
   if (impl->shape.dtype == DType::bf16) return detail::launch_backward_bf16(*impl, b, mode, s);
   if (impl->shape.dtype == DType::fp16) return detail::launch_backward_fp16(*impl, b, mode, s);
   return {Status::unsupported, "attention_backward: dtype outside the capability table"};
+}
+
+Outcome attention_row_delta(const AttentionShape& shape, const void* o, const void* dout, int64_t rows, float* delta,
+                            void* stream) {
+  if (Outcome cap = check_capability(shape); !cap.ok()) return cap;
+  if (rows < 0) return {Status::invalid_argument, "attention_row_delta: rows=" + std::to_string(rows) + " is negative"};
+  if (rows > 0 && (o == nullptr || dout == nullptr || delta == nullptr))
+    return {Status::invalid_argument, "attention_row_delta: a buffer is null"};
+  auto s = static_cast<cudaStream_t>(stream);
+  if (shape.dtype == DType::bf16) return detail::launch_row_delta_bf16(shape, o, dout, rows, delta, s);
+  return detail::launch_row_delta_fp16(shape, o, dout, rows, delta, s);
 }
 
 }  // namespace cpgold::gpu

@@ -62,7 +62,8 @@ Outcome backward_dims(AttentionParams p, BackwardMode mode, cudaStream_t stream,
   p.kv_tiles = plan.kv_tiles;
   p.kv_tile_count = plan.kv_tile_count;
   const bool atomic = mode == BackwardMode::atomic;
-  const size_t delta_elems = static_cast<size_t>(p.heads_q) * p.q_rows;
+  const bool own_delta = p.delta == nullptr;  // else BackwardBuffers::delta, computed by attention_row_delta
+  const size_t delta_elems = own_delta ? static_cast<size_t>(p.heads_q) * p.q_rows : 0;
   const size_t accum_elems = atomic ? static_cast<size_t>(p.q_rows) * p.heads_q * D : 0;
   const size_t bytes = (delta_elems + accum_elems) * sizeof(float);
   void* workspace = nullptr;
@@ -71,13 +72,14 @@ Outcome backward_dims(AttentionParams p, BackwardMode mode, cudaStream_t stream,
       return cuda_failure("cudaMallocAsync of the backward workspace", e);
   }
   p.dq_accum = static_cast<float*>(workspace);
-  p.delta = static_cast<float*>(workspace) + accum_elems;
+  if (own_delta) p.delta = static_cast<float*>(workspace) + accum_elems;
   Outcome out;
   auto step = [&](Outcome o) {
     if (out.ok() && !o.ok()) out = std::move(o);
   };
-  step(launch(attention_backward_delta_kernel<T, DV>, dim3(p.q_tile_count, p.heads_q), 128, 0, stream, p,
-              "attention_backward_delta_kernel"));
+  if (own_delta)
+    step(launch(attention_backward_delta_kernel<T, DV>, dim3(p.q_tile_count, p.heads_q), 128, 0, stream, p,
+                "attention_backward_delta_kernel"));
   using Cfg = BackwardConfig<T, D, DV>;
   if (atomic) {
     if (accum_elems > 0 && out.ok())
@@ -134,11 +136,31 @@ Outcome backward_typed(const AttentionPlan::Impl& plan, const BackwardBuffers& b
   p.dq_sum_assign = b.dq_sum.assign;
   p.dk_sum_assign = b.dk_sum.assign;
   p.dv_sum_assign = b.dv_sum.assign;
+  p.delta = const_cast<float*>(b.delta);
   const int d = plan.shape.dim_qk, dv = plan.shape.dim_v;
   if (d == 64 && dv == 64) return backward_dims<T, 64, 64>(p, mode, stream, plan);
   if (d == 128 && dv == 128) return backward_dims<T, 128, 128>(p, mode, stream, plan);
   if (d == 128 && dv == 64) return backward_dims<T, 128, 64>(p, mode, stream, plan);
   if (d == 192 && dv == 128) return backward_dims<T, 192, 128>(p, mode, stream, plan);
+  return {Status::unsupported, "head dims outside the capability table"};
+}
+
+template <class T, int DV>
+Outcome row_delta_dims(const AttentionShape& shape, const void* o, const void* dout, int64_t rows, float* delta,
+                       cudaStream_t stream) {
+  if (rows == 0) return {};
+  if ((rows + 3) / 4 > 0x7fffffff) return {Status::invalid_argument, "attention_row_delta: too many rows"};
+  attention_row_delta_kernel<T, DV><<<dim3(static_cast<unsigned>((rows + 3) / 4), shape.heads_q), 128, 0, stream>>>(
+      static_cast<const T*>(o), static_cast<const T*>(dout), delta, rows);
+  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return cuda_failure("attention_row_delta_kernel", e);
+  return {};
+}
+
+template <class T>
+Outcome row_delta_typed(const AttentionShape& shape, const void* o, const void* dout, int64_t rows, float* delta,
+                        cudaStream_t stream) {
+  if (shape.dim_v == 64) return row_delta_dims<T, 64>(shape, o, dout, rows, delta, stream);
+  if (shape.dim_v == 128) return row_delta_dims<T, 128>(shape, o, dout, rows, delta, stream);
   return {Status::unsupported, "head dims outside the capability table"};
 }
 

@@ -1,5 +1,5 @@
 #pragma once
-// Per-dtype launchers (gpu/attention_bf16.cu, gpu/attention_fp16.cu) behind attention_forward/backward.
+// Per-dtype launchers (gpu/attention_bf16.cu, gpu/attention_fp16.cu) behind attention_forward/backward/row_delta.
 #include <cuda_runtime_api.h>
 
 #include "gpu/attention_plan_impl.hpp"
@@ -14,5 +14,9 @@ Outcome launch_backward_bf16(const AttentionPlan::Impl& plan, const BackwardBuff
                              cudaStream_t stream);
 Outcome launch_backward_fp16(const AttentionPlan::Impl& plan, const BackwardBuffers& buffers, BackwardMode mode,
                              cudaStream_t stream);
+Outcome launch_row_delta_bf16(const AttentionShape& shape, const void* o, const void* dout, int64_t rows, float* delta,
+                              cudaStream_t stream);
+Outcome launch_row_delta_fp16(const AttentionShape& shape, const void* o, const void* dout, int64_t rows, float* delta,
+                              cudaStream_t stream);
 
 }  // namespace cpgold::gpu::detail

@@ -70,7 +70,7 @@ void add_pad_tiles(std::vector<RowTile>& tiles, std::vector<Interval> covered, i
 
 }  // namespace
 
-PlanTiles make_plan_tiles(const AttentionCall& call) {
+PlanTiles make_plan_tiles(const AttentionCall& call, KvPadRows kv_pads) {
   PlanTiles plan;
   std::vector<Interval> q_cover, kv_cover;
   for (size_t b = 0; b < call.sequences.size(); ++b) {
@@ -100,7 +100,15 @@ PlanTiles make_plan_tiles(const AttentionCall& call) {
   }
   add_pad_tiles(plan.q_tiles_small, q_cover, call.q_rows, kSmallTileRows, "q");
   add_pad_tiles(plan.q_tiles_large, q_cover, call.q_rows, kLargeTileRows, "q");
-  add_pad_tiles(plan.kv_tiles, kv_cover, call.kv_rows, kKvTileRows, "kv");
+  if (kv_pads == KvPadRows::write) {
+    add_pad_tiles(plan.kv_tiles, kv_cover, call.kv_rows, kKvTileRows, "kv");
+  } else {  // the overlap check of add_pad_tiles, without the tiles
+    std::sort(kv_cover.begin(), kv_cover.end());
+    for (size_t i = 1; i < kv_cover.size(); ++i)
+      if (kv_cover[i].first < kv_cover[i - 1].second)
+        throw std::invalid_argument("overlapping kv rows at row " + std::to_string(kv_cover[i].first) +
+                                    " (each row may belong to one segment of one sequence)");
+  }
   return plan;
 }
 
@@ -113,13 +121,13 @@ AttentionPlan::~AttentionPlan() = default;
 AttentionPlan::AttentionPlan(AttentionPlan&&) noexcept = default;
 AttentionPlan& AttentionPlan::operator=(AttentionPlan&&) noexcept = default;
 
-Outcome AttentionPlan::build(const AttentionCall& call, const AttentionShape& shape) {
+Outcome AttentionPlan::build(const AttentionCall& call, const AttentionShape& shape, KvPadRows kv_pads) {
   impl_.reset();
   if (Outcome cap = check_capability(shape); !cap.ok()) return cap;
   PlanTiles tiles;
   try {
     call.check();
-    tiles = make_plan_tiles(call);
+    tiles = make_plan_tiles(call, kv_pads);
   } catch (const std::exception& e) {
     return {Status::invalid_argument, e.what()};
   }
@@ -132,6 +140,7 @@ Outcome AttentionPlan::build(const AttentionCall& call, const AttentionShape& sh
   impl->softmax_scale = call.softmax_scale;
   impl->q_rows = call.q_rows;
   impl->kv_rows = call.kv_rows;
+  impl->kv_pads = kv_pads;
 
   // One device block: sequences, then the three tile lists (each 16-byte aligned).
   auto align16 = [](size_t n) { return (n + 15) / 16 * 16; };

@@ -283,8 +283,20 @@ class DeviceRankBackend {
   }
 
   Forward forward(const sim::Tile& t, const Tensor& q, const Tensor& k, const Tensor& v) {
+    return forward_with(plan_for(t, q, k, v), t, q, k, v);
+  }
+  bool reads_halves() const { return options_.read_halves_in_place; }
+  // The step's Q half is gathered (its O and LSE are the step's rows); a K/V half is read in place, through a call
+  // whose KV segments point into the rank's whole K/V.
+  Forward forward_rows(const sim::Tile& t, const sim::StepRows& rows, const Tensor& q, const Tensor& k,
+                       const Tensor& v) {
+    const Tensor qx = rows.q_half ? gather(q, rows.q, 0, static_cast<int>(q.heads)) : q;
+    if (!rows.kv_half) return forward(t, qx, k, v);
+    return forward_with(plan_kv_in_place(t, rows.kv, qx, k, v, KvPadRows::leave), t, qx, k, v);
+  }
+  Forward forward_with(const AttentionPlan& plan, const sim::Tile& t, const Tensor& q, const Tensor& k,
+                       const Tensor& v) {
     for (const Tensor* x : {&q, &k, &v}) materialize(*x);
-    const AttentionPlan& plan = plan_for(t, q, k, v);
     Forward r{alloc(q.rows, q.heads, v.dim, storage_), {}};
     r.lse.heads = q.heads;
     r.lse.rows = q.rows;
@@ -314,25 +326,48 @@ class DeviceRankBackend {
     return r;
   }
   bool sums_backward() const { return options_.sum_in_backward && !options_.record_trace; }
-  // backward + scatter_add(dq, qrows, .dq), (dk, krows, .dk), (dv, krows, .dv) in the attention kernels themselves.
-  void backward_sum(const sim::Tile& t, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o,
-                    const Lse& lse, const Tensor& dout, const std::vector<int64_t>& qrows, Tensor& dq,
-                    const std::vector<int64_t>& krows, Tensor& dk, Tensor& dv) {
+  // backward + scatter_add(dq, rows.q, .dq), (dk, rows.kv, .dk), (dv, rows.kv, .dv) in the attention kernels
+  // themselves. A Q half is gathered (Q, O, dO, LSE and the rank's delta); a K/V half is read in place when
+  // reads_halves(), the kernels then adding into dK/dV at the rows they read (and nowhere else: KvPadRows::leave)
+  // unless this is the first contribution to a fresh sum; delta comes from one pass over the rank's O and dO.
+  void backward_sum(const sim::Tile& t, const sim::StepRows& rows, const Tensor& q, const Tensor& k, const Tensor& v,
+                    const Tensor& o, const Lse& lse, const Tensor& dout, Tensor& dq, Tensor& dk, Tensor& dv) {
     for (const Tensor* x : {&q, &k, &v, &o, &dout}) materialize(*x);
-    const AttentionPlan& plan = plan_for(t, q, k, v);
-    auto sum_of = [&](Tensor& dst, const std::vector<int64_t>& rows, const Tensor& like) {
+    const DeviceLse& rank_delta = delta_of(o, dout, q, k);
+    Tensor qx = q, ox = o, dox = dout;
+    Lse lsex = lse, deltax = rank_delta;
+    if (rows.q_half) {
+      qx = gather(q, rows.q, 0, static_cast<int>(q.heads));
+      ox = gather(o, rows.q, 0, static_cast<int>(o.heads));
+      dox = gather(dout, rows.q, 0, static_cast<int>(dout.heads));
+      lsex = lse_gather(lse, rows.q);
+      deltax = lse_gather(rank_delta, rows.q);
+    }
+    const bool kv_in_place = rows.kv_half && reads_halves();
+    Tensor kx = k, vx = v;
+    if (rows.kv_half && !kv_in_place) {
+      kx = gather(k, rows.kv, 0, static_cast<int>(k.heads));
+      vx = gather(v, rows.kv, 0, static_cast<int>(v.heads));
+    }
+    auto sum_of = [&](Tensor& dst, const std::vector<int64_t>& map, const Tensor& like) {
       if (dst.elem != Elem::f32 || dst.heads * dst.dim != like.heads * like.dim ||
-          static_cast<int64_t>(rows.size()) != like.rows)
+          static_cast<int64_t>(map.size()) != like.rows)
         throw std::logic_error("rank " + std::to_string(rank_) + ": backward_sum into a sum of another shape");
       own(dst.mem);
       // A first contribution to every row of a fresh zero sum is written, not added (as in scatter_add).
-      const bool assign = dst.mem && dst.mem->pending_zero && covers_every_row(rows, dst.rows);
+      const bool assign = dst.mem && dst.mem->pending_zero && covers_every_row(map, dst.rows);
       if (!assign) fill_pending_zeros(dst);
       if (dst.mem) dst.mem->pending_zero = false;
-      return RowSum{static_cast<float*>(dst.data()), rows_ptr(upload_rows(rows)), assign};
+      return RowSum{static_cast<float*>(dst.data()), rows_ptr(upload_rows(map)), assign};
     };
-    BackwardBuffers buffers{q.data(), k.data(), v.data(), o.data(), dout.data(), lse.data(), nullptr, nullptr, nullptr,
-                            sum_of(dq, qrows, q), sum_of(dk, krows, k), sum_of(dv, krows, v)};
+    const std::vector<int64_t>& kv_map = kv_in_place ? identity_rows(k.rows) : rows.kv;
+    BackwardBuffers buffers{qx.data(), kx.data(), vx.data(), ox.data(), dox.data(), lsex.data(), nullptr, nullptr,
+                            nullptr, sum_of(dq, rows.q, qx), sum_of(dk, kv_map, kx), sum_of(dv, kv_map, vx),
+                            deltax.data()};
+    const bool fresh = buffers.dk_sum.assign || buffers.dv_sum.assign;
+    const AttentionPlan& plan =
+        kv_in_place ? plan_kv_in_place(t, rows.kv, qx, k, v, fresh ? KvPadRows::write : KvPadRows::leave)
+                    : plan_for(t, qx, kx, vx);
     Outcome out;
     timed(attention_phase(sim::PassKind::backward, t.section).c_str(), 0,
           [&] { out = attention_backward(plan, buffers, options_.mode, stream_); });
@@ -622,6 +657,66 @@ class DeviceRankBackend {
   }
   static const int64_t* rows_ptr(const std::shared_ptr<DeviceMemory>& m) { return static_cast<const int64_t*>(m->ptr); }
 
+  // rowsum(dO * O) of every row of the rank's O and dO (attention_row_delta), computed once per pair of tensors and
+  // kept (with them) until another pair asks.
+  const DeviceLse& delta_of(const Tensor& o, const Tensor& dout, const Tensor& q, const Tensor& k) {
+    if (delta_.o == o.mem && delta_.dout == dout.mem && delta_.delta.mem) return delta_.delta;
+    DeviceLse d;
+    d.heads = o.heads;
+    d.rows = o.rows;
+    d.mem = raw(d.bytes());
+    const AttentionShape shape{dtype_, static_cast<int>(o.heads), static_cast<int>(k.heads), static_cast<int>(q.dim),
+                               static_cast<int>(o.dim)};
+    Outcome out;
+    timed("delta", static_cast<double>(o.bytes() + dout.bytes() + d.bytes()),
+          [&] { out = attention_row_delta(shape, o.data(), dout.data(), o.rows, d.data(), stream_); });
+    if (!out.ok())
+      throw std::runtime_error("rank " + std::to_string(rank_) + " attention_row_delta: " +
+                               std::string(status_name(out.status)) + ": " + out.message);
+    delta_ = {o.mem, dout.mem, std::move(d)};
+    return delta_.delta;
+  }
+  const std::vector<int64_t>& identity_rows(int64_t n) {
+    auto it = identities_.find(n);
+    if (it == identities_.end()) it = identities_.emplace(n, sim::program_detail::identity_rows(n)).first;
+    return it->second;
+  }
+  // The plan of tile t reading K/V in place: the call's KV segments moved to the rows of the whole K/V that hold them
+  // (step row i is rank row kv_rows[i]; each segment's rows must stay consecutive).
+  const AttentionPlan& plan_kv_in_place(const sim::Tile& t, const std::vector<int64_t>& kv_rows, const Tensor& q,
+                                        const Tensor& k, const Tensor& v, KvPadRows pads) {
+    const auto key = std::make_pair(&t, static_cast<int>(pads));
+    auto it = in_place_plans_.find(key);
+    if (it != in_place_plans_.end()) return it->second;
+    AttentionCall call = t.call;
+    call.kv_rows = k.rows;
+    for (SequenceTile& seq : call.sequences)
+      for (RowSegment& seg : seq.kv) {
+        if (seg.count == 0) {
+          seg.first_row = 0;
+          continue;
+        }
+        const auto at = [&](int64_t i) {
+          if (i < 0 || i >= static_cast<int64_t>(kv_rows.size()))
+            throw std::logic_error("rank " + std::to_string(rank_) + " step " + std::to_string(t.step) +
+                                   ": KV segment row " + std::to_string(i) + " outside the half's " +
+                                   std::to_string(kv_rows.size()) + " rows");
+          return kv_rows[static_cast<size_t>(i)];
+        };
+        const int64_t first = at(seg.first_row);
+        for (int32_t j = 1; j < seg.count; ++j)
+          if (at(seg.first_row + j) != first + j)
+            throw std::logic_error("rank " + std::to_string(rank_) + " step " + std::to_string(t.step) +
+                                   ": the KV half's rows of a segment are not consecutive in the rank's K/V");
+        seg.first_row = first;
+      }
+    AttentionShape shape{dtype_, static_cast<int>(q.heads), static_cast<int>(k.heads), static_cast<int>(q.dim),
+                         static_cast<int>(v.dim)};
+    AttentionPlan plan;
+    const Outcome built = plan.build(call, shape, pads);
+    if (!built.ok()) fail_step(t, "AttentionPlan::build (K/V in place)", built);
+    return in_place_plans_.emplace(key, std::move(plan)).first->second;
+  }
   const AttentionPlan& plan_for(const sim::Tile& t, const Tensor& q, const Tensor& k, const Tensor& v) {
     auto it = plans_.find(&t);
     if (it != plans_.end()) return it->second;
@@ -671,6 +766,12 @@ class DeviceRankBackend {
   std::vector<OpSpan> op_spans_;  // options_.timeline: every timed() operation of the run
   std::map<int, DeviceTensor> inputs_;
   std::map<const sim::Tile*, AttentionPlan> plans_;
+  std::map<std::pair<const sim::Tile*, int>, AttentionPlan> in_place_plans_;  // plan_kv_in_place, by KvPadRows
+  struct DeltaCache {
+    std::shared_ptr<DeviceMemory> o, dout;  // the tensors it was computed from, kept alive so no other takes their place
+    DeviceLse delta;
+  } delta_;
+  std::map<int64_t, std::vector<int64_t>> identities_;
   struct RowsHash {
     size_t operator()(const std::vector<int64_t>& rows) const {
       uint64_t h = 1469598103934665603ull ^ rows.size();

@@ -182,39 +182,91 @@ struct MergeSources {
   MergeSource s[kMaxMergeSources];
   int n = 0;
 };
-// One warp per merged row: per head, the LSE merge over the sources in order (every lane the same), then each lane
-// sums 4 (WIDE) or 1 dims over the sources in float32 and rounds once.
+// 8 consecutive elements as float (16 bytes of a 16-bit type, 32 of float32); stores round to nearest even.
+__device__ __forceinline__ void load8(const float* p, float (&x)[8]) {
+  const float4 a = load4(p), b = load4(p + 4);
+  x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w, x[4] = b.x, x[5] = b.y, x[6] = b.z, x[7] = b.w;
+}
+template <class H, class H2>
+__device__ __forceinline__ void load8_16(const H* p, float (&x)[8], float2 (*widen)(H2)) {
+  const uint4 u = *reinterpret_cast<const uint4*>(p);
+  const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    H2 h;
+    memcpy(&h, &w[i], 4);
+    const float2 f = widen(h);
+    x[2 * i] = f.x;
+    x[2 * i + 1] = f.y;
+  }
+}
+__device__ __forceinline__ void load8(const __nv_bfloat16* p, float (&x)[8]) {
+  load8_16<__nv_bfloat16, __nv_bfloat162>(p, x, [](__nv_bfloat162 h) { return __bfloat1622float2(h); });
+}
+__device__ __forceinline__ void load8(const __half* p, float (&x)[8]) {
+  load8_16<__half, __half2>(p, x, [](__half2 h) { return __half22float2(h); });
+}
+__device__ __forceinline__ void store8(float* p, const float (&x)[8]) {
+  store4(p, make_float4(x[0], x[1], x[2], x[3]));
+  store4(p + 4, make_float4(x[4], x[5], x[6], x[7]));
+}
+template <class T>
+__device__ __forceinline__ void store8(T* p, const float (&x)[8]) {  // bf16 / fp16: one 16-byte store
+  uint4 u;
+  uint32_t* w = &u.x;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    T pair[2];
+    store1(&pair[0], x[2 * i]);
+    store1(&pair[1], x[2 * i + 1]);
+    memcpy(w + i, pair, 4);
+  }
+  *reinterpret_cast<uint4*>(p) = u;
+}
+
+// One warp per merged row. Per head, the LSE merge over the sources in order; each output element sums its
+// sources in order in float32 (acc += o_i * exp(lse_i - lse)) and is rounded once.
+// WIDE: the row's (head, 8 dims) pieces are spread over the lanes, 16-byte accesses, each lane merging the LSE of the
+// head it works on (the same value in every lane of that head); otherwise one element per lane and access.
 template <class S, class T, bool WIDE>
 __global__ void merge_forward_kernel(T* o, float* lse, MergeSources src, int64_t rows, int heads, int dim) {
   const int64_t r = int64_t(blockIdx.x) * kWarpsPerBlock + threadIdx.x / 32;
   if (r >= rows) return;
   const int lane = threadIdx.x % 32;
-  for (int h = 0; h < heads; ++h) {
+  auto merged_lse = [&](int h) {
     float l = -INFINITY;
     for (int p = 0; p < src.n; ++p) {
       const int64_t pr = src.s[p].source_row[r];
       if (pr >= 0) l = lse_merge_device(l, src.s[p].lse[h * src.s[p].part_rows + pr]);
     }
-    if (lane == 0) lse[h * rows + r] = l;
-    T* out = o + (r * heads + h) * dim;
-    if constexpr (WIDE) {
-      for (int d = 4 * lane; d < dim; d += 128) {
-        float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        for (int p = 0; p < src.n; ++p) {
-          const int64_t pr = src.s[p].source_row[r];
-          if (pr < 0) continue;
-          const float lp = src.s[p].lse[h * src.s[p].part_rows + pr];
-          if (lp == -INFINITY) continue;
-          const float w = expf(lp - l);
-          const float4 x = load4(static_cast<const S*>(src.s[p].o) + (pr * heads + h) * dim + d);
-          acc.x += x.x * w;
-          acc.y += x.y * w;
-          acc.z += x.z * w;
-          acc.w += x.w * w;
-        }
-        store4(out + d, acc);
+    return l;
+  };
+  if constexpr (WIDE) {
+    const int pieces_per_head = dim / 8, pieces = heads * pieces_per_head;
+#pragma unroll 2
+    for (int c = lane; c < pieces; c += 32) {
+      const int h = c / pieces_per_head, d = (c - h * pieces_per_head) * 8;
+      const float l = merged_lse(h);
+      if (d == 0) lse[h * rows + r] = l;
+      float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+      for (int p = 0; p < src.n; ++p) {
+        const int64_t pr = src.s[p].source_row[r];
+        if (pr < 0) continue;
+        const float lp = src.s[p].lse[h * src.s[p].part_rows + pr];
+        if (lp == -INFINITY) continue;
+        const float w = expf(lp - l);
+        float x[8];
+        load8(static_cast<const S*>(src.s[p].o) + (pr * heads + h) * dim + d, x);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[i] += x[i] * w;
       }
-    } else {
+      store8(o + (r * heads + h) * dim + d, acc);
+    }
+  } else {
+    for (int h = 0; h < heads; ++h) {
+      const float l = merged_lse(h);
+      if (lane == 0) lse[h * rows + r] = l;
+      T* out = o + (r * heads + h) * dim;
       for (int d = lane; d < dim; d += 32) {
         float acc = 0.0f;
         for (int p = 0; p < src.n; ++p) {
@@ -234,7 +286,7 @@ cudaError_t merge_forward_typed(T* o, float* lse, const MergeSources& src, int64
                                 cudaStream_t stream) {
   uint64_t bits = address_bits(o);
   for (int p = 0; p < src.n; ++p) bits |= address_bits(src.s[p].o);
-  const bool wide = dim % 4 == 0 && bits % (4 * sizeof(T) > 4 * sizeof(S) ? 4 * sizeof(T) : 4 * sizeof(S)) == 0;
+  const bool wide = dim % 8 == 0 && bits % (8 * sizeof(T) > 8 * sizeof(S) ? 8 * sizeof(T) : 8 * sizeof(S)) == 0;
   if (wide)
     merge_forward_kernel<S, T, true><<<row_blocks(rows), kThreads, 0, stream>>>(o, lse, src, rows, static_cast<int>(heads),
                                                                              static_cast<int>(dim));

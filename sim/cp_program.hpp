@@ -26,9 +26,14 @@
 //                                        writes the sent tensors nor reads the receive buffers until
 //   void exchange_finish(Pending&)       after which the received tensors may be read and the sent ones reused
 //   void record_forward(step, const Forward&); void record_backward(step, Backward&&, dk_in_flight*, dv_in_flight*)
+// Optional (HalfReadingBackend): bool reads_halves() const; true lets the ring program give a step's forward the
+//   rank's whole tensors and the rows it reads, forward_rows(tile, StepRows, q, k, v), instead of gathering the halves
+//   first (the backend may read them in place).
 // Optional (SummingBackend): bool sums_backward() const; true lets the ring program replace backward + scatter_add
-//   with one backward_sum(tile, q, k, v, o, lse, dout, qrows, dq, krows, dk, dv) (dq[qrows[i]] += dQ_i, the same for
-//   dK and dV; no per-step partials, so no record_backward), issued once the step's dKV has arrived.
+//   with one backward_sum(tile, StepRows, q, k, v, o, lse, dout, dq, dk, dv) on the rank's whole tensors: the step
+//   reads rows.q of q, o, lse, dout (rows.kv of k, v) where the tile reads a half, and adds dq[rows.q[i]] += dQ_i,
+//   dk[rows.kv[i]] += dK_i, dv[rows.kv[i]] += dV_i (no per-step partials, so no record_backward), issued once the
+//   step's dKV has arrived.
 #include <cstdint>
 #include <algorithm>
 #include <concepts>
@@ -46,6 +51,19 @@ namespace cpgold::sim {
 template <class B>
 concept SummingBackend = requires(const B& b) {
   { b.sums_backward() } -> std::convertible_to<bool>;
+};
+template <class B>
+concept HalfReadingBackend = requires(const B& b) {
+  { b.reads_halves() } -> std::convertible_to<bool>;
+};
+
+// The rows a ring step reads of the rank's tensors: row i of the step's Q (K/V) tensor is row q[i] (kv[i]); a side
+// that is not a half reads every row (q / kv then hold the identity).
+struct StepRows {
+  const std::vector<int64_t>& q;
+  bool q_half;
+  const std::vector<int64_t>& kv;
+  bool kv_half;
 };
 
 // storage: the case's dtype (attention inputs, O); accumulator: float32 sums (dQ, dK, dV, dKV in flight).
@@ -271,8 +289,15 @@ RankResult<B> run_ring_rank(const Plan& plan, B& b, bool with_backward) {
       check_owner(t);
       const bool qfull = t.q_half == HalfSelect::full, kfull = t.kv_half == HalfSelect::full;
       std::vector<int64_t> qrows = half_rows(gq, t.q_half, b.shape(q).rows);
+      bool by_rows = false;
+      if constexpr (HalfReadingBackend<B>) by_rows = !(qfull && kfull) && b.reads_halves();
       if (qfull && kfull) {
         results.push_back(b.forward(t, q, k, v));
+      } else if (by_rows) {
+        if constexpr (HalfReadingBackend<B>) {
+          const std::vector<int64_t> krows = half_rows(gk, t.kv_half, b.shape(k).rows);
+          results.push_back(b.forward_rows(t, StepRows{qrows, !qfull, krows, !kfull}, q, k, v));
+        }
       } else {
         const std::vector<int64_t> krows = kfull ? std::vector<int64_t>{} : half_rows(gk, t.kv_half, 0);
         const Shape sq = b.shape(q), sk = b.shape(k), sv = b.shape(v);
@@ -414,8 +439,7 @@ RankResult<B> run_ring_rank(const Plan& plan, B& b, bool with_backward) {
       if constexpr (SummingBackend<B>) {
         if (b.sums_backward()) {
           finish_shift(incoming_dkv, Payload::dkv);  // the step adds into the dKV that arrives
-          on_inputs([&](const Tensor& q_, const Tensor& k_, const Tensor& v_, const Tensor& o_, const Lse& lse_,
-                        const Tensor& do_) { b.backward_sum(t, q_, k_, v_, o_, lse_, do_, qrows, dq, krows, dk, dv); });
+          b.backward_sum(t, StepRows{qrows, !qfull, krows, !kfull}, q, k, v, o, lse, dout, dq, dk, dv);
           summed = true;
         }
       }

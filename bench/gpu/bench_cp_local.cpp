@@ -10,7 +10,9 @@
 // steps' attention backward adds into the float32 sums itself, no scatter_add). --once cp|noncp runs one untimed
 // forward + backward of that path and exits, for a profiler (bench/gpu/profile_cp_local.sh). --timeline FILE adds one more CP run with CpGpuOptions::timeline: every operation's
 // span on its stream, not serialised, written to FILE in Chrome's trace format (chrome://tracing, Perfetto), and a
-// summary of how long each kind of stream was busy and how long two kinds were busy at once.
+// summary of how long each kind of stream was busy and how long two kinds were busy at once. --mode deterministic
+// runs both paths with the deterministic backward (default atomic). --scale n multiplies the sequence lengths of the
+// batch (512..4096 tokens, bench/gpu/varlen_batches.md) by n: longer sequences, so longer CP chunks (2W per sequence).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -97,12 +99,14 @@ double copy_rate_gbs() {
 struct Schedule {
   bool aside = false;  // CpGpuOptions::accumulate_aside
   bool sum = true;     // CpGpuOptions::sum_in_backward (on, as in verify --backend local)
+  gpu::BackwardMode mode = gpu::BackwardMode::atomic;  // both paths (--mode)
 };
 
 gpu::CpGpuOptions cp_options(const Schedule& schedule) {
   gpu::CpGpuOptions options;
   options.accumulate_aside = schedule.aside;
   options.sum_in_backward = schedule.sum;
+  options.mode = schedule.mode;
   return options;
 }
 
@@ -194,7 +198,7 @@ void print_timeline(const sim::Plan& plan, const sim::CaseInputs& in, const Sche
 
 int main(int argc, char** argv) {
   std::setvbuf(stdout, nullptr, _IOLBF, 0);  // lines reach a log even if a guard stops the run
-  int W = 4, heads = 16, dim = 128, reps = 10;
+  int W = 4, heads = 16, dim = 128, reps = 10, scale = 1;
   int64_t tokens = 32768;
   std::string comm = "p2p";
   bool phases = false;
@@ -214,8 +218,11 @@ int main(int argc, char** argv) {
     else if (a == "--aside" && (v == "0" || v == "1")) schedule.aside = v == "1";
     else if (a == "--sum" && (v == "0" || v == "1")) schedule.sum = v == "1";
     else if (a == "--timeline" && !v.empty()) timeline_file = v;
+    else if (a == "--mode" && (v == "atomic" || v == "deterministic"))
+      schedule.mode = v == "atomic" ? gpu::BackwardMode::atomic : gpu::BackwardMode::deterministic;
+    else if (a == "--scale" && std::atoi(v.c_str()) >= 1) scale = std::atoi(v.c_str());
     else {
-      std::fprintf(stderr, "usage: bench_cp_local [--cp-size W] [--heads h] [--dim d] [--tokens t] [--comm c] [--reps n] [--phases 0|1] [--once cp|noncp] [--aside 0|1] [--sum 0|1] [--timeline FILE]\n");
+      std::fprintf(stderr, "usage: bench_cp_local [--cp-size W] [--heads h] [--dim d] [--tokens t] [--comm c] [--reps n] [--phases 0|1] [--once cp|noncp] [--aside 0|1] [--sum 0|1] [--timeline FILE] [--mode atomic|deterministic] [--scale n]\n");
       return 2;
     }
   }
@@ -223,7 +230,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "bench_cp_local: no CUDA device\n");
     return 2;
   }
-  const sim::CaseSpec s = bench::causal_varlen_case(varlen_lengths(tokens), W, sim::parse_comm(comm), heads, dim);
+  const sim::CaseSpec s = bench::causal_varlen_case(varlen_lengths(tokens, scale), W, sim::parse_comm(comm), heads, dim);
   const sim::Plan plan = sim::make_plan(s);
   const sim::CaseInputs in = sim::make_case_inputs(s);
   const ThdLayout lay = sim::layout(s);
@@ -243,7 +250,7 @@ int main(int argc, char** argv) {
   check(cudaMalloc(reinterpret_cast<void**>(&lse), rows_q * heads * 4), "cudaMalloc");
   if (once == "noncp") {
     check(gpu::attention_forward(full, {q, k, v, o, lse}), "forward");
-    check(gpu::attention_backward(full, {q, k, v, o, dout, lse, dq, dk, dv, {}, {}, {}}), "backward");
+    check(gpu::attention_backward(full, {q, k, v, o, dout, lse, dq, dk, dv, {}, {}, {}}, schedule.mode), "backward");
     check(cudaDeviceSynchronize(), "non-CP run");
     std::printf("one non-CP forward + backward done\n");
     return 0;
@@ -257,7 +264,7 @@ int main(int argc, char** argv) {
   const double non_cp = median_ms(
       [&] {
         check(gpu::attention_forward(full, {q, k, v, o, lse}), "forward");
-        check(gpu::attention_backward(full, {q, k, v, o, dout, lse, dq, dk, dv, {}, {}, {}}), "backward");
+        check(gpu::attention_backward(full, {q, k, v, o, dout, lse, dq, dk, dv, {}, {}, {}}, schedule.mode), "backward");
       },
       reps);
 
@@ -271,9 +278,10 @@ int main(int argc, char** argv) {
 
   cudaDeviceProp prop{};
   cudaGetDeviceProperties(&prop, 0);
-  std::printf("device: %s; case: %lld tokens in %zu sequences, causal, bf16, h=%d, d=%d, %s W=%d; median of %d; "
-              "accumulation %s\n",
-              prop.name, static_cast<long long>(tokens), s.seqlens_q.size(), heads, dim, comm.c_str(), W, reps,
+  std::printf("device: %s; case: %lld tokens in %zu sequences (%d..%d), causal, bf16, h=%d, d=%d, %s W=%d; %s "
+              "backward; median of %d; accumulation %s\n",
+              prop.name, static_cast<long long>(tokens), s.seqlens_q.size(), 512 * scale, 4096 * scale, heads, dim,
+              comm.c_str(), W, schedule.mode == gpu::BackwardMode::atomic ? "atomic" : "deterministic", reps,
               schedule.sum     ? (schedule.aside ? "in the attention kernels (--sum 1), the rest on its own stream (--aside 1)"
                                                  : "in the attention kernels (--sum 1)")
               : schedule.aside ? "on its own stream (--aside 1)"

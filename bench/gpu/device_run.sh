@@ -1,7 +1,8 @@
 #!/bin/bash
 # Build + tests + sanitizers + benches on the device. Usage: device_run.sh [tests|bench|all|cp]
 # cp: test_gpu, then `verify` (non-CP) and `verify --backend local` on every fixture of quick, edge and te,
-# and (with CP_RERUNS=1) the deterministic local CP path on quick twice per fixture, bits compared.
+# and (with CP_RERUNS=1) the deterministic local CP path on quick twice per fixture, bits compared; with SANITIZE=1
+# also compute-sanitizer memcheck and racecheck over test_gpu's sanitizer case.
 MODE=${1:-all}
 # Run from the repository root of a source snapshot; $OUT is where logs go.
 cd "${CPGOLD_SRC:-.}"
@@ -27,6 +28,12 @@ if [ $MODE = cp ]; then
     $B/bin/cpgold verify --backend local --deterministic --dump /tmp/d2_$n.h5 $F > /dev/null 2>&1
     [ -f /tmp/d1_$n.h5 ] && { $B/bin/cpgold check --identical /tmp/d1_$n.h5 /tmp/d2_$n.h5 > /dev/null && echo "identical $n" || echo "DIFFERENT $n"; }
   done | awk '{print $1}' | sort | uniq -c | tr '\n' ' '; echo
+  if [ -n "$SANITIZE" ]; then
+    for tool in memcheck racecheck; do
+      (cd $B && timeout 200 compute-sanitizer --tool $tool ./bin/test_gpu -tc="*sanitizers*" > $OUT/$tool.log 2>&1; echo "$tool rc=$?")
+      grep -E "RACECHECK SUMMARY|ERROR SUMMARY|test cases" $OUT/$tool.log
+    done
+  fi
   cd $OUT && tar -czf logs.tar.gz *.log && rm -f *.log; exit 0
 fi
 if [ $MODE != bench ]; then

@@ -161,7 +161,7 @@ TEST_CASE("cp kernels: convert rounds float32 to bf16 to nearest even, tails and
 TEST_CASE("cp kernels: the forward merge against the LSE merge formula, rows of no step zero with LSE -inf") {
   CPGOLD_REQUIRE_DEVICE();
   const float ninf = -std::numeric_limits<float>::infinity();
-  for (int64_t dim : {6, 64}) {  // narrow and 4-wide paths
+  for (int64_t dim : {6, 64}) {  // one-element and 8-wide paths
     CAPTURE(dim);
     const int64_t rows = 13, heads = 3;
     // Source 0 covers every row, source 1 the even rows (in reverse order), source 2 rows 1 and 4 (LSE -inf on row 4).
@@ -202,6 +202,17 @@ TEST_CASE("cp kernels: the forward merge against the LSE merge formula, rows of 
     cuda_ok(launch_merge_forward(dout.ptr, Elem::bf16, dlse.ptr, sources.data(), 3, rows, heads, dim, nullptr), "merge");
     const std::vector<uint16_t> got = dout.host();
     const std::vector<float> got_lse = dlse.host();
+    if (dim % 8 == 0) {
+      // The same merge into an output one element off the 16-byte grid takes the one-element path: the same bits.
+      Device<uint16_t> shifted(std::vector<uint16_t>(static_cast<size_t>(rows * heads * dim + 1), 0x7FC0));
+      Device<float> shifted_lse(std::vector<float>(static_cast<size_t>(heads * rows), 12345.0f));
+      cuda_ok(launch_merge_forward(shifted.ptr + 1, Elem::bf16, shifted_lse.ptr, sources.data(), 3, rows, heads, dim,
+                                   nullptr),
+              "merge (one-element path)");
+      const std::vector<uint16_t> narrow = shifted.host();
+      CHECK(std::vector<uint16_t>(narrow.begin() + 1, narrow.end()) == got);
+      CHECK(shifted_lse.host() == got_lse);
+    }
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t h = 0; h < heads; ++h) {
         // The formula in double: lse = log sum exp(lse_i), o = sum o_i exp(lse_i - lse).

@@ -308,6 +308,64 @@ TEST_CASE("local CP: summing inside the backward kernels gives the bits of backw
   }
 }
 
+// Ring steps reading a half of the rank's tensors: with read_halves_in_place the K/V half is read where it lies
+// (forward, and the summing backward with the delta of one pass over the rank's O and dO), otherwise gathered into a
+// step tensor first. Causal ring cases of quick and edge (padding, GQA, zero-length sequences among them), both
+// backward modes: every rank's O, dQ, dK, dV have the gathered path's bits (dQ of the atomic mode aside: its float
+// atomics may add in another order from run to run), and the in-place runs gather fewer tensors.
+TEST_CASE("local CP: reading the K/V halves in place gives the bits of gathering them") {
+  CPGOLD_REQUIRE_DEVICE();
+  int cases = 0, with_halves = 0;
+  for (const std::string suite : {"quick", "edge"}) {
+    int taken = 0;
+    for (const fx::SuiteCase& c : fx::suite_cases(suite)) {
+      if (c.cpu_only || !fx::inside_gpu_table(c.spec) || !c.spec.causal || c.spec.cp_size < 2 ||
+          (c.spec.comm != sim::CommType::p2p && c.spec.comm != sim::CommType::a2a_p2p) || taken == 5)
+        continue;
+      ++taken;
+      ++cases;
+      CAPTURE(c.name);
+      const sim::Plan plan = sim::make_plan(c.spec);
+      const sim::CaseInputs inputs = sim::make_case_inputs(c.spec);
+      bool halves = false;
+      for (const sim::Tile& t : plan.forward.tiles) halves |= t.computed && t.kv_half != sim::HalfSelect::full;
+      with_halves += halves;
+      for (const gpu::BackwardMode mode : {gpu::BackwardMode::deterministic, gpu::BackwardMode::atomic}) {
+        CAPTURE(static_cast<int>(mode));
+        for (const bool sum : {false, true}) {
+          CAPTURE(sum);
+          size_t gathers[2] = {0, 0};
+          sim::CpRun<float> runs[2];
+          for (const bool in_place : {false, true}) {
+            gpu::CpGpuOptions options;
+            options.mode = mode;
+            options.sum_in_backward = sum;
+            options.read_halves_in_place = in_place;
+            options.phases = std::make_shared<gpu::PhaseTimes>();
+            options.timeout = std::chrono::milliseconds(20000);
+            runs[in_place] = gpu::LocalCpExecutor(plan, inputs, c.spec.dtype, options).run(true);
+            const auto it = options.phases->phases.find("gather");
+            gathers[in_place] = it == options.phases->phases.end() ? 0 : static_cast<size_t>(it->second.calls);
+          }
+          REQUIRE(runs[1].ranks.size() == runs[0].ranks.size());
+          for (size_t r = 0; r < runs[0].ranks.size(); ++r) {
+            CAPTURE(r);
+            CHECK(same(runs[0].ranks[r].o, runs[1].ranks[r].o));
+            if (mode == gpu::BackwardMode::deterministic) CHECK(same(runs[0].ranks[r].dq, runs[1].ranks[r].dq));
+            CHECK(same(runs[0].ranks[r].dk, runs[1].ranks[r].dk));
+            CHECK(same(runs[0].ranks[r].dv, runs[1].ranks[r].dv));
+          }
+          if (halves) CHECK(gathers[1] < gathers[0]);
+        }
+      }
+    }
+  }
+  CHECK(cases >= 4);
+  CHECK(with_halves >= 2);
+  MESSAGE("VERDICT K/V halves in place: " << cases << " causal ring cases (" << with_halves
+                                          << " with half steps), same bits as gathering");
+}
+
 // The timeline (CpGpuOptions::timeline, bench_cp_local --timeline) brackets every operation with events and nothing
 // else: the outputs are the plain run's; every attention call of every rank has a span on the compute stream; the
 // spans are ordered in time; the accumulation stream shows up exactly when accumulate_aside puts work there.
