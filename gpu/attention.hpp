@@ -40,12 +40,16 @@ struct AttentionShape {
 // The capability table: bf16/fp16; (d_qk, d_v) in {(64,64), (128,128), (128,64), (192,128)}; h_q = g * h_kv.
 Outcome check_capability(const AttentionShape& shape);
 
-// What the backward does with the K/V rows outside the call's KV segments. `write` is the contract above (dK = dV =
-// 0, or +0 added into the sums). `leave` keeps them as they are, for a call that reads part of larger K/V tensors in
-// place (a CP step reading one half of a rank's K/V): only with the summing backward into sums that already hold every
-// row (RowSum::assign false), where it gives the same bits as `write`. Adding +0 changes no float32 sum: the sums are
-// made by float adds from +0, so none is -0, and every NaN in them is the canonical NaN an add returns.
-enum class KvPadRows { write, leave };
+// What the backward does with the rows outside the call's segments. By default it writes them as the contract above
+// says (dQ = 0 / dK = dV = 0, or +0 added into the sums). leave_q (leave_kv) keeps the Q (K/V) side's as they are,
+// for a call that reads part of larger tensors in place (a CP step reading one half of a rank's tensors): only with
+// the summing backward into sums that already hold every row (RowSum::assign false), where it gives the same bits.
+// Adding +0 changes no float32 sum: the sums are made by float adds from +0, so none is -0, and every NaN in them is
+// the canonical NaN an add returns. The forward takes no plan with leave_q (its O and LSE rows would be unwritten).
+struct OutsideRows {
+  bool leave_q = false;
+  bool leave_kv = false;
+};
 
 // Device-side form of one AttentionCall (sequence descriptors and tile lists), built once, reused by every launch.
 class AttentionPlan {
@@ -57,7 +61,7 @@ class AttentionPlan {
 
   // Checks the shape against the capability table and the call (AttentionCall::check, KV rows of different
   // sequences disjoint), then uploads. On failure the plan stays empty.
-  Outcome build(const AttentionCall& call, const AttentionShape& shape, KvPadRows kv_pads = KvPadRows::write);
+  Outcome build(const AttentionCall& call, const AttentionShape& shape, OutsideRows outside = {});
 
   struct Impl;
   const Impl* impl() const { return impl_.get(); }

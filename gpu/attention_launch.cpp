@@ -26,6 +26,8 @@ AttentionParams base_params(const AttentionPlan::Impl& plan) {
 Outcome attention_forward(const AttentionPlan& plan, const ForwardBuffers& b, void* stream) {
   const AttentionPlan::Impl* impl = plan.impl();
   if (impl == nullptr) return {Status::invalid_argument, "attention_forward: the plan was not built"};
+  if (impl->outside.leave_q)
+    return {Status::invalid_argument, "attention_forward: a plan built with leave_q would leave O and LSE rows unwritten"};
   if ((impl->q_rows > 0 && (b.q == nullptr || b.o == nullptr || b.lse == nullptr)) ||
       (impl->kv_rows > 0 && (b.k == nullptr || b.v == nullptr)))
     return {Status::invalid_argument, "attention_forward: a buffer is null"};
@@ -49,10 +51,14 @@ Outcome attention_backward(const AttentionPlan& plan, const BackwardBuffers& b, 
                             (!summing && b.dq == nullptr))) ||
       (impl->kv_rows > 0 && (b.k == nullptr || b.v == nullptr || (!summing && (b.dk == nullptr || b.dv == nullptr)))))
     return {Status::invalid_argument, "attention_backward: a buffer is null"};
-  if (impl->kv_pads == KvPadRows::leave && impl->kv_rows > 0 && (!summing || b.dk_sum.assign || b.dv_sum.assign))
+  if (impl->outside.leave_kv && impl->kv_rows > 0 && (!summing || b.dk_sum.assign || b.dv_sum.assign))
     return {Status::invalid_argument,
-            "attention_backward: a plan built with KvPadRows::leave needs the summing form into sums that hold every "
-            "row already (dk_sum/dv_sum assign false)"};
+            "attention_backward: a plan built with leave_kv needs the summing form into sums that hold every row "
+            "already (dk_sum/dv_sum assign false)"};
+  if (impl->outside.leave_q && impl->q_rows > 0 && (!summing || b.dq_sum.assign))
+    return {Status::invalid_argument,
+            "attention_backward: a plan built with leave_q needs the summing form into a sum that holds every row "
+            "already (dq_sum assign false)"};
   auto s = static_cast<cudaStream_t>(stream);
   if (impl->shape.dtype == DType::bf16) return detail::launch_backward_bf16(*impl, b, mode, s);
   if (impl->shape.dtype == DType::fp16) return detail::launch_backward_fp16(*impl, b, mode, s);

@@ -91,9 +91,11 @@ Outcome backward_dims(AttentionParams p, BackwardMode mode, cudaStream_t stream,
     const int64_t elems = static_cast<int64_t>(accum_elems);
     const int blocks = static_cast<int>(std::min<int64_t>((elems + 255) / 256, 132 * 16));
     if (out.ok() && elems > 0) {
-      if (p.dq_sum != nullptr)
-        attention_backward_sum_dq_kernel<T><<<blocks, 256, 0, stream>>>(p, static_cast<int64_t>(p.heads_q) * D);
-      else
+      if (p.dq_sum != nullptr) {
+        if (p.q_tile_count > 0)
+          attention_backward_sum_dq_kernel<T><<<std::min(p.q_tile_count, 132 * 16), 256, 0, stream>>>(
+              p, static_cast<int64_t>(p.heads_q) * D);
+      } else
         attention_backward_convert_dq_kernel<T><<<blocks, 256, 0, stream>>>(p, elems);
       if (cudaError_t e = cudaGetLastError(); e != cudaSuccess)
         step(cuda_failure(

@@ -49,6 +49,16 @@ void add_tiles(std::vector<RowTile>& tiles, int64_t first_row, int32_t count, in
   }
 }
 
+// Throws if covered intervals overlap.
+void check_disjoint(std::vector<Interval> covered, const char* side) {
+  std::sort(covered.begin(), covered.end());
+  for (size_t i = 1; i < covered.size(); ++i)
+    if (covered[i].first < covered[i - 1].second)
+      throw std::invalid_argument(std::string("overlapping ") + side + " rows at row " +
+                                  std::to_string(covered[i].first) +
+                                  " (each row may belong to one segment of one sequence)");
+}
+
 // Pad tiles over [0, total) minus the covered intervals; throws if covered intervals overlap.
 void add_pad_tiles(std::vector<RowTile>& tiles, std::vector<Interval> covered, int64_t total, int tile_rows,
                    const char* side) {
@@ -70,7 +80,7 @@ void add_pad_tiles(std::vector<RowTile>& tiles, std::vector<Interval> covered, i
 
 }  // namespace
 
-PlanTiles make_plan_tiles(const AttentionCall& call, KvPadRows kv_pads) {
+PlanTiles make_plan_tiles(const AttentionCall& call, OutsideRows outside) {
   PlanTiles plan;
   std::vector<Interval> q_cover, kv_cover;
   for (size_t b = 0; b < call.sequences.size(); ++b) {
@@ -98,17 +108,16 @@ PlanTiles make_plan_tiles(const AttentionCall& call, KvPadRows kv_pads) {
     }
     plan.sequences.push_back(desc);
   }
-  add_pad_tiles(plan.q_tiles_small, q_cover, call.q_rows, kSmallTileRows, "q");
-  add_pad_tiles(plan.q_tiles_large, q_cover, call.q_rows, kLargeTileRows, "q");
-  if (kv_pads == KvPadRows::write) {
-    add_pad_tiles(plan.kv_tiles, kv_cover, call.kv_rows, kKvTileRows, "kv");
-  } else {  // the overlap check of add_pad_tiles, without the tiles
-    std::sort(kv_cover.begin(), kv_cover.end());
-    for (size_t i = 1; i < kv_cover.size(); ++i)
-      if (kv_cover[i].first < kv_cover[i - 1].second)
-        throw std::invalid_argument("overlapping kv rows at row " + std::to_string(kv_cover[i].first) +
-                                    " (each row may belong to one segment of one sequence)");
+  if (outside.leave_q) {
+    check_disjoint(q_cover, "q");
+  } else {
+    add_pad_tiles(plan.q_tiles_small, q_cover, call.q_rows, kSmallTileRows, "q");
+    add_pad_tiles(plan.q_tiles_large, q_cover, call.q_rows, kLargeTileRows, "q");
   }
+  if (outside.leave_kv)
+    check_disjoint(kv_cover, "kv");
+  else
+    add_pad_tiles(plan.kv_tiles, kv_cover, call.kv_rows, kKvTileRows, "kv");
   return plan;
 }
 
@@ -121,13 +130,13 @@ AttentionPlan::~AttentionPlan() = default;
 AttentionPlan::AttentionPlan(AttentionPlan&&) noexcept = default;
 AttentionPlan& AttentionPlan::operator=(AttentionPlan&&) noexcept = default;
 
-Outcome AttentionPlan::build(const AttentionCall& call, const AttentionShape& shape, KvPadRows kv_pads) {
+Outcome AttentionPlan::build(const AttentionCall& call, const AttentionShape& shape, OutsideRows outside) {
   impl_.reset();
   if (Outcome cap = check_capability(shape); !cap.ok()) return cap;
   PlanTiles tiles;
   try {
     call.check();
-    tiles = make_plan_tiles(call, kv_pads);
+    tiles = make_plan_tiles(call, outside);
   } catch (const std::exception& e) {
     return {Status::invalid_argument, e.what()};
   }
@@ -140,7 +149,7 @@ Outcome AttentionPlan::build(const AttentionCall& call, const AttentionShape& sh
   impl->softmax_scale = call.softmax_scale;
   impl->q_rows = call.q_rows;
   impl->kv_rows = call.kv_rows;
-  impl->kv_pads = kv_pads;
+  impl->outside = outside;
 
   // One device block: sequences, then the three tile lists (each 16-byte aligned).
   auto align16 = [](size_t n) { return (n + 15) / 16 * 16; };

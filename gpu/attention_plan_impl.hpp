@@ -22,15 +22,15 @@ struct PlanTiles {
 
 // Splits the call into sequence descriptors and tile lists (work tiles per segment, pad tiles over the rest).
 // Throws std::invalid_argument when KV rows of two sequences overlap.
-// With kv_pads == KvPadRows::leave, no pad tiles on the KV side.
-PlanTiles make_plan_tiles(const AttentionCall& call, KvPadRows kv_pads = KvPadRows::write);
+// With outside.leave_q (leave_kv), no pad tiles on the Q (K/V) side.
+PlanTiles make_plan_tiles(const AttentionCall& call, OutsideRows outside = {});
 
 struct AttentionPlan::Impl {
   AttentionShape shape;
   Window window;
   double softmax_scale = 0;
   int64_t q_rows = 0, kv_rows = 0;
-  KvPadRows kv_pads = KvPadRows::write;
+  OutsideRows outside;
   // Device arrays (one allocation, owned).
   void* device_block = nullptr;
   const SequenceDesc* sequences = nullptr;

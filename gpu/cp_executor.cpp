@@ -292,7 +292,8 @@ class DeviceRankBackend {
                        const Tensor& v) {
     const Tensor qx = rows.q_half ? gather(q, rows.q, 0, static_cast<int>(q.heads)) : q;
     if (!rows.kv_half) return forward(t, qx, k, v);
-    return forward_with(plan_kv_in_place(t, rows.kv, qx, k, v, KvPadRows::leave), t, qx, k, v);
+    return forward_with(plan_in_place(t, nullptr, &rows.kv, qx, k, v, {.leave_q = false, .leave_kv = true}), t, qx, k,
+                        v);
   }
   Forward forward_with(const AttentionPlan& plan, const sim::Tile& t, const Tensor& q, const Tensor& k,
                        const Tensor& v) {
@@ -327,24 +328,24 @@ class DeviceRankBackend {
   }
   bool sums_backward() const { return options_.sum_in_backward && !options_.record_trace; }
   // backward + scatter_add(dq, rows.q, .dq), (dk, rows.kv, .dk), (dv, rows.kv, .dv) in the attention kernels
-  // themselves. A Q half is gathered (Q, O, dO, LSE and the rank's delta); a K/V half is read in place when
-  // reads_halves(), the kernels then adding into dK/dV at the rows they read (and nowhere else: KvPadRows::leave)
-  // unless this is the first contribution to a fresh sum; delta comes from one pass over the rank's O and dO.
+  // themselves, with rowsum(dO * O) from one pass over the rank's O and dO. With reads_halves(), a half is read in
+  // place: the call's segments point into the rank's tensors and the kernels add into the sums at the rows they read,
+  // and nowhere else (OutsideRows) unless this is the first contribution to a fresh sum; otherwise the half's rows
+  // (Q, O, dO, LSE, delta; or K, V) are gathered into step tensors first.
   void backward_sum(const sim::Tile& t, const sim::StepRows& rows, const Tensor& q, const Tensor& k, const Tensor& v,
                     const Tensor& o, const Lse& lse, const Tensor& dout, Tensor& dq, Tensor& dk, Tensor& dv) {
     for (const Tensor* x : {&q, &k, &v, &o, &dout}) materialize(*x);
     const DeviceLse& rank_delta = delta_of(o, dout, q, k);
-    Tensor qx = q, ox = o, dox = dout;
+    const bool q_in_place = rows.q_half && reads_halves(), kv_in_place = rows.kv_half && reads_halves();
+    Tensor qx = q, ox = o, dox = dout, kx = k, vx = v;
     Lse lsex = lse, deltax = rank_delta;
-    if (rows.q_half) {
+    if (rows.q_half && !q_in_place) {
       qx = gather(q, rows.q, 0, static_cast<int>(q.heads));
       ox = gather(o, rows.q, 0, static_cast<int>(o.heads));
       dox = gather(dout, rows.q, 0, static_cast<int>(dout.heads));
       lsex = lse_gather(lse, rows.q);
       deltax = lse_gather(rank_delta, rows.q);
     }
-    const bool kv_in_place = rows.kv_half && reads_halves();
-    Tensor kx = k, vx = v;
     if (rows.kv_half && !kv_in_place) {
       kx = gather(k, rows.kv, 0, static_cast<int>(k.heads));
       vx = gather(v, rows.kv, 0, static_cast<int>(v.heads));
@@ -360,14 +361,17 @@ class DeviceRankBackend {
       if (dst.mem) dst.mem->pending_zero = false;
       return RowSum{static_cast<float*>(dst.data()), rows_ptr(upload_rows(map)), assign};
     };
+    const std::vector<int64_t>& q_map = q_in_place ? identity_rows(q.rows) : rows.q;
     const std::vector<int64_t>& kv_map = kv_in_place ? identity_rows(k.rows) : rows.kv;
     BackwardBuffers buffers{qx.data(), kx.data(), vx.data(), ox.data(), dox.data(), lsex.data(), nullptr, nullptr,
-                            nullptr, sum_of(dq, rows.q, qx), sum_of(dk, kv_map, kx), sum_of(dv, kv_map, vx),
+                            nullptr, sum_of(dq, q_map, qx), sum_of(dk, kv_map, kx), sum_of(dv, kv_map, vx),
                             deltax.data()};
-    const bool fresh = buffers.dk_sum.assign || buffers.dv_sum.assign;
-    const AttentionPlan& plan =
-        kv_in_place ? plan_kv_in_place(t, rows.kv, qx, k, v, fresh ? KvPadRows::write : KvPadRows::leave)
-                    : plan_for(t, qx, kx, vx);
+    const OutsideRows outside{.leave_q = q_in_place && !buffers.dq_sum.assign,
+                              .leave_kv = kv_in_place && !buffers.dk_sum.assign && !buffers.dv_sum.assign};
+    const AttentionPlan& plan = q_in_place || kv_in_place
+                                    ? plan_in_place(t, q_in_place ? &rows.q : nullptr,
+                                                    kv_in_place ? &rows.kv : nullptr, q, k, v, outside)
+                                    : plan_for(t, qx, kx, vx);
     Outcome out;
     timed(attention_phase(sim::PassKind::backward, t.section).c_str(), 0,
           [&] { out = attention_backward(plan, buffers, options_.mode, stream_); });
@@ -681,40 +685,49 @@ class DeviceRankBackend {
     if (it == identities_.end()) it = identities_.emplace(n, sim::program_detail::identity_rows(n)).first;
     return it->second;
   }
-  // The plan of tile t reading K/V in place: the call's KV segments moved to the rows of the whole K/V that hold them
-  // (step row i is rank row kv_rows[i]; each segment's rows must stay consecutive).
-  const AttentionPlan& plan_kv_in_place(const sim::Tile& t, const std::vector<int64_t>& kv_rows, const Tensor& q,
-                                        const Tensor& k, const Tensor& v, KvPadRows pads) {
-    const auto key = std::make_pair(&t, static_cast<int>(pads));
+  // The plan of tile t reading its Q half (q_rows set) and/or K/V half (kv_rows set) in place: the call's segments
+  // on that side moved to the rows of the rank's tensor that hold them (step row i is rank row rows[i]; each
+  // segment's rows must stay consecutive), with the rank tensor's row count.
+  const AttentionPlan& plan_in_place(const sim::Tile& t, const std::vector<int64_t>* q_rows,
+                                     const std::vector<int64_t>* kv_rows, const Tensor& q, const Tensor& k,
+                                     const Tensor& v, OutsideRows outside) {
+    const int variant = (q_rows ? 1 : 0) | (kv_rows ? 2 : 0) | (outside.leave_q ? 4 : 0) | (outside.leave_kv ? 8 : 0);
+    const auto key = std::make_pair(&t, variant);
     auto it = in_place_plans_.find(key);
     if (it != in_place_plans_.end()) return it->second;
-    AttentionCall call = t.call;
-    call.kv_rows = k.rows;
-    for (SequenceTile& seq : call.sequences)
-      for (RowSegment& seg : seq.kv) {
+    auto move_segments = [&](std::vector<RowSegment>& segments, const std::vector<int64_t>& map, const char* side) {
+      for (RowSegment& seg : segments) {
         if (seg.count == 0) {
           seg.first_row = 0;
           continue;
         }
         const auto at = [&](int64_t i) {
-          if (i < 0 || i >= static_cast<int64_t>(kv_rows.size()))
-            throw std::logic_error("rank " + std::to_string(rank_) + " step " + std::to_string(t.step) +
-                                   ": KV segment row " + std::to_string(i) + " outside the half's " +
-                                   std::to_string(kv_rows.size()) + " rows");
-          return kv_rows[static_cast<size_t>(i)];
+          if (i < 0 || i >= static_cast<int64_t>(map.size()))
+            throw std::logic_error("rank " + std::to_string(rank_) + " step " + std::to_string(t.step) + ": " + side +
+                                   " segment row " + std::to_string(i) + " outside the half's " +
+                                   std::to_string(map.size()) + " rows");
+          return map[static_cast<size_t>(i)];
         };
         const int64_t first = at(seg.first_row);
         for (int32_t j = 1; j < seg.count; ++j)
           if (at(seg.first_row + j) != first + j)
-            throw std::logic_error("rank " + std::to_string(rank_) + " step " + std::to_string(t.step) +
-                                   ": the KV half's rows of a segment are not consecutive in the rank's K/V");
+            throw std::logic_error("rank " + std::to_string(rank_) + " step " + std::to_string(t.step) + ": the " +
+                                   side + " half's rows of a segment are not consecutive in the rank's tensor");
         seg.first_row = first;
       }
+    };
+    AttentionCall call = t.call;
+    if (q_rows) call.q_rows = q.rows;
+    if (kv_rows) call.kv_rows = k.rows;
+    for (SequenceTile& seq : call.sequences) {
+      if (q_rows) move_segments(seq.q, *q_rows, "Q");
+      if (kv_rows) move_segments(seq.kv, *kv_rows, "KV");
+    }
     AttentionShape shape{dtype_, static_cast<int>(q.heads), static_cast<int>(k.heads), static_cast<int>(q.dim),
                          static_cast<int>(v.dim)};
     AttentionPlan plan;
-    const Outcome built = plan.build(call, shape, pads);
-    if (!built.ok()) fail_step(t, "AttentionPlan::build (K/V in place)", built);
+    const Outcome built = plan.build(call, shape, outside);
+    if (!built.ok()) fail_step(t, "AttentionPlan::build (halves in place)", built);
     return in_place_plans_.emplace(key, std::move(plan)).first->second;
   }
   const AttentionPlan& plan_for(const sim::Tile& t, const Tensor& q, const Tensor& k, const Tensor& v) {
@@ -766,7 +779,7 @@ class DeviceRankBackend {
   std::vector<OpSpan> op_spans_;  // options_.timeline: every timed() operation of the run
   std::map<int, DeviceTensor> inputs_;
   std::map<const sim::Tile*, AttentionPlan> plans_;
-  std::map<std::pair<const sim::Tile*, int>, AttentionPlan> in_place_plans_;  // plan_kv_in_place, by KvPadRows
+  std::map<std::pair<const sim::Tile*, int>, AttentionPlan> in_place_plans_;  // plan_in_place, by variant
   struct DeltaCache {
     std::shared_ptr<DeviceMemory> o, dout;  // the tensors it was computed from, kept alive so no other takes their place
     DeviceLse delta;

@@ -66,9 +66,10 @@ struct CpGpuOptions {
   // separate scatter_add adds: the same bits, one pass over the sums fewer. The step's dKV must then have arrived
   // before its attention starts. Not with record_trace (the trace needs the partials), where it is ignored.
   bool sum_in_backward = false;
-  // Ring steps that read one half of the rank's K/V read it in place (the attention call's KV segments point into
-  // the whole K/V) instead of gathering it into a step tensor first; with sum_in_backward the backward does too, and
-  // takes its rowsum(dO * O) from one pass over the rank's O and dO. The same bits either way.
+  // Ring steps that read one half of the rank's tensors read it in place (the attention call's segments point into
+  // the rank's tensors) instead of gathering it into a step tensor first: the forward's K/V halves (its Q halves are
+  // gathered: the merge takes the step's O rows), and with sum_in_backward the backward's Q and K/V halves. The same
+  // bits either way. (The summing backward also takes rowsum(dO * O) from one pass over the rank's O and dO.)
   bool read_halves_in_place = true;
   // Every operation's span on its stream, from CUDA events, without serialising (gpu/timeline.hpp); appended to by
   // each run, in ms from a reference recorded before the ranks start (LocalCpExecutor) or from the rank's own run

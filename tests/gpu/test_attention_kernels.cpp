@@ -430,3 +430,35 @@ TEST_CASE("gpu attention: small case for the sanitizers") {
     }
   }
 }
+
+// OutsideRows leaves rows unwritten, which only the summing form into sums that hold every row may allow: any other use
+// is refused before a launch, naming the rule.
+TEST_CASE("gpu attention: a plan that leaves rows outside its segments is refused outside the summing form") {
+  CPGOLD_REQUIRE_DEVICE();
+  ThdLayout layout{make_packed_sequences({5, 9}, {8, 16}, -1, "q"), make_packed_sequences({5, 9}, {8, 16}, -1, "kv")};
+  const AttentionCall call = non_cp_call(layout, {-1, 0}, 0.125);
+  gpu::AttentionPlan plan;
+  REQUIRE(plan.build(call, {DType::bf16, 2, 2, 64, 64}, {.leave_q = false, .leave_kv = true}).ok());
+  // Never dereferenced: the argument check fails first.
+  void* p = reinterpret_cast<void*>(uintptr_t{4096});
+  float* f = static_cast<float*>(p);
+  const int64_t* rows = static_cast<const int64_t*>(p);
+  gpu::BackwardBuffers plain{p, p, p, p, p, f, p, p, p, {}, {}, {}, nullptr};
+  const gpu::Outcome a = gpu::attention_backward(plan, plain);
+  CHECK(a.status == gpu::Status::invalid_argument);
+  CHECK(a.message.find("leave_kv") != std::string::npos);
+  gpu::BackwardBuffers fresh{p, p, p, p, p, f, nullptr, nullptr, nullptr, {f, rows, false}, {f, rows, true},
+                             {f, rows, true}, nullptr};
+  CHECK(gpu::attention_backward(plan, fresh).status == gpu::Status::invalid_argument);
+  gpu::AttentionPlan plan_q;
+  REQUIRE(plan_q.build(call, {DType::bf16, 2, 2, 64, 64}, {.leave_q = true, .leave_kv = false}).ok());
+  const gpu::Outcome b = gpu::attention_backward(plan_q, plain);
+  CHECK(b.status == gpu::Status::invalid_argument);
+  CHECK(b.message.find("leave_q") != std::string::npos);
+  gpu::BackwardBuffers fresh_q{p, p, p, p, p, f, nullptr, nullptr, nullptr, {f, rows, true}, {f, rows, false},
+                               {f, rows, false}, nullptr};
+  CHECK(gpu::attention_backward(plan_q, fresh_q).status == gpu::Status::invalid_argument);
+  const gpu::Outcome c = gpu::attention_forward(plan_q, {p, p, p, p, f});
+  CHECK(c.status == gpu::Status::invalid_argument);
+  CHECK(c.message.find("leave_q") != std::string::npos);
+}

@@ -76,6 +76,26 @@ TEST_CASE("tile lists cover every row once: work tiles in segments, pad tiles el
   const PlanTiles cp_tiles = make_plan_tiles(cp);
   check_cover(cp_tiles.q_tiles_small, cp.q_rows, kSmallTileRows, cp, true);
   check_cover(cp_tiles.kv_tiles, cp.kv_rows, kKvTileRows, cp, false);
+
+  // leave_kv: the same work tiles on both sides, the same Q pad tiles, no KV pad tile.
+  const PlanTiles left = make_plan_tiles(cp, {.leave_q = false, .leave_kv = true});
+  CHECK(left.q_tiles_small.size() == cp_tiles.q_tiles_small.size());
+  size_t work = 0;
+  for (const RowTile& t : cp_tiles.kv_tiles) work += t.sequence >= 0;
+  CHECK(work < cp_tiles.kv_tiles.size());  // the call has KV pad rows, so `write` made pad tiles
+  REQUIRE(left.kv_tiles.size() == work);
+  for (const RowTile& t : left.kv_tiles) CHECK(t.sequence >= 0);
+  // leave_q: no Q pad tile in either list, the K/V side as with `write`.
+  const PlanTiles left_q = make_plan_tiles(cp, {.leave_q = true, .leave_kv = false});
+  for (const auto* list : {&left_q.q_tiles_small, &left_q.q_tiles_large}) {
+    CHECK(!list->empty());
+    for (const RowTile& t : *list) CHECK(t.sequence >= 0);
+  }
+  size_t q_work = 0;
+  for (const RowTile& t : cp_tiles.q_tiles_small) q_work += t.sequence >= 0;
+  CHECK(left_q.q_tiles_small.size() == q_work);
+  CHECK(q_work < cp_tiles.q_tiles_small.size());
+  CHECK(left_q.kv_tiles.size() == cp_tiles.kv_tiles.size());
 }
 
 TEST_CASE("overlapping KV rows of two sequences are rejected") {
@@ -92,4 +112,6 @@ TEST_CASE("overlapping KV rows of two sequences are rejected") {
   b.kv = {{5, 10, 0}};
   call.sequences = {a, b};
   CHECK_THROWS_AS(make_plan_tiles(call), std::invalid_argument);
+  // Checked without pad tiles too.
+  CHECK_THROWS_AS(make_plan_tiles(call, {.leave_q = true, .leave_kv = true}), std::invalid_argument);
 }
