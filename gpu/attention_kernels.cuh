@@ -574,8 +574,8 @@ __global__ void attention_backward_convert_dq_kernel(AttentionParams p, int64_t 
 
 // Summing form of the conversion: dq_sum[q_sum_rows[r]] = (assign ? 0 : dq_sum[..]) + float(dtype(dq_accum[r] *
 // scale)) over the rows of the call's Q tiles (work and pad tiles: every row, unless the plan leaves the rows outside
-// its segments alone), 16 bytes at a time (row width heads_q * D, a multiple of 4). Block x takes tiles x,
-// x + gridDim.x, ...
+// its segments alone), 16 bytes at a time (row width heads_q * D, a multiple of 4). Block (x, y) takes tiles x,
+// x + gridDim.x, ... and in each the 16-byte pieces y * blockDim.x + thread, stepping gridDim.y * blockDim.x.
 template <class T>
 __global__ void attention_backward_sum_dq_kernel(AttentionParams p, int64_t row_elems) {
   const int32_t chunks = static_cast<int32_t>(row_elems / 4);
@@ -583,7 +583,7 @@ __global__ void attention_backward_sum_dq_kernel(AttentionParams p, int64_t row_
   for (int32_t ti = blockIdx.x; ti < p.q_tile_count; ti += gridDim.x) {
    const RowTile tile = p.q_tiles[ti];
    const int32_t total = tile.rows * chunks;
-   for (int32_t i = threadIdx.x; i < total; i += blockDim.x) {
+   for (int32_t i = blockIdx.y * blockDim.x + threadIdx.x; i < total; i += gridDim.y * blockDim.x) {
     const int64_t r = tile.first_row + i / chunks, c = static_cast<int64_t>(i % chunks) * 4;
     const float4 a = *reinterpret_cast<const float4*>(p.dq_accum + r * row_elems + c);
     const float s = p.softmax_scale;

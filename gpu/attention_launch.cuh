@@ -92,9 +92,12 @@ Outcome backward_dims(AttentionParams p, BackwardMode mode, cudaStream_t stream,
     const int blocks = static_cast<int>(std::min<int64_t>((elems + 255) / 256, 132 * 16));
     if (out.ok() && elems > 0) {
       if (p.dq_sum != nullptr) {
+        // A tile holds up to 64 rows of heads_q * D / 4 pieces: about 4 pieces per thread, every tile at once.
+        const int64_t pieces = int64_t{kSmallTileRows} * p.heads_q * D / 4;
+        const dim3 grid(static_cast<unsigned>(std::min(p.q_tile_count, 65535)),
+                        static_cast<unsigned>(std::clamp<int64_t>((pieces + 1023) / 1024, 1, 65535)));
         if (p.q_tile_count > 0)
-          attention_backward_sum_dq_kernel<T><<<std::min(p.q_tile_count, 132 * 16), 256, 0, stream>>>(
-              p, static_cast<int64_t>(p.heads_q) * D);
+          attention_backward_sum_dq_kernel<T><<<grid, 256, 0, stream>>>(p, static_cast<int64_t>(p.heads_q) * D);
       } else
         attention_backward_convert_dq_kernel<T><<<blocks, 256, 0, stream>>>(p, elems);
       if (cudaError_t e = cudaGetLastError(); e != cudaSuccess)

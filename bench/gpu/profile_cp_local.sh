@@ -3,7 +3,7 @@
 # tokens (Nsight Compute; every kernel replayed alone, clocks left as they are). Run from a source snapshot's root
 # with $OUT set and CPGOLD_PREFIX naming the header dependencies. Usage: profile_cp_local.sh [W...] (default 1 4 8);
 # $CP_ARGS adds bench_cp_local options to the CP runs (e.g. "--sum 0" for the schedule without the summing backward).
-B=/tmp/b-profile
+B=${PROFILE_BUILD:-/tmp/b-profile}  # an existing build folder is configured and built again (incremental)
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
 cmake -S . -B $B -DCMAKE_BUILD_TYPE=Release ${CPGOLD_PREFIX:+-DCMAKE_PREFIX_PATH=$CPGOLD_PREFIX} > $OUT/configure.log 2>&1 ||
   { tail -20 $OUT/configure.log; exit 1; }
