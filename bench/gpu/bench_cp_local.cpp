@@ -13,6 +13,7 @@
 // summary of how long each kind of stream was busy and how long two kinds were busy at once. --mode deterministic
 // runs both paths with the deterministic backward (default atomic). --scale n multiplies the sequence lengths of the
 // batch (512..4096 tokens, bench/gpu/varlen_batches.md) by n: longer sequences, so longer CP chunks (2W per sequence).
+// --in-place 0 gathers the ring steps' halves into step tensors (CpGpuOptions::read_halves_in_place off; default 1).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -100,6 +101,7 @@ struct Schedule {
   bool aside = false;  // CpGpuOptions::accumulate_aside
   bool sum = true;     // CpGpuOptions::sum_in_backward (on, as in verify --backend local)
   gpu::BackwardMode mode = gpu::BackwardMode::atomic;  // both paths (--mode)
+  bool in_place = true;  // CpGpuOptions::read_halves_in_place (--in-place)
 };
 
 gpu::CpGpuOptions cp_options(const Schedule& schedule) {
@@ -107,6 +109,7 @@ gpu::CpGpuOptions cp_options(const Schedule& schedule) {
   options.accumulate_aside = schedule.aside;
   options.sum_in_backward = schedule.sum;
   options.mode = schedule.mode;
+  options.read_halves_in_place = schedule.in_place;
   return options;
 }
 
@@ -221,8 +224,9 @@ int main(int argc, char** argv) {
     else if (a == "--mode" && (v == "atomic" || v == "deterministic"))
       schedule.mode = v == "atomic" ? gpu::BackwardMode::atomic : gpu::BackwardMode::deterministic;
     else if (a == "--scale" && std::atoi(v.c_str()) >= 1) scale = std::atoi(v.c_str());
+    else if (a == "--in-place" && (v == "0" || v == "1")) schedule.in_place = v == "1";
     else {
-      std::fprintf(stderr, "usage: bench_cp_local [--cp-size W] [--heads h] [--dim d] [--tokens t] [--comm c] [--reps n] [--phases 0|1] [--once cp|noncp] [--aside 0|1] [--sum 0|1] [--timeline FILE] [--mode atomic|deterministic] [--scale n]\n");
+      std::fprintf(stderr, "usage: bench_cp_local [--cp-size W] [--heads h] [--dim d] [--tokens t] [--comm c] [--reps n] [--phases 0|1] [--once cp|noncp] [--aside 0|1] [--sum 0|1] [--timeline FILE] [--mode atomic|deterministic] [--scale n] [--in-place 0|1]\n");
       return 2;
     }
   }
@@ -279,9 +283,10 @@ int main(int argc, char** argv) {
   cudaDeviceProp prop{};
   cudaGetDeviceProperties(&prop, 0);
   std::printf("device: %s; case: %lld tokens in %zu sequences (%d..%d), causal, bf16, h=%d, d=%d, %s W=%d; %s "
-              "backward; median of %d; accumulation %s\n",
+              "backward; median of %d; halves %s; accumulation %s\n",
               prop.name, static_cast<long long>(tokens), s.seqlens_q.size(), 512 * scale, 4096 * scale, heads, dim,
               comm.c_str(), W, schedule.mode == gpu::BackwardMode::atomic ? "atomic" : "deterministic", reps,
+              schedule.in_place ? "read in place" : "gathered (--in-place 0)",
               schedule.sum     ? (schedule.aside ? "in the attention kernels (--sum 1), the rest on its own stream (--aside 1)"
                                                  : "in the attention kernels (--sum 1)")
               : schedule.aside ? "on its own stream (--aside 1)"
