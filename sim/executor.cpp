@@ -162,8 +162,9 @@ class HostRankBackend {
   using Backward = BackwardResult<T>;
 
   HostRankBackend(int rank, const RankShards<T>& shards, const Arith& arith, Rendezvous<HostCopy>& rendezvous,
-                  bool record_trace)
-      : rank_(rank), shards_(shards), arith_(arith), rendezvous_(rendezvous), record_trace_(record_trace) {}
+                  bool record_trace, bool by_rows)
+      : rank_(rank), shards_(shards), arith_(arith), rendezvous_(rendezvous), record_trace_(record_trace),
+        by_rows_(by_rows) {}
 
   int rank() const { return rank_; }
   const Tensor& input(Payload payload) const {
@@ -209,6 +210,26 @@ class HostRankBackend {
   Backward backward(const Tile& t, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o, const Lse& lse,
                     const Tensor& dout) const {
     return arith_.backward(t.call, q, k, v, o, lse, dout);
+  }
+  // The program's optional paths (ExecutorOptions::by_rows): the halves are gathered here rather than by the program.
+  bool reads_halves() const { return by_rows_; }
+  bool sums_backward() const { return by_rows_ && !record_trace_; }
+  Forward forward_rows(const Tile& t, const StepRows& rows, const Tensor& q, const Tensor& k, const Tensor& v) const {
+    return forward(t, rows.q_half ? gather(q, rows.q, 0, static_cast<int>(q.heads)) : q,
+                   rows.kv_half ? gather(k, rows.kv, 0, static_cast<int>(k.heads)) : k,
+                   rows.kv_half ? gather(v, rows.kv, 0, static_cast<int>(v.heads)) : v);
+  }
+  void backward_sum(const Tile& t, const StepRows& rows, const Tensor& q, const Tensor& k, const Tensor& v,
+                    const Tensor& o, const Lse& lse, const Tensor& dout, Tensor& dq, Tensor& dk, Tensor& dv) const {
+    auto half = [&](const Tensor& x, bool is_half, const std::vector<int64_t>& r) {
+      return is_half ? gather(x, r, 0, static_cast<int>(x.heads)) : x;
+    };
+    Backward res = backward(t, half(q, rows.q_half, rows.q), half(k, rows.kv_half, rows.kv),
+                            half(v, rows.kv_half, rows.kv), half(o, rows.q_half, rows.q),
+                            rows.q_half ? lse_gather(lse, rows.q) : lse, half(dout, rows.q_half, rows.q));
+    scatter_add(dq, rows.q, res.dq);
+    scatter_add(dk, rows.kv, res.dk);
+    scatter_add(dv, rows.kv, res.dv);
   }
   void merge_forward(const std::vector<MergePart<HostRankBackend>>& parts, Tensor& o, Lse& lse) const {
     std::vector<ForwardPart<T>> host_parts;
@@ -269,6 +290,7 @@ class HostRankBackend {
   const Arith& arith_;
   Rendezvous<HostCopy>& rendezvous_;
   bool record_trace_;
+  bool by_rows_;
 };
 
 template <class Arith>
@@ -281,7 +303,8 @@ CpRun<typename Arith::T> run_cp(const Plan& plan, const CaseInputs& inputs, cons
   // A simulated exchange never legitimately waits long: the peers are threads of this process.
   Rendezvous<HostCopy> rendezvous(W, std::chrono::minutes(10));
   std::vector<std::unique_ptr<Backend>> backends;
-  for (int g = 0; g < W; ++g) backends.push_back(std::make_unique<Backend>(g, shards, arith, rendezvous, options.record_trace));
+  for (int g = 0; g < W; ++g) backends.push_back(
+        std::make_unique<Backend>(g, shards, arith, rendezvous, options.record_trace, options.by_rows));
   CpRun<T> run;
   run.ranks.resize(static_cast<size_t>(W));
   // Ranks share the OpenMP threads: each rank's tiles use threads / W of them (results do not depend on the count).

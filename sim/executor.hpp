@@ -38,6 +38,10 @@ struct ExecutorOptions {
   // Order of operations of every tile's attention call (the defaults are the reference's); `cpgold check --self`
   // runs the CP peer with another row block and the scale on K as an independent path.
   KernelOptions kernel{};
+  // Takes the program's optional paths (sim/cp_program.hpp: forward_rows, and backward_sum unless record_trace), as
+  // the GPU backend does: the host backend then gathers the halves itself and adds the step's dQ/dK/dV into the sums
+  // at the rows given. The same bits as the default path; it lets the program's StepRows be tested without a GPU.
+  bool by_rows = false;
 };
 
 // Global inputs are sharded with the partition's gather indices; each rank then sees only its shards.

@@ -225,3 +225,42 @@ TEST_CASE("tail rows under CP are p2p only") {
     CHECK(std::string(e.what()).find("16") != std::string::npos);
   }
 }
+
+// The program's optional paths (forward_rows, backward_sum over StepRows) are the GPU backend's; ExecutorOptions::by_rows
+// runs them on the host, where they must give the default path's bits: the program hands over the right rows.
+TEST_CASE("CP peer and oracle: the program's row-reading and summing paths give the default path's bits") {
+  for (CommType comm : {CommType::p2p, CommType::a2a_p2p, CommType::a2a, CommType::all_gather})
+    for (const MaskCase& m : kMasks)
+      for (int W : {2, 4}) {
+        if (comm == CommType::a2a_p2p && W != 4) continue;
+        CAPTURE(std::string(comm_name(comm)));
+        CAPTURE(std::string(m.name));
+        CAPTURE(W);
+        TestRng rng{static_cast<uint64_t>(W * 977 + static_cast<int>(comm) * 13)};
+        CaseSpec s = base_case(comm, W, m, rng.next());
+        s.seqlens_q = {3, 0, 4 * W + 1, 2 * W};
+        s.padded_q = {2 * W, 2 * W, 6 * W, 2 * W};
+        s.dtype = DType::bf16;
+        const Plan plan = make_plan(s);
+        const CaseInputs in = make_case_inputs(s);
+        ExecutorOptions plain, by_rows;
+        plain.record_trace = by_rows.record_trace = false;
+        by_rows.by_rows = true;
+        const auto a = run_cp_peer(plan, in, DType::bf16, plain);
+        const auto b = run_cp_peer(plan, in, DType::bf16, by_rows);
+        const auto c = run_cp_oracle(plan, in, plain);
+        const auto d = run_cp_oracle(plan, in, by_rows);
+        for (int r = 0; r < W; ++r) {
+          CAPTURE(r);
+          CHECK(a.ranks[r].o.values == b.ranks[r].o.values);
+          CHECK(a.ranks[r].lse.values == b.ranks[r].lse.values);
+          CHECK(a.ranks[r].dq.values == b.ranks[r].dq.values);
+          CHECK(a.ranks[r].dk.values == b.ranks[r].dk.values);
+          CHECK(a.ranks[r].dv.values == b.ranks[r].dv.values);
+          CHECK(c.ranks[r].o.values == d.ranks[r].o.values);
+          CHECK(c.ranks[r].dq.values == d.ranks[r].dq.values);
+          CHECK(c.ranks[r].dk.values == d.ranks[r].dk.values);
+          CHECK(c.ranks[r].dv.values == d.ranks[r].dv.values);
+        }
+      }
+}
