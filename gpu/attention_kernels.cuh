@@ -581,20 +581,20 @@ __global__ void attention_backward_sum_dq_kernel(AttentionParams p, int64_t row_
   const int32_t chunks = static_cast<int32_t>(row_elems / 4);
   const bool assign = p.dq_sum_assign != 0;
   for (int32_t ti = blockIdx.x; ti < p.q_tile_count; ti += gridDim.x) {
-   const RowTile tile = p.q_tiles[ti];
-   const int32_t total = tile.rows * chunks;
-   for (int32_t i = blockIdx.y * blockDim.x + threadIdx.x; i < total; i += gridDim.y * blockDim.x) {
-    const int64_t r = tile.first_row + i / chunks, c = static_cast<int64_t>(i % chunks) * 4;
-    const float4 a = *reinterpret_cast<const float4*>(p.dq_accum + r * row_elems + c);
-    const float s = p.softmax_scale;
-    float4* d = reinterpret_cast<float4*>(p.dq_sum + p.q_sum_rows[r] * row_elems + c);
-    float4 y = assign ? make_float4(0.f, 0.f, 0.f, 0.f) : *d;
-    y.x += Elem<T>::to_float(Elem<T>::from_float(a.x * s));
-    y.y += Elem<T>::to_float(Elem<T>::from_float(a.y * s));
-    y.z += Elem<T>::to_float(Elem<T>::from_float(a.z * s));
-    y.w += Elem<T>::to_float(Elem<T>::from_float(a.w * s));
-    *d = y;
-   }
+    const RowTile tile = p.q_tiles[ti];
+    const int32_t total = tile.rows * chunks;
+    for (int32_t i = blockIdx.y * blockDim.x + threadIdx.x; i < total; i += gridDim.y * blockDim.x) {
+      const int64_t r = tile.first_row + i / chunks, c = static_cast<int64_t>(i % chunks) * 4;
+      const float4 a = *reinterpret_cast<const float4*>(p.dq_accum + r * row_elems + c);
+      const float s = p.softmax_scale;
+      float4* d = reinterpret_cast<float4*>(p.dq_sum + p.q_sum_rows[r] * row_elems + c);
+      float4 y = assign ? make_float4(0.f, 0.f, 0.f, 0.f) : *d;
+      y.x += Elem<T>::to_float(Elem<T>::from_float(a.x * s));
+      y.y += Elem<T>::to_float(Elem<T>::from_float(a.y * s));
+      y.z += Elem<T>::to_float(Elem<T>::from_float(a.z * s));
+      y.w += Elem<T>::to_float(Elem<T>::from_float(a.w * s));
+      *d = y;
+    }
   }
 }
 
