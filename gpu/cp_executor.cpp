@@ -241,10 +241,7 @@ class DeviceRankBackend {
     const bool aside = options_.accumulate_aside;
     const cudaStream_t on = aside ? side_stream_ : stream_;
     fill_pending_zeros(src);
-    // A first contribution to every row of a fresh zero buffer is written, not added (0 + x, the same bits).
-    const bool assign = dst.mem && dst.mem->pending_zero && covers_every_row(rows, dst.rows);
-    if (!assign) fill_pending_zeros(dst);
-    if (dst.mem) dst.mem->pending_zero = false;
+    const bool assign = start_sum(dst, rows);
     const auto idx = upload_rows(rows);
     // The accumulation stream starts after everything the compute stream has enqueued so far (the partial, the zero
     // fill, the upload of the rows, the exchange that delivered dst).
@@ -355,10 +352,7 @@ class DeviceRankBackend {
           static_cast<int64_t>(map.size()) != like.rows)
         throw std::logic_error("rank " + std::to_string(rank_) + ": backward_sum into a sum of another shape");
       own(dst.mem);
-      // A first contribution to every row of a fresh zero sum is written, not added (as in scatter_add).
-      const bool assign = dst.mem && dst.mem->pending_zero && covers_every_row(map, dst.rows);
-      if (!assign) fill_pending_zeros(dst);
-      if (dst.mem) dst.mem->pending_zero = false;
+      const bool assign = start_sum(dst, map);
       return RowSum{static_cast<float*>(dst.data()), rows_ptr(upload_rows(map)), assign};
     };
     const std::vector<int64_t>& q_map = q_in_place ? identity_rows(q.rows) : rows.q;
@@ -586,6 +580,15 @@ class DeviceRankBackend {
     cuda(cudaStreamWaitEvent(stream_, m->side_use->event, 0), "cudaStreamWaitEvent (accumulation done)");
     m->side_use.reset();
   }
+  // Before rows of a float32 sum receive additions: true when this is the first contribution to every row of a fresh
+  // zero sum, which is then written, not added (0 + x, the same bits), and never filled; otherwise its pending zeros
+  // are written first.
+  bool start_sum(DeviceTensor& dst, const std::vector<int64_t>& rows) {
+    const bool assign = dst.mem && dst.mem->pending_zero && covers_every_row(rows, dst.rows);
+    if (!assign) fill_pending_zeros(dst);
+    if (dst.mem) dst.mem->pending_zero = false;
+    return assign;
+  }
   static bool covers_every_row(const std::vector<int64_t>& rows, int64_t n) {
     if (static_cast<int64_t>(rows.size()) != n) return false;
     for (int64_t i = 0; i < n; ++i)
@@ -687,14 +690,14 @@ class DeviceRankBackend {
   }
   // The plan of tile t reading its Q half (q_rows set) and/or K/V half (kv_rows set) in place: the call's segments
   // on that side moved to the rows of the rank's tensor that hold them (step row i is rank row rows[i]; each
-  // segment's rows must stay consecutive), with the rank tensor's row count.
+  // segment's rows must stay consecutive), with the rank tensor's row count. Built once per tile and variant.
   const AttentionPlan& plan_in_place(const sim::Tile& t, const std::vector<int64_t>* q_rows,
                                      const std::vector<int64_t>* kv_rows, const Tensor& q, const Tensor& k,
                                      const Tensor& v, OutsideRows outside) {
     const int variant = (q_rows ? 1 : 0) | (kv_rows ? 2 : 0) | (outside.leave_q ? 4 : 0) | (outside.leave_kv ? 8 : 0);
     const auto key = std::make_pair(&t, variant);
-    auto it = in_place_plans_.find(key);
-    if (it != in_place_plans_.end()) return it->second;
+    auto it = plans_.find(key);
+    if (it != plans_.end()) return it->second;
     auto move_segments = [&](std::vector<RowSegment>& segments, const std::vector<int64_t>& map, const char* side) {
       for (RowSegment& seg : segments) {
         if (seg.count == 0) {
@@ -727,18 +730,12 @@ class DeviceRankBackend {
                          static_cast<int>(v.dim)};
     AttentionPlan plan;
     const Outcome built = plan.build(call, shape, outside);
-    if (!built.ok()) fail_step(t, "AttentionPlan::build (halves in place)", built);
-    return in_place_plans_.emplace(key, std::move(plan)).first->second;
+    if (!built.ok()) fail_step(t, variant ? "AttentionPlan::build (halves in place)" : "AttentionPlan::build", built);
+    return plans_.emplace(key, std::move(plan)).first->second;
   }
+  // The plan of tile t's own call, over the step tensors.
   const AttentionPlan& plan_for(const sim::Tile& t, const Tensor& q, const Tensor& k, const Tensor& v) {
-    auto it = plans_.find(&t);
-    if (it != plans_.end()) return it->second;
-    AttentionShape shape{dtype_, static_cast<int>(q.heads), static_cast<int>(k.heads), static_cast<int>(q.dim),
-                         static_cast<int>(v.dim)};
-    AttentionPlan plan;
-    const Outcome built = plan.build(t.call, shape);
-    if (!built.ok()) fail_step(t, "AttentionPlan::build", built);
-    return plans_.emplace(&t, std::move(plan)).first->second;
+    return plan_in_place(t, nullptr, nullptr, q, k, v, {});
   }
   void corrupt(const sim::Tile& t, DeviceTensor& o) {
     for (const SequenceTile& s : t.call.sequences)
@@ -778,8 +775,7 @@ class DeviceRankBackend {
   };
   std::vector<OpSpan> op_spans_;  // options_.timeline: every timed() operation of the run
   std::map<int, DeviceTensor> inputs_;
-  std::map<const sim::Tile*, AttentionPlan> plans_;
-  std::map<std::pair<const sim::Tile*, int>, AttentionPlan> in_place_plans_;  // plan_in_place, by variant
+  std::map<std::pair<const sim::Tile*, int>, AttentionPlan> plans_;  // plan_in_place, by tile and variant
   struct DeltaCache {
     std::shared_ptr<DeviceMemory> o, dout;  // the tensors it was computed from, kept alive so no other takes their place
     DeviceLse delta;

@@ -426,15 +426,6 @@ RankResult<B> run_ring_rank(const Plan& plan, B& b, bool with_backward) {
       const std::vector<int64_t> qrows = half_rows(gq, t.q_half, sq.rows);
       const std::vector<int64_t> krows = half_rows(gk, t.kv_half, b.shape(k).rows);
       const int hh = static_cast<int>(sq.heads), hkk = static_cast<int>(b.shape(k).heads);
-      // The step's inputs: whole tensors, or the halves the tile reads.
-      auto on_inputs = [&](auto&& run) {
-        return qfull && kfull ? run(q, k, v, o, lse, dout)
-                              : run(qfull ? q : b.gather(q, qrows, 0, hh), kfull ? k : b.gather(k, krows, 0, hkk),
-                                    kfull ? v : b.gather(v, krows, 0, hkk),
-                                    qfull ? o : b.gather(o, qrows, 0, static_cast<int>(b.shape(o).heads)),
-                                    qfull ? lse : b.lse_gather(lse, qrows),
-                                    qfull ? dout : b.gather(dout, qrows, 0, static_cast<int>(b.shape(dout).heads)));
-      };
       bool summed = false;
       if constexpr (SummingBackend<B>) {
         if (b.sums_backward()) {
@@ -444,9 +435,15 @@ RankResult<B> run_ring_rank(const Plan& plan, B& b, bool with_backward) {
         }
       }
       if (!summed) {
+        // The step's inputs: whole tensors, or the halves the tile reads.
         typename B::Backward res =
-            on_inputs([&](const Tensor& q_, const Tensor& k_, const Tensor& v_, const Tensor& o_, const Lse& lse_,
-                          const Tensor& do_) { return b.backward(t, q_, k_, v_, o_, lse_, do_); });
+            qfull && kfull
+                ? b.backward(t, q, k, v, o, lse, dout)
+                : b.backward(t, qfull ? q : b.gather(q, qrows, 0, hh), kfull ? k : b.gather(k, krows, 0, hkk),
+                             kfull ? v : b.gather(v, krows, 0, hkk),
+                             qfull ? o : b.gather(o, qrows, 0, static_cast<int>(b.shape(o).heads)),
+                             qfull ? lse : b.lse_gather(lse, qrows),
+                             qfull ? dout : b.gather(dout, qrows, 0, static_cast<int>(b.shape(dout).heads)));
         b.scatter_add(dq, qrows, res.dq);
         finish_shift(incoming_dkv, Payload::dkv);
         b.scatter_add(dk, krows, res.dk);
