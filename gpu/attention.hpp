@@ -83,10 +83,17 @@ struct ForwardBuffers {  // device pointers; 16-bit elements of the shape's dtyp
 // value, the bits of writing the output and adding it in float32 afterwards. rows: device array, one entry per row of
 // the call (Q rows for dQ, KV rows for dK and dV); distinct entries. assign: every row of `data` is written by this
 // call before anything reads it (the first contribution to a fresh sum).
+//
+// result (optional): this call is the sum's last contribution. The finished row, dtype(data[rows[i]] + value), is
+// written to row rows[i] of `result` (a tensor of the dtype with the sum's rows and row width) instead of being stored
+// back in `data`, which keeps its old values: the bits of adding, then converting the sum. Rows of `result` outside
+// the map are not written, so it is allowed only where the plan writes every row of its side (no OutsideRows);
+// dk_sum and dv_sum take it together.
 struct RowSum {
   float* data = nullptr;
   const int64_t* rows = nullptr;
   bool assign = false;
+  void* result = nullptr;
 };
 
 struct BackwardBuffers {

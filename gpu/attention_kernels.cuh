@@ -154,13 +154,27 @@ __device__ __forceinline__ void store_tile(T* gmem, int64_t stride, const T* sme
   }
 }
 
+// Stores a finished float4 of a float32 sum at `d` (inside `sum`), or, with `result`, its dtype values at the same
+// offset of `result` (8 bytes).
+template <class T>
+__device__ __forceinline__ void store_sum(float4* d, float4 y, T* result, const float* sum) {
+  if (result == nullptr) {
+    *d = y;
+    return;
+  }
+  T* out = result + (reinterpret_cast<const float*>(d) - sum);
+  *reinterpret_cast<uint2*>(out) = make_uint2(Elem<T>::pack(y.x, y.y), Elem<T>::pack(y.z, y.w));
+}
+
 // Adds `valid` rows of a ROWS x COLS shared tile of dtype values (zeros where smem is null: pad rows) in float32 to
 // rows map[0..valid) of `sum` (row stride `stride` floats, the tile's columns from `col0`), 16 bytes at a time:
 // sum = (assign ? 0 : sum) + value, the operation of a separate scatter-add over the stored tile, bit for bit. Each
-// thread loads four of its float4 before it adds and stores them, so that four reads are in flight at once.
+// thread loads four of its float4 before it adds and stores them, so that four reads are in flight at once. With
+// `result` (the sum's last contribution: a dtype tensor with the sum's layout), dtype(sum + value) goes there instead
+// and the sum is not written.
 template <int ROWS, int COLS, int THREADS, class T>
 __device__ __forceinline__ void sum_tile(float* sum, const int64_t* map, int64_t stride, int64_t col0, const T* smem,
-                                         int valid, bool assign) {
+                                         int valid, bool assign, T* result) {
   static_assert(COLS % 4 == 0, "float4 columns");
   constexpr int kChunks = COLS / 4;
   constexpr int kPitch = Pitch<COLS>::value;
@@ -193,7 +207,7 @@ __device__ __forceinline__ void sum_tile(float* sum, const int64_t* map, int64_t
         y[j].z += 0.f;
         y[j].w += 0.f;
       }
-      *d[j] = y[j];
+      store_sum(d[j], y[j], result, sum);
     }
   }
 }
@@ -593,7 +607,7 @@ __global__ void attention_backward_sum_dq_kernel(AttentionParams p, int64_t row_
       y.y += Elem<T>::to_float(Elem<T>::from_float(a.y * s));
       y.z += Elem<T>::to_float(Elem<T>::from_float(a.z * s));
       y.w += Elem<T>::to_float(Elem<T>::from_float(a.w * s));
-      *d = y;
+      store_sum(d, y, static_cast<T*>(p.dq_result), p.dq_sum);
     }
   }
 }
@@ -654,9 +668,9 @@ __global__ void __launch_bounds__(128) attention_backward_dkdv_kernel(AttentionP
   if (kv_tile.sequence < 0) {  // K/V rows outside every segment: dK = dV = 0
     if (summing) {
       sum_tile<Cfg::kBlockN, D, Cfg::kThreads, T>(p.dk_sum, sum_map, k_stride, int64_t{kv_head} * D, nullptr,
-                                                  kv_tile.rows, p.dk_sum_assign != 0);
+                                                  kv_tile.rows, p.dk_sum_assign != 0, static_cast<T*>(p.dk_result));
       sum_tile<Cfg::kBlockN, DV, Cfg::kThreads, T>(p.dv_sum, sum_map, v_stride, int64_t{kv_head} * DV, nullptr,
-                                                   kv_tile.rows, p.dv_sum_assign != 0);
+                                                   kv_tile.rows, p.dv_sum_assign != 0, static_cast<T*>(p.dv_result));
     } else {
       zero_rows<D, Cfg::kThreads>(dk_tile, k_stride, kv_tile.rows);
       zero_rows<DV, Cfg::kThreads>(dv_tile, v_stride, kv_tile.rows);
@@ -789,9 +803,9 @@ __global__ void __launch_bounds__(128) attention_backward_dkdv_kernel(AttentionP
   __syncthreads();
   if (summing) {
     sum_tile<Cfg::kBlockN, D, Cfg::kThreads>(p.dk_sum, sum_map, k_stride, int64_t{kv_head} * D, sQ, kv_tile.rows,
-                                             p.dk_sum_assign != 0);
+                                             p.dk_sum_assign != 0, static_cast<T*>(p.dk_result));
     sum_tile<Cfg::kBlockN, DV, Cfg::kThreads>(p.dv_sum, sum_map, v_stride, int64_t{kv_head} * DV, sdO, kv_tile.rows,
-                                              p.dv_sum_assign != 0);
+                                              p.dv_sum_assign != 0, static_cast<T*>(p.dv_result));
   } else {
     store_tile<Cfg::kBlockN, D, Cfg::kThreads>(dk_tile, k_stride, sQ, kv_tile.rows);
     store_tile<Cfg::kBlockN, DV, Cfg::kThreads>(dv_tile, v_stride, sdO, kv_tile.rows);
@@ -836,7 +850,7 @@ __global__ void __launch_bounds__(128) attention_backward_dq_kernel(AttentionPar
   if (tile.sequence < 0) {
     if (summing)
       sum_tile<Cfg::kBlockM, D, Cfg::kThreads, T>(p.dq_sum, sum_map, q_stride, int64_t{head} * D, nullptr, tile.rows,
-                                                  p.dq_sum_assign != 0);
+                                                  p.dq_sum_assign != 0, static_cast<T*>(p.dq_result));
     else
       zero_rows<D, Cfg::kThreads>(dq_tile, q_stride, tile.rows);
     return;
@@ -909,7 +923,7 @@ __global__ void __launch_bounds__(128) attention_backward_dq_kernel(AttentionPar
   __syncthreads();
   if (summing)
     sum_tile<Cfg::kBlockM, D, Cfg::kThreads>(p.dq_sum, sum_map, q_stride, int64_t{head} * D, sQ, tile.rows,
-                                             p.dq_sum_assign != 0);
+                                             p.dq_sum_assign != 0, static_cast<T*>(p.dq_result));
   else
     store_tile<Cfg::kBlockM, D, Cfg::kThreads>(dq_tile, q_stride, sQ, tile.rows);
 }

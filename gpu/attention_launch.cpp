@@ -44,6 +44,15 @@ Outcome attention_backward(const AttentionPlan& plan, const BackwardBuffers& b, 
   if (sums != 0 && sums != 3)
     return {Status::invalid_argument, "attention_backward: dq_sum, dk_sum and dv_sum are set together or not at all"};
   const bool summing = sums == 3;
+  const bool any_result = b.dq_sum.result != nullptr || b.dk_sum.result != nullptr || b.dv_sum.result != nullptr;
+  if (any_result && !summing)
+    return {Status::invalid_argument, "attention_backward: a sum's result is set outside the summing form"};
+  if ((b.dk_sum.result != nullptr) != (b.dv_sum.result != nullptr))
+    return {Status::invalid_argument, "attention_backward: dk_sum.result and dv_sum.result are set together or not at all"};
+  if ((impl->outside.leave_q && b.dq_sum.result != nullptr) || (impl->outside.leave_kv && b.dk_sum.result != nullptr))
+    return {Status::invalid_argument,
+            "attention_backward: a sum's result with a plan that leaves rows outside its segments (their result rows "
+            "would stay unwritten)"};
   if (summing && ((impl->q_rows > 0 && b.dq_sum.rows == nullptr) ||
                   (impl->kv_rows > 0 && (b.dk_sum.rows == nullptr || b.dk_sum.rows != b.dv_sum.rows))))
     return {Status::invalid_argument, "attention_backward: a sum's row map is null, or dK's and dV's differ"};

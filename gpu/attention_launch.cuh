@@ -141,6 +141,9 @@ Outcome backward_typed(const AttentionPlan::Impl& plan, const BackwardBuffers& b
   p.dq_sum_assign = b.dq_sum.assign;
   p.dk_sum_assign = b.dk_sum.assign;
   p.dv_sum_assign = b.dv_sum.assign;
+  p.dq_result = b.dq_sum.result;
+  p.dk_result = b.dk_sum.result;
+  p.dv_result = b.dv_sum.result;
   p.delta = const_cast<float*>(b.delta);
   const int d = plan.shape.dim_qk, dv = plan.shape.dim_v;
   if (d == 64 && dv == 64) return backward_dims<T, 64, 64>(p, mode, stream, plan);

@@ -329,8 +329,13 @@ class DeviceRankBackend {
   // place: the call's segments point into the rank's tensors and the kernels add into the sums at the rows they read,
   // and nowhere else (OutsideRows) unless this is the first contribution to a fresh sum; otherwise the half's rows
   // (Q, O, dO, LSE, delta; or K, V) are gathered into step tensors first.
+  //
+  // A sum that ends in this step (SumEnds) over every one of its rows (a side read whole) is handed back in the dtype:
+  // the kernels write dtype(sum + value) into a fresh storage tensor (RowSum::result) instead of the float32 sum, so
+  // finalize has nothing left to convert.
   void backward_sum(const sim::Tile& t, const sim::StepRows& rows, const Tensor& q, const Tensor& k, const Tensor& v,
-                    const Tensor& o, const Lse& lse, const Tensor& dout, Tensor& dq, Tensor& dk, Tensor& dv) {
+                    const Tensor& o, const Lse& lse, const Tensor& dout, Tensor& dq, Tensor& dk, Tensor& dv,
+                    sim::SumEnds ends) {
     for (const Tensor* x : {&q, &k, &v, &o, &dout}) materialize(*x);
     const DeviceLse& rank_delta = delta_of(o, dout, q, k);
     const bool q_in_place = rows.q_half && reads_halves(), kv_in_place = rows.kv_half && reads_halves();
@@ -360,6 +365,19 @@ class DeviceRankBackend {
     BackwardBuffers buffers{qx.data(), kx.data(), vx.data(), ox.data(), dox.data(), lsex.data(), nullptr, nullptr,
                             nullptr, sum_of(dq, q_map, qx), sum_of(dk, kv_map, kx), sum_of(dv, kv_map, vx),
                             deltax.data()};
+    const bool end_q = ends.dq && !rows.q_half && options_.last_sum_in_dtype;
+    const bool end_kv = ends.dkv && !rows.kv_half && options_.last_sum_in_dtype;
+    Tensor dq_end, dk_end, dv_end;
+    if (end_q) {
+      dq_end = alloc(dq.rows, dq.heads, dq.dim, storage_);
+      buffers.dq_sum.result = dq_end.data();
+    }
+    if (end_kv) {
+      dk_end = alloc(dk.rows, dk.heads, dk.dim, storage_);
+      dv_end = alloc(dv.rows, dv.heads, dv.dim, storage_);
+      buffers.dk_sum.result = dk_end.data();
+      buffers.dv_sum.result = dv_end.data();
+    }
     const OutsideRows outside{.leave_q = q_in_place && !buffers.dq_sum.assign,
                               .leave_kv = kv_in_place && !buffers.dk_sum.assign && !buffers.dv_sum.assign};
     const AttentionPlan& plan = q_in_place || kv_in_place
@@ -370,6 +388,11 @@ class DeviceRankBackend {
     timed(attention_phase(sim::PassKind::backward, t.section).c_str(), 0,
           [&] { out = attention_backward(plan, buffers, options_.mode, stream_); });
     if (!out.ok()) fail_step(t, "attention_backward", out);
+    if (end_q) dq = std::move(dq_end);
+    if (end_kv) {
+      dk = std::move(dk_end);
+      dv = std::move(dv_end);
+    }
   }
   // One pass (launch_merge_forward): LSE merged in step order, O summed in float32 in step order and rounded once to
   // the dtype, written straight into a storage tensor that replaces the fresh zero accumulator `o`.

@@ -71,6 +71,9 @@ struct CpGpuOptions {
   // gathered: the merge takes the step's O rows), and with sum_in_backward the backward's Q and K/V halves. The same
   // bits either way. (The summing backward also takes rowsum(dO * O) from one pass over the rank's O and dO.)
   bool read_halves_in_place = true;
+  // With sum_in_backward: the step that adds last to a rank's dQ (dK, dV) over all of its rows writes the finished
+  // sum in the dtype (RowSum::result) instead of float32 that a final conversion then reads. The same bits.
+  bool last_sum_in_dtype = true;
   // Every operation's span on its stream, from CUDA events, without serialising (gpu/timeline.hpp); appended to by
   // each run, in ms from a reference recorded before the ranks start (LocalCpExecutor) or from the rank's own run
   // start (run_cp_rank). Not with phases.

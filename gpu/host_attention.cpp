@@ -143,7 +143,7 @@ Outcome backward_common(const AttentionCall& call, DType dtype, const Tensor3<fl
   AttentionPlan plan;
   if (Outcome r = plan.build(call, shape); !r.ok()) return r;
   try {
-    DeviceArray d_q, d_k, d_v, d_o, d_do, d_lse, d_dq, d_dk, d_dv, d_qmap, d_kvmap;
+    DeviceArray d_q, d_k, d_v, d_o, d_do, d_lse, d_dq, d_dk, d_dv, d_qmap, d_kvmap, r_dq, r_dk, r_dv;
     upload(d_q, dtype, q);
     upload(d_k, dtype, k);
     upload(d_v, dtype, v);
@@ -175,6 +175,16 @@ Outcome backward_common(const AttentionCall& call, DType dtype, const Tensor3<fl
       b.dq_sum = {static_cast<float*>(d_dq.get()), qmap, sums->assign_q};
       b.dk_sum = {static_cast<float*>(d_dk.get()), kvmap, sums->assign_kv};
       b.dv_sum = {static_cast<float*>(d_dv.get()), kvmap, sums->assign_kv};
+      if (sums->result_q) {
+        allocate_poisoned(r_dq, sums->dq.values.size() * 2);
+        b.dq_sum.result = r_dq.get();
+      }
+      if (sums->result_kv) {
+        allocate_poisoned(r_dk, sums->dk.values.size() * 2);
+        allocate_poisoned(r_dv, sums->dv.values.size() * 2);
+        b.dk_sum.result = r_dk.get();
+        b.dv_sum.result = r_dv.get();
+      }
     }
     if (Outcome r = attention_backward(plan, b, mode); !r.ok()) return r;
     check(cudaDeviceSynchronize(), "attention backward");
@@ -183,9 +193,15 @@ Outcome backward_common(const AttentionCall& call, DType dtype, const Tensor3<fl
       out->dk = download(d_dk, dtype, k.rows, k.heads, k.dim);
       out->dv = download(d_dv, dtype, v.rows, v.heads, v.dim);
     } else {
-      download_floats(sums->dq.values, d_dq);
-      download_floats(sums->dk.values, d_dk);
-      download_floats(sums->dv.values, d_dv);
+      auto back = [&](Tensor3<float>& x, const DeviceArray& sum, const DeviceArray& result, bool is_result) {
+        if (is_result)
+          x = download(result, dtype, x.rows, x.heads, x.dim);
+        else
+          download_floats(x.values, sum);
+      };
+      back(sums->dq, d_dq, r_dq, sums->result_q);
+      back(sums->dk, d_dk, r_dk, sums->result_kv);
+      back(sums->dv, d_dv, r_dv, sums->result_kv);
     }
   } catch (const Failure& f) {
     return f.outcome;

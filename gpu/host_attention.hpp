@@ -28,10 +28,13 @@ Outcome backward_on_device(const AttentionCall& call, DType dtype, const Tensor3
 
 // The summing form (BackwardBuffers' RowSum): dq, dk and dv are float32 sums of any row count, uploaded, added into at
 // the maps' rows (q_map: one entry per Q row of the call; kv_map: per KV row, shared by dK and dV), downloaded back.
+// result_q (result_kv): the call is the last contribution (RowSum::result); dq (dk and dv) then come back as the
+// dtype results, read from a result tensor pre-filled with a NaN pattern (rows outside the map stay NaN).
 struct HostSums {
   Tensor3<float> dq, dk, dv;
   std::vector<int64_t> q_map, kv_map;
   bool assign_q = false, assign_kv = false;
+  bool result_q = false, result_kv = false;
 };
 Outcome backward_sum_on_device(const AttentionCall& call, DType dtype, const Tensor3<float>& q,
                                const Tensor3<float>& k, const Tensor3<float>& v, const Tensor3<float>& o,

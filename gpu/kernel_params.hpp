@@ -53,6 +53,11 @@ struct AttentionParams {
   int32_t dq_sum_assign;
   int32_t dk_sum_assign;
   int32_t dv_sum_assign;
+  // Optional, per sum: the last contribution. Instead of writing the float32 sum back, dtype(sum + value) is written
+  // to row map[i] of this [rows, heads, dim] tensor of the dtype (same row layout as the sum); the sum is left as it was.
+  void* dq_result;
+  void* dk_result;
+  void* dv_result;
 
   int64_t q_rows;
   int64_t kv_rows;

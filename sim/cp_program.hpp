@@ -30,10 +30,12 @@
 //   rank's whole tensors and the rows it reads, forward_rows(tile, StepRows, q, k, v), instead of gathering the halves
 //   first (the backend may read them in place).
 // Optional (SummingBackend): bool sums_backward() const; true lets the ring program replace backward + scatter_add
-//   with one backward_sum(tile, StepRows, q, k, v, o, lse, dout, dq, dk, dv) on the rank's whole tensors: the step
+//   with one backward_sum(tile, StepRows, q, k, v, o, lse, dout, dq, dk, dv, SumEnds) on the rank's whole tensors: the step
 //   reads rows.q of q, o, lse, dout (rows.kv of k, v) where the tile reads a half, and adds dq[rows.q[i]] += dQ_i,
 //   dk[rows.kv[i]] += dK_i, dv[rows.kv[i]] += dV_i (no per-step partials, so no record_backward), issued once the
-//   step's dKV has arrived.
+//   step's dKV has arrived. Its SumEnds say which sums receive their last addition in this step (nothing adds to them
+//   or sends them before finalize): the backend may then hand them back finalized (a tensor finalize leaves as it is,
+//   with the bits finalize would give).
 #include <cstdint>
 #include <algorithm>
 #include <concepts>
@@ -64,6 +66,12 @@ struct StepRows {
   bool q_half;
   const std::vector<int64_t>& kv;
   bool kv_half;
+};
+
+// The sums of a summing ring step (backward_sum) that receive their last addition there: dq, or dk and dv.
+struct SumEnds {
+  bool dq = false;
+  bool dkv = false;
 };
 
 // storage: the case's dtype (attention inputs, O); accumulator: float32 sums (dQ, dK, dV, dKV in flight).
@@ -403,6 +411,16 @@ RankResult<B> run_ring_rank(const Plan& plan, B& b, bool with_backward) {
   if (exchange) dout_own = scatter_to_group(bwd, Payload::dout, level_map_q, group_rows_q);
   const Tensor& dout = exchange ? dout_own : b.input(Payload::dout);
   Tensor dq = b.zeros(sq.rows, sq.heads, sq.dim, BufferKind::accumulator);
+  // The last step that adds to dQ, and whether dKV leaves the rank after a step: with the reverse a2a (exchange) the
+  // sums travel before finalize, so no step is their end here.
+  int last_dq_step = -1;
+  for (int i = 0; i < bwd.steps; ++i)
+    if (bwd.tile(g, i).computed) last_dq_step = i;
+  auto dkv_sent_after = [&](int step) {
+    for (const Message& m : bwd.messages)
+      if (m.payload == Payload::dkv && m.from_rank == g && m.after_step >= step) return true;
+    return false;
+  };
   // Step i: the KV for step i + 1 travels during step i's attention; the dKV finished by step i - 1 travels during
   // it too and is only needed for the accumulation after it.
   Shift incoming_dkv;
@@ -430,7 +448,9 @@ RankResult<B> run_ring_rank(const Plan& plan, B& b, bool with_backward) {
       if constexpr (SummingBackend<B>) {
         if (b.sums_backward()) {
           finish_shift(incoming_dkv, Payload::dkv);  // the step adds into the dKV that arrives
-          b.backward_sum(t, StepRows{qrows, !qfull, krows, !kfull}, q, k, v, o, lse, dout, dq, dk, dv);
+          const SumEnds ends{.dq = !exchange && i == last_dq_step,
+                             .dkv = !exchange && i == bwd.steps - 1 && !dkv_sent_after(i)};
+          b.backward_sum(t, StepRows{qrows, !qfull, krows, !kfull}, q, k, v, o, lse, dout, dq, dk, dv, ends);
           summed = true;
         }
       }

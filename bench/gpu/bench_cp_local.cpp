@@ -14,6 +14,8 @@
 // runs both paths with the deterministic backward (default atomic). --scale n multiplies the sequence lengths of the
 // batch (512..4096 tokens, bench/gpu/varlen_batches.md) by n: longer sequences, so longer CP chunks (2W per sequence).
 // --in-place 0 gathers the ring steps' halves into step tensors (CpGpuOptions::read_halves_in_place off; default 1).
+// --last-dtype 0 keeps the summing backward's last step in float32 and converts afterwards
+// (CpGpuOptions::last_sum_in_dtype off; default 1).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -102,6 +104,7 @@ struct Schedule {
   bool sum = true;     // CpGpuOptions::sum_in_backward (on, as in verify --backend local)
   gpu::BackwardMode mode = gpu::BackwardMode::atomic;  // both paths (--mode)
   bool in_place = true;  // CpGpuOptions::read_halves_in_place (--in-place)
+  bool last_dtype = true;  // CpGpuOptions::last_sum_in_dtype (--last-dtype)
 };
 
 gpu::CpGpuOptions cp_options(const Schedule& schedule) {
@@ -110,6 +113,7 @@ gpu::CpGpuOptions cp_options(const Schedule& schedule) {
   options.sum_in_backward = schedule.sum;
   options.mode = schedule.mode;
   options.read_halves_in_place = schedule.in_place;
+  options.last_sum_in_dtype = schedule.last_dtype;
   return options;
 }
 
@@ -225,8 +229,9 @@ int main(int argc, char** argv) {
       schedule.mode = v == "atomic" ? gpu::BackwardMode::atomic : gpu::BackwardMode::deterministic;
     else if (a == "--scale" && std::atoi(v.c_str()) >= 1) scale = std::atoi(v.c_str());
     else if (a == "--in-place" && (v == "0" || v == "1")) schedule.in_place = v == "1";
+    else if (a == "--last-dtype" && (v == "0" || v == "1")) schedule.last_dtype = v == "1";
     else {
-      std::fprintf(stderr, "usage: bench_cp_local [--cp-size W] [--heads h] [--dim d] [--tokens t] [--comm c] [--reps n] [--phases 0|1] [--once cp|noncp] [--aside 0|1] [--sum 0|1] [--timeline FILE] [--mode atomic|deterministic] [--scale n] [--in-place 0|1]\n");
+      std::fprintf(stderr, "usage: bench_cp_local [--cp-size W] [--heads h] [--dim d] [--tokens t] [--comm c] [--reps n] [--phases 0|1] [--once cp|noncp] [--aside 0|1] [--sum 0|1] [--timeline FILE] [--mode atomic|deterministic] [--scale n] [--in-place 0|1] [--last-dtype 0|1]\n");
       return 2;
     }
   }
@@ -283,10 +288,11 @@ int main(int argc, char** argv) {
   cudaDeviceProp prop{};
   cudaGetDeviceProperties(&prop, 0);
   std::printf("device: %s; case: %lld tokens in %zu sequences (%d..%d), causal, bf16, h=%d, d=%d, %s W=%d; %s "
-              "backward; median of %d; halves %s; accumulation %s\n",
+              "backward; median of %d; halves %s; last sums %s; accumulation %s\n",
               prop.name, static_cast<long long>(tokens), s.seqlens_q.size(), 512 * scale, 4096 * scale, heads, dim,
               comm.c_str(), W, schedule.mode == gpu::BackwardMode::atomic ? "atomic" : "deterministic", reps,
               schedule.in_place ? "read in place" : "gathered (--in-place 0)",
+              schedule.last_dtype ? "in the dtype" : "float32, then converted (--last-dtype 0)",
               schedule.sum     ? (schedule.aside ? "in the attention kernels (--sum 1), the rest on its own stream (--aside 1)"
                                                  : "in the attention kernels (--sum 1)")
               : schedule.aside ? "on its own stream (--aside 1)"

@@ -372,6 +372,67 @@ TEST_CASE("gpu attention: the summing backward adds the rounded outputs at the m
     expect_sum(det ? "dK (deterministic)" : "dK (atomic)", start.dk, plain.dk, start.kv_map, false, sums.dk, 0);
     expect_sum(det ? "dV (deterministic)" : "dV (atomic)", start.dv, plain.dv, start.kv_map, false, sums.dv, 0);
   }
+  // result (the last contribution): dtype(sum[map[i]] + x[i]) at the mapped rows of a NaN-filled dtype tensor, the
+  // bits of adding and then converting the sum; rows outside the map are never written (stay NaN). Deterministic
+  // mode, so that dQ compares bit for bit too.
+  {
+    gpu::HostBackward plain;
+    REQUIRE(gpu::backward_on_device(c.call, c.dtype, c.q, c.k, c.v, fwd.o, fwd.lse, c.dout,
+                                    gpu::BackwardMode::deterministic, plain)
+                .ok());
+    gpu::HostSums sums;
+    sums.dq = start_values(c.q.rows + 9, c.q.heads, c.q.dim);
+    sums.dk = start_values(c.k.rows + 5, c.k.heads, c.k.dim);
+    sums.dv = start_values(c.v.rows + 5, c.v.heads, c.v.dim);
+    sums.q_map = injection(c.q.rows, sums.dq.rows);
+    sums.kv_map = injection(c.k.rows, sums.dk.rows);
+    sums.result_q = sums.result_kv = true;
+    const gpu::HostSums start = sums;
+    REQUIRE(gpu::backward_sum_on_device(c.call, c.dtype, c.q, c.k, c.v, fwd.o, fwd.lse, c.dout,
+                                        gpu::BackwardMode::deterministic, sums)
+                .ok());
+    auto expect_result = [&](const char* what, const Tensor3<float>& start_sum, const Tensor3<float>& x,
+                             const std::vector<int64_t>& map, const Tensor3<float>& got) {
+      const int64_t w = x.heads * x.dim;
+      std::vector<char> mapped(static_cast<size_t>(start_sum.rows), 0);
+      for (int64_t r : map) mapped[static_cast<size_t>(r)] = 1;
+      int64_t differ = 0, written_outside = 0;
+      for (int64_t r = 0; r < x.rows; ++r)
+        for (int64_t e = 0; e < w; ++e) {
+          const size_t at = static_cast<size_t>(map[static_cast<size_t>(r)] * w + e);
+          const float want = round_to(c.dtype, start_sum.values[at] + x.values[static_cast<size_t>(r * w + e)]);
+          differ += bits_of(want) == bits_of(got.values[at]) ? 0 : 1;
+        }
+      for (int64_t r = 0; r < start_sum.rows; ++r)
+        if (!mapped[static_cast<size_t>(r)])
+          for (int64_t e = 0; e < w; ++e) written_outside += std::isnan(got.values[static_cast<size_t>(r * w + e)]) ? 0 : 1;
+      std::printf("VERDICT summing backward %-40s %lld values differ, %lld written outside the map\n", what,
+                  static_cast<long long>(differ), static_cast<long long>(written_outside));
+      INFO(what);
+      CHECK(differ == 0);
+      CHECK(written_outside == 0);
+    };
+    expect_result("dQ result (deterministic)", start.dq, plain.dq, start.q_map, sums.dq);
+    expect_result("dK result", start.dk, plain.dk, start.kv_map, sums.dk);
+    expect_result("dV result", start.dv, plain.dv, start.kv_map, sums.dv);
+    // And through the atomic mode's dQ pass: within one dtype ulp of the deterministic result.
+    gpu::HostSums atomic = start;
+    REQUIRE(gpu::backward_sum_on_device(c.call, c.dtype, c.q, c.k, c.v, fwd.o, fwd.lse, c.dout,
+                                        gpu::BackwardMode::atomic, atomic)
+                .ok());
+    int64_t far = 0, nan_in_map = 0;
+    const int64_t w = c.q.heads * c.q.dim;
+    for (int64_t r : start.q_map)
+      for (int64_t e = 0; e < w; ++e) {
+        const float a = atomic.dq.values[static_cast<size_t>(r * w + e)], d = sums.dq.values[static_cast<size_t>(r * w + e)];
+        nan_in_map += std::isnan(a) ? 1 : 0;
+        far += std::fabs(a - d) <= std::ldexp(std::fabs(d), -6) + 1e-30f ? 0 : 1;
+      }
+    std::printf("VERDICT summing backward %-40s %lld values beyond one ulp, %lld NaN\n", "dQ result (atomic)",
+                static_cast<long long>(far), static_cast<long long>(nan_in_map));
+    CHECK(far == 0);
+    CHECK(nan_in_map == 0);
+  }
   // assign: NaN-filled sums of exactly the call's rows, identity maps.
   gpu::HostBackward plain;
   REQUIRE(gpu::backward_on_device(c.call, c.dtype, c.q, c.k, c.v, fwd.o, fwd.lse, c.dout,
@@ -401,6 +462,18 @@ TEST_CASE("gpu attention: the summing backward adds the rounded outputs at the m
   const gpu::Outcome refused = gpu::attention_backward(plan, b);
   CHECK(refused.status == gpu::Status::invalid_argument);
   CHECK(refused.message.find("dq_sum, dk_sum and dv_sum") != std::string::npos);
+  // A result outside the summing form, or on dK without dV, is refused too.
+  gpu::BackwardBuffers r;
+  r.dq_sum.result = &dummy;
+  const gpu::Outcome no_sum = gpu::attention_backward(plan, r);
+  CHECK(no_sum.status == gpu::Status::invalid_argument);
+  CHECK(no_sum.message.find("outside the summing form") != std::string::npos);
+  gpu::BackwardBuffers half;
+  half.dq_sum.data = half.dk_sum.data = half.dv_sum.data = &dummy;
+  half.dk_sum.result = &dummy;  // checked before the maps and buffers
+  const gpu::Outcome one_side = gpu::attention_backward(plan, half);
+  CHECK(one_side.status == gpu::Status::invalid_argument);
+  CHECK(one_side.message.find("dk_sum.result and dv_sum.result") != std::string::npos);
 }
 
 // Small enough for compute-sanitizer (memcheck, racecheck): every kernel of the forward and both backward modes,
@@ -461,4 +534,15 @@ TEST_CASE("gpu attention: a plan that leaves rows outside its segments is refuse
   const gpu::Outcome c = gpu::attention_forward(plan_q, {p, p, p, p, f});
   CHECK(c.status == gpu::Status::invalid_argument);
   CHECK(c.message.find("leave_q") != std::string::npos);
+  // A last contribution (RowSum::result) would leave the result rows outside the segments unwritten.
+  gpu::BackwardBuffers last_q{p, p, p, p, p, f, nullptr, nullptr, nullptr, {f, rows, false, p}, {f, rows, false},
+                              {f, rows, false}, nullptr};
+  const gpu::Outcome d = gpu::attention_backward(plan_q, last_q);
+  CHECK(d.status == gpu::Status::invalid_argument);
+  CHECK(d.message.find("result") != std::string::npos);
+  gpu::BackwardBuffers last_kv{p, p, p, p, p, f, nullptr, nullptr, nullptr, {f, rows, false}, {f, rows, false, p},
+                               {f, rows, false, p}, nullptr};
+  const gpu::Outcome e = gpu::attention_backward(plan, last_kv);
+  CHECK(e.status == gpu::Status::invalid_argument);
+  CHECK(e.message.find("result") != std::string::npos);
 }

@@ -308,6 +308,42 @@ TEST_CASE("local CP: summing inside the backward kernels gives the bits of backw
   }
 }
 
+// CpGpuOptions::last_sum_in_dtype: the summing backward's last step over a whole side writes the finished dQ (dK, dV)
+// in the dtype (RowSum::result) instead of the float32 sum that finalize then converts. p2p ring cases of quick and
+// edge (causal and not, W = 1 included), deterministic backward: every rank's dQ, dK, dV have the bits of converting
+// afterwards, and no conversion is left (the "convert" phase), where the float32 path converts all three.
+TEST_CASE("local CP: the last summing step writes the dtype, with the bits of converting afterwards") {
+  CPGOLD_REQUIRE_DEVICE();
+  int cases = 0;
+  for (const std::string suite : {"quick", "edge"}) {
+    for (const fx::SuiteCase& c : fx::suite_cases(suite)) {
+      if (c.cpu_only || !fx::inside_gpu_table(c.spec) || c.spec.comm != sim::CommType::p2p) continue;
+      ++cases;
+      CAPTURE(c.name);
+      const sim::Plan plan = sim::make_plan(c.spec);
+      const sim::CaseInputs inputs = sim::make_case_inputs(c.spec);
+      sim::CpRun<float> runs[2];
+      size_t converts[2] = {0, 0};
+      for (const bool last_dtype : {false, true}) {
+        gpu::CpGpuOptions options;
+        options.mode = gpu::BackwardMode::deterministic;
+        options.sum_in_backward = true;
+        options.last_sum_in_dtype = last_dtype;
+        options.phases = std::make_shared<gpu::PhaseTimes>();
+        options.timeout = std::chrono::milliseconds(20000);
+        runs[last_dtype] = gpu::LocalCpExecutor(plan, inputs, c.spec.dtype, options).run(true);
+        const auto it = options.phases->phases.find("convert");
+        converts[last_dtype] = it == options.phases->phases.end() ? 0 : static_cast<size_t>(it->second.calls);
+      }
+      check_same_outputs(runs[0], runs[1]);
+      CHECK(converts[0] == 3u * static_cast<size_t>(plan.cp_size));
+      CHECK(converts[1] == 0u);
+    }
+  }
+  CHECK(cases >= 4);
+  MESSAGE("VERDICT last summing step in the dtype: " << cases << " p2p cases, same bits as converting afterwards");
+}
+
 // Ring steps reading a half of the rank's tensors: with read_halves_in_place the K/V half is read where it lies
 // (forward, and the summing backward with the delta of one pass over the rank's O and dO), otherwise gathered into a
 // step tensor first. Causal ring cases of quick and edge (padding, GQA, zero-length sequences among them), both
