@@ -30,12 +30,12 @@
 //   rank's whole tensors and the rows it reads, forward_rows(tile, StepRows, q, k, v), instead of gathering the halves
 //   first (the backend may read them in place).
 // Optional (SummingBackend): bool sums_backward() const; true lets the ring program replace backward + scatter_add
-//   with one backward_sum(tile, StepRows, q, k, v, o, lse, dout, dq, dk, dv, SumEnds) on the rank's whole tensors: the step
-//   reads rows.q of q, o, lse, dout (rows.kv of k, v) where the tile reads a half, and adds dq[rows.q[i]] += dQ_i,
-//   dk[rows.kv[i]] += dK_i, dv[rows.kv[i]] += dV_i (no per-step partials, so no record_backward), issued once the
-//   step's dKV has arrived. Its SumEnds say which sums receive their last addition in this step (nothing adds to them
-//   or sends them before finalize): the backend may then hand them back finalized (a tensor finalize leaves as it is,
-//   with the bits finalize would give).
+//   with one backward_sum(tile, StepRows, q, k, v, o, lse, dout, dq, dk, dv, SumEnds) on the rank's whole tensors:
+//   the step reads rows.q of q, o, lse, dout (rows.kv of k, v) where the tile reads a half, and adds
+//   dq[rows.q[i]] += dQ_i, dk[rows.kv[i]] += dK_i, dv[rows.kv[i]] += dV_i (no per-step partials, so no
+//   record_backward), issued once the step's dKV has arrived. Its SumEnds say which sums receive their last addition
+//   in this step (nothing adds to them or sends them before finalize): the backend may then hand them back finalized
+//   (a tensor finalize leaves as it is, with the bits finalize would give).
 #include <cstdint>
 #include <algorithm>
 #include <concepts>
