@@ -355,16 +355,28 @@ TEST_CASE("gpu attention: the summing backward adds the rounded outputs at the m
     INFO(what);
     CHECK(differ == 0);
   };
-  for (gpu::BackwardMode mode : {gpu::BackwardMode::deterministic, gpu::BackwardMode::atomic}) {
-    const bool det = mode == gpu::BackwardMode::deterministic;
-    gpu::HostBackward plain;
-    REQUIRE(gpu::backward_on_device(c.call, c.dtype, c.q, c.k, c.v, fwd.o, fwd.lse, c.dout, mode, plain).ok());
+  // Sums larger than the call, random starting values, rows mapped by random injections.
+  auto random_sums = [&] {
     gpu::HostSums sums;
     sums.dq = start_values(c.q.rows + 9, c.q.heads, c.q.dim);
     sums.dk = start_values(c.k.rows + 5, c.k.heads, c.k.dim);
     sums.dv = start_values(c.v.rows + 5, c.v.heads, c.v.dim);
     sums.q_map = injection(c.q.rows, sums.dq.rows);
     sums.kv_map = injection(c.k.rows, sums.dk.rows);
+    return sums;
+  };
+  gpu::HostBackward plain_det;  // the plain backward's outputs, deterministic mode (dQ reproducible)
+  REQUIRE(gpu::backward_on_device(c.call, c.dtype, c.q, c.k, c.v, fwd.o, fwd.lse, c.dout,
+                                  gpu::BackwardMode::deterministic, plain_det)
+              .ok());
+  for (gpu::BackwardMode mode : {gpu::BackwardMode::deterministic, gpu::BackwardMode::atomic}) {
+    const bool det = mode == gpu::BackwardMode::deterministic;
+    gpu::HostBackward plain_atomic;
+    if (!det)
+      REQUIRE(
+          gpu::backward_on_device(c.call, c.dtype, c.q, c.k, c.v, fwd.o, fwd.lse, c.dout, mode, plain_atomic).ok());
+    const gpu::HostBackward& plain = det ? plain_det : plain_atomic;
+    gpu::HostSums sums = random_sums();
     const gpu::HostSums start = sums;
     REQUIRE(gpu::backward_sum_on_device(c.call, c.dtype, c.q, c.k, c.v, fwd.o, fwd.lse, c.dout, mode, sums).ok());
     expect_sum(det ? "dQ (deterministic)" : "dQ (atomic, within 1 ulp)", start.dq, plain.dq, start.q_map, false,
@@ -376,16 +388,8 @@ TEST_CASE("gpu attention: the summing backward adds the rounded outputs at the m
   // bits of adding and then converting the sum; rows outside the map are never written (stay NaN). Deterministic
   // mode, so that dQ compares bit for bit too.
   {
-    gpu::HostBackward plain;
-    REQUIRE(gpu::backward_on_device(c.call, c.dtype, c.q, c.k, c.v, fwd.o, fwd.lse, c.dout,
-                                    gpu::BackwardMode::deterministic, plain)
-                .ok());
-    gpu::HostSums sums;
-    sums.dq = start_values(c.q.rows + 9, c.q.heads, c.q.dim);
-    sums.dk = start_values(c.k.rows + 5, c.k.heads, c.k.dim);
-    sums.dv = start_values(c.v.rows + 5, c.v.heads, c.v.dim);
-    sums.q_map = injection(c.q.rows, sums.dq.rows);
-    sums.kv_map = injection(c.k.rows, sums.dk.rows);
+    const gpu::HostBackward& plain = plain_det;
+    gpu::HostSums sums = random_sums();
     sums.result_q = sums.result_kv = true;
     const gpu::HostSums start = sums;
     REQUIRE(gpu::backward_sum_on_device(c.call, c.dtype, c.q, c.k, c.v, fwd.o, fwd.lse, c.dout,
@@ -405,7 +409,8 @@ TEST_CASE("gpu attention: the summing backward adds the rounded outputs at the m
         }
       for (int64_t r = 0; r < start_sum.rows; ++r)
         if (!mapped[static_cast<size_t>(r)])
-          for (int64_t e = 0; e < w; ++e) written_outside += std::isnan(got.values[static_cast<size_t>(r * w + e)]) ? 0 : 1;
+          for (int64_t e = 0; e < w; ++e)
+            written_outside += std::isnan(got.values[static_cast<size_t>(r * w + e)]) ? 0 : 1;
       std::printf("VERDICT summing backward %-40s %lld values differ, %lld written outside the map\n", what,
                   static_cast<long long>(differ), static_cast<long long>(written_outside));
       INFO(what);
@@ -424,7 +429,8 @@ TEST_CASE("gpu attention: the summing backward adds the rounded outputs at the m
     const int64_t w = c.q.heads * c.q.dim;
     for (int64_t r : start.q_map)
       for (int64_t e = 0; e < w; ++e) {
-        const float a = atomic.dq.values[static_cast<size_t>(r * w + e)], d = sums.dq.values[static_cast<size_t>(r * w + e)];
+        const size_t at = static_cast<size_t>(r * w + e);
+        const float a = atomic.dq.values[at], d = sums.dq.values[at];
         nan_in_map += std::isnan(a) ? 1 : 0;
         far += std::fabs(a - d) <= std::ldexp(std::fabs(d), -6) + 1e-30f ? 0 : 1;
       }
@@ -434,10 +440,7 @@ TEST_CASE("gpu attention: the summing backward adds the rounded outputs at the m
     CHECK(nan_in_map == 0);
   }
   // assign: NaN-filled sums of exactly the call's rows, identity maps.
-  gpu::HostBackward plain;
-  REQUIRE(gpu::backward_on_device(c.call, c.dtype, c.q, c.k, c.v, fwd.o, fwd.lse, c.dout,
-                                  gpu::BackwardMode::deterministic, plain)
-              .ok());
+  const gpu::HostBackward& plain = plain_det;
   gpu::HostSums sums;
   const float nan = std::numeric_limits<float>::quiet_NaN();
   sums.dq = Tensor3<float>(c.q.rows, c.q.heads, c.q.dim, nan);

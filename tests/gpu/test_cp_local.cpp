@@ -112,6 +112,12 @@ void check_same_outputs(const sim::CpRun<float>& want, const sim::CpRun<float>& 
   }
 }
 
+// Calls of one phase in a PhaseTimes (0 if it never ran).
+int64_t phase_calls(const gpu::PhaseTimes& times, const std::string& name) {
+  const auto it = times.phases.find(name);
+  return it == times.phases.end() ? 0 : it->second.calls;
+}
+
 // The first quick case of each comm type inside the GPU table.
 std::vector<fx::SuiteCase> one_case_per_comm() {
   std::vector<fx::SuiteCase> out;
@@ -333,8 +339,7 @@ TEST_CASE("local CP: the last summing step writes the dtype, with the bits of co
         options.phases = std::make_shared<gpu::PhaseTimes>();
         options.timeout = std::chrono::milliseconds(20000);
         runs[last_dtype] = gpu::LocalCpExecutor(plan, inputs, c.spec.dtype, options).run(true);
-        const auto it = options.phases->phases.find("convert");
-        converts[last_dtype] = it == options.phases->phases.end() ? 0 : static_cast<size_t>(it->second.calls);
+        converts[last_dtype] = static_cast<size_t>(phase_calls(*options.phases, "convert"));
       }
       // Conversions left: a sum whose last step reads only a half of its side (Q and KV geometries that differ
       // select chunks by visibility, so the last step may be a half) ends in float32 and is converted.
@@ -395,8 +400,7 @@ TEST_CASE("local CP: reading the K/V halves in place gives the bits of gathering
             options.phases = std::make_shared<gpu::PhaseTimes>();
             options.timeout = std::chrono::milliseconds(20000);
             runs[in_place] = gpu::LocalCpExecutor(plan, inputs, c.spec.dtype, options).run(true);
-            const auto it = options.phases->phases.find("gather");
-            gathers[in_place] = it == options.phases->phases.end() ? 0 : static_cast<size_t>(it->second.calls);
+            gathers[in_place] = static_cast<size_t>(phase_calls(*options.phases, "gather"));
           }
           REQUIRE(runs[1].ranks.size() == runs[0].ranks.size());
           for (size_t r = 0; r < runs[0].ranks.size(); ++r) {
@@ -498,9 +502,8 @@ TEST_CASE("local CP: the phase breakdown completes for every comm type and count
                                          sim::StepSection::all}) {
         int64_t calls = 0;
         for (const sim::Tile& t : pp.tiles) calls += t.computed && t.section == sec;
-        const auto it = timed.phases->phases.find(gpu::attention_phase(pass, sec));
         CAPTURE(gpu::attention_phase(pass, sec));
-        CHECK((it == timed.phases->phases.end() ? 0 : it->second.calls) == calls);
+        CHECK(phase_calls(*timed.phases, gpu::attention_phase(pass, sec)) == calls);
       }
     }
     if (plan.cp_size > 1) CHECK(timed.phases->phases.count("exchange") == 1);
