@@ -215,16 +215,11 @@ class HostRankBackend {
   bool reads_halves() const { return by_rows_; }
   bool sums_backward() const { return by_rows_ && !record_trace_; }
   Forward forward_rows(const Tile& t, const StepRows& rows, const Tensor& q, const Tensor& k, const Tensor& v) const {
-    return forward(t, rows.q_half ? gather(q, rows.q, 0, static_cast<int>(q.heads)) : q,
-                   rows.kv_half ? gather(k, rows.kv, 0, static_cast<int>(k.heads)) : k,
-                   rows.kv_half ? gather(v, rows.kv, 0, static_cast<int>(v.heads)) : v);
+    return forward(t, half(q, rows.q_half, rows.q), half(k, rows.kv_half, rows.kv), half(v, rows.kv_half, rows.kv));
   }
   void backward_sum(const Tile& t, const StepRows& rows, const Tensor& q, const Tensor& k, const Tensor& v,
                     const Tensor& o, const Lse& lse, const Tensor& dout, Tensor& dq, Tensor& dk, Tensor& dv,
                     SumEnds ends) const {
-    auto half = [&](const Tensor& x, bool is_half, const std::vector<int64_t>& r) {
-      return is_half ? gather(x, r, 0, static_cast<int>(x.heads)) : x;
-    };
     Backward res = backward(t, half(q, rows.q_half, rows.q), half(k, rows.kv_half, rows.kv),
                             half(v, rows.kv_half, rows.kv), half(o, rows.q_half, rows.q),
                             rows.q_half ? lse_gather(lse, rows.q) : lse, half(dout, rows.q_half, rows.q));
@@ -293,6 +288,11 @@ class HostRankBackend {
   Trace<T> trace;
 
  private:
+  // The step's rows of a rank tensor: the gathered half, or the whole tensor.
+  Tensor half(const Tensor& x, bool is_half, const std::vector<int64_t>& rows) const {
+    return is_half ? gather(x, rows, 0, static_cast<int>(x.heads)) : x;
+  }
+
   int rank_;
   const RankShards<T>& shards_;
   const Arith& arith_;
