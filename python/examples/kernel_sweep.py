@@ -2,7 +2,8 @@
 
 A kernel is an object with `name`, `unsupported(fixture) -> str | None` (why the fixture is not expressible, or
 None) and `__call__(fixture) -> outputs` (global layout: o, lse, dq, dk, dv; numpy or torch). It may raise
-`Unsupported` when the library refuses a configuration at run time. For every expressible fixture the sweep writes
+`Unsupported` when the library refuses a configuration at run time. Without "lse" in its outputs the other
+tensors are checked. For every expressible fixture the sweep writes
 one candidate file holding the global outputs at the root and their shards by the partition under /ranks/<r>/
 (what each CP rank would hold), runs `cpgold check` on it, and records the verdict and every result's
 error/limit. Rows with no visible key: where the kernel wrote LSE +inf (FlashAttention-2's convention) the check
@@ -54,14 +55,19 @@ def run_fixture(kernel, path, suite, workdir, cpgold_bin, pos_inf_option):
         except Exception as e:  # a crash of the kernel on an expressible case counts as a failure
             entry.update(status="error", reason=f"{type(e).__name__}: {e}"[:2000], trace=traceback.format_exc()[-3000:])
             return entry
-        lse_ht = cpgold.lse_to_ht(outputs["lse"], fx.heads_q, "ht" if outputs["lse"].shape[0] == fx.heads_q else None)
-        outputs = dict(outputs, lse=lse_ht)
-        convention = "pos-inf" if has_pos_inf_rows(fx, lse_ht) else "neg-inf"
+        tensors = None
+        if "lse" in outputs:
+            lse_ht = cpgold.lse_to_ht(outputs["lse"], fx.heads_q,
+                                      "ht" if outputs["lse"].shape[0] == fx.heads_q else None)
+            outputs = dict(outputs, lse=lse_ht)
+            convention = "pos-inf" if has_pos_inf_rows(fx, lse_ht) else "neg-inf"
+        else:  # a kernel whose API gives no LSE: the other tensors are checked, and the summary says so
+            tensors, convention = ("o", "dq", "dk", "dv"), "no lse"
         candidate = os.path.join(workdir, f"{kernel.name}_candidate.h5")
         cpgold.write_ranks(candidate, fx.shard_outputs(outputs), outputs, scope="global", fixture=fx,
                            lse_layout="ht")
     empty_row = "pos-inf" if convention == "pos-inf" and pos_inf_option else None
-    report = cpgold.check(path, candidate, empty_row_lse=empty_row, cpgold=cpgold_bin)
+    report = cpgold.check(path, candidate, tensors=tensors, empty_row_lse=empty_row, cpgold=cpgold_bin)
     os.remove(candidate)
     entry.update(status="pass" if report["pass"] else "fail", empty_row_lse_written=convention,
                  empty_row_lse_option=empty_row, failures=cpgold.failures(report),

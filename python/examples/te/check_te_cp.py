@@ -1,0 +1,155 @@
+#!/usr/bin/env python3
+"""TransformerEngine's context parallelism (p2p, a2a, all_gather, a2a+p2p) with W ranks on one GPU, checked against
+cpgold fixtures rank by rank and gathered.
+
+    python3 python/examples/te/check_te_cp.py --cpgold build/bin/cpgold --summary te_cp.json DIR...
+
+Every fixture with cp_size W > 1 runs its own comm type: W thread ranks of cpgold.thread_ranks (one process, one
+GPU, messages as device copies) each build a DotProductAttention from the case, call
+set_context_parallel_group(group, ranks, stream, comm) as TE's own CP tests do (a2a+p2p: [a2a group, p2p group],
+a2a groups of consecutive ranks), and run forward and backward on the fixture's rank-local inputs (/ranks/<r>/:
+TE's dual-chunk layout, what thd_get_partitioned_indices selects) with the global cu_seqlens. Each rank's O, dQ, dK,
+dV is its candidate; the gathered outputs are checked too (scope cp_gathered). TE's CP API returns no LSE, so LSE is
+not checked here (check_te_dpa.py checks TE's non-CP LSE).
+"""
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import te_harness as th  # noqa: E402
+import torch  # noqa: E402
+
+import cpgold  # noqa: E402
+from cpgold.thread_ranks import ThreadRankError, ThreadRanks  # noqa: E402
+
+TENSORS = ("o", "dq", "dk", "dv")
+
+
+def cp_groups(fx, ranks):
+    w = fx.cp_size
+    if fx.comm != "a2a+p2p":
+        return ranks.group()
+    a = int(fx.case.get("a2a_size") or 0)
+    if a < 1 or w % a:
+        raise th.Refused(f"a2a_size {a} does not divide cp_size {w}")
+    r = ranks.rank()
+    a2a = ranks.new_group(range(r - r % a, r - r % a + a))
+    p2p = ranks.new_group(range(r % a, w, a))
+    return [a2a, p2p]
+
+
+def run_rank(rank, ranks, fx, cu):
+    group = cp_groups(fx, ranks)
+    dpa = th.make_dpa(fx)
+    dpa.set_context_parallel_group(group, list(range(fx.cp_size)), torch.cuda.Stream(), fx.comm)
+    x = fx.rank_inputs(rank, "torch", "cuda")
+    out, log, backend = th.run_dpa(dpa, fx, x["q"], x["k"], x["v"], x["dout"], cu)
+    torch.cuda.current_stream().synchronize()
+    return {n: out[n].float().cpu().numpy() for n in TENSORS}, th.debug_summary(log), backend
+
+
+def gather(fx, rank_outputs):
+    """Global-layout outputs from the ranks' shards (every global row belongs to exactly one rank)."""
+    result = {}
+    for name in TENSORS:
+        side = "q" if name in ("o", "dq") else "kv"
+        first = rank_outputs[0][name]
+        g = np.zeros((fx.total_rows(side),) + first.shape[1:], dtype=np.float32)
+        for r, out in enumerate(rank_outputs):
+            g[fx.partitioned_indices(r, side)] = out[name]
+        result[name] = g
+    return result
+
+
+def run_fixture(path, suite, workdir, cpgold_bin, timeout):
+    entry = {"fixture": os.path.basename(path), "suite": suite}
+    with cpgold.Fixture(path) as fx:
+        entry["case"] = fx.case
+        entry["comm"], entry["cp_size"] = fx.comm, fx.cp_size
+        if fx.cp_size < 2:
+            entry.update(status="not_cp")
+            return entry
+        entry["arguments"] = th.te_arguments(fx)
+        cu = th.cu_tensors(fx)
+        try:
+            results = ThreadRanks(fx.cp_size, device="cuda", timeout=timeout).run(
+                lambda r, ranks: run_rank(r, ranks, fx, cu))
+        except ThreadRankError as e:
+            cause = e.__cause__
+            if isinstance(cause, (th.Refused, AssertionError)):
+                entry.update(status="unsupported", reason=f"TE refuses: {cause}"[:1500],
+                             nvte_debug=th.debug_summary(th.TE_LOG.take()))
+            else:
+                entry.update(status="error", reason=str(e)[:2000],
+                             trace="".join(traceback.format_exception(cause or e))[-4000:])
+            return entry
+        outs = [r[0] for r in results]
+        entry["backend"] = sorted({r[2] for r in results})
+        entry["nvte_debug"] = results[0][1]
+        candidate = os.path.join(workdir, "te_cp_candidate.h5")
+        cpgold.write_ranks(candidate, outs, fixture=fx)
+        gathered = os.path.join(workdir, "te_cp_gathered.h5")
+        cpgold.write_global(gathered, gather(fx, outs), scope="cp_gathered", fixture=fx)
+    per_rank = cpgold.check(path, candidate, tensors=TENSORS, cpgold=cpgold_bin)
+    whole = cpgold.check(path, gathered, tensors=TENSORS, cpgold=cpgold_bin)
+    entry.update(status="pass" if per_rank["pass"] and whole["pass"] else "fail",
+                 ranks_pass=per_rank["pass"], gathered_pass=whole["pass"],
+                 failures=cpgold.failures(per_rank) + cpgold.failures(whole),
+                 ratios=[[t, r, mx, mn] for t, r, mx, mn in cpgold.ratios(per_rank) + cpgold.ratios(whole)],
+                 first_divergence=[x.get("first_divergence") for x in per_rank["results"] + whole["results"]
+                                   if not x["pass"] and x.get("first_divergence")][:3])
+    for p in (candidate, gathered):
+        os.remove(p)
+    return entry
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("folders", nargs="+")
+    ap.add_argument("--cpgold", required=True)
+    ap.add_argument("--summary", required=True)
+    ap.add_argument("--timeout", type=float, default=60.0, help="seconds a rank waits for a peer (default 60)")
+    ap.add_argument("--first", type=int, default=0, help="only the first N fixtures of each folder")
+    args = ap.parse_args()
+    print(", ".join(f"{k} {v}" for k, v in th.versions().items()), flush=True)
+    entries, t0 = [], time.time()
+    for folder in args.folders:
+        suite = os.path.basename(os.path.normpath(folder))
+        names = sorted(n for n in os.listdir(folder) if n.endswith(".h5"))
+        for name in names[:args.first or None]:
+            t1 = time.time()
+            e = run_fixture(os.path.join(folder, name), suite, "/tmp", args.cpgold, args.timeout)
+            e["seconds"] = round(time.time() - t1, 2)
+            entries.append(e)
+            if e["status"] == "not_cp":
+                continue
+            worst = max((x[2] for x in e.get("ratios", [])), default=float("nan"))
+            line = f"te_cp {suite:6} {e['fixture']:48} {e['comm']:9} W={e['cp_size']} {e['status']}"
+            if e["status"] in ("pass", "fail"):
+                line += f" worst max/limit {worst:.3f}"
+            else:
+                line += f": {e['reason'][:200]}"
+            print(line, flush=True)
+            for f in e.get("failures", []):
+                print(f"    {f}", flush=True)
+    counts = {}
+    for e in entries:
+        if e["status"] != "not_cp":
+            c = counts.setdefault(f"{e['comm']} W={e['cp_size']}", {})
+            c[e["status"]] = c.get(e["status"], 0) + 1
+    summary = {"versions": th.versions(), "te_environment": th.TE_ENV, "seconds": round(time.time() - t0, 1),
+               "counts": counts, "fixtures": entries}
+    with open(args.summary, "w") as f:
+        json.dump(summary, f, indent=1, default=str)
+    print("== te_cp:", json.dumps(counts))
+    return 1 if any(e["status"] in ("fail", "error") for e in entries) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
