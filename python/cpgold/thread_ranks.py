@@ -161,6 +161,8 @@ class ThreadRanks:
             raise ValueError(f"world_size: expected an integer >= 1, got {world_size!r}")
         self.world_size = world_size
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.timeout = float(timeout)
         self._cond = threading.Condition()
         self._comms = {}
@@ -400,10 +402,10 @@ class ThreadRanks:
 
         def main(rank):
             self._local.rank = rank
-            if self.device.type == "cuda":
-                torch.cuda.set_device(self.device)
             ctx = getattr(torch.autograd, "set_multithreading_enabled", None)
             try:
+                if self.device.type == "cuda":
+                    torch.cuda.set_device(self.device)
                 with (ctx(False) if ctx else contextlib.nullcontext()):
                     results[rank] = fn(rank, self)
             except BaseException as e:  # noqa: B902 - reported to the caller with its rank

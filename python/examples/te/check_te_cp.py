@@ -15,6 +15,7 @@ not checked here (check_te_dpa.py checks TE's non-CP LSE).
 import argparse
 import json
 import os
+import subprocess
 import sys
 import time
 import traceback
@@ -109,35 +110,80 @@ def run_fixture(path, suite, workdir, cpgold_bin, timeout):
     return entry
 
 
+def fixture_list(folders):
+    items = []
+    for folder in folders:
+        suite = os.path.basename(os.path.normpath(folder))
+        items += [(suite, os.path.join(folder, n)) for n in sorted(os.listdir(folder)) if n.endswith(".h5")]
+    return items
+
+
+def worker(args, items):
+    """Runs fixtures from --skip on, one JSON line each, flushed: a device-side assert that kills this process
+    loses only the fixture it was running."""
+    with open(args.results, "a") as out:
+        for suite, path in items[args.skip:]:
+            t1 = time.time()
+            e = run_fixture(path, suite, "/tmp", args.cpgold, args.timeout)
+            e["seconds"] = round(time.time() - t1, 2)
+            out.write(json.dumps(e, default=str) + "\n")
+            out.flush()
+    return 0
+
+
+def report_line(e):
+    worst = max((x[2] for x in e.get("ratios", [])), default=float("nan"))
+    line = f"te_cp {e['suite']:10} {e['fixture']:48} {e.get('comm', '?'):9} W={e.get('cp_size', '?')} {e['status']}"
+    if e["status"] in ("pass", "fail"):
+        line += f" worst max/limit {worst:.3f}"
+    else:
+        line += f": {e.get('reason', '')[:300]}"
+    return line
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("folders", nargs="+")
     ap.add_argument("--cpgold", required=True)
     ap.add_argument("--summary", required=True)
     ap.add_argument("--timeout", type=float, default=60.0, help="seconds a rank waits for a peer (default 60)")
-    ap.add_argument("--first", type=int, default=0, help="only the first N fixtures of each folder")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--skip", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--results", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    items = fixture_list(args.folders)
+    if args.worker:
+        return worker(args, items)
     print(", ".join(f"{k} {v}" for k, v in th.versions().items()), flush=True)
-    entries, t0 = [], time.time()
-    for folder in args.folders:
-        suite = os.path.basename(os.path.normpath(folder))
-        names = sorted(n for n in os.listdir(folder) if n.endswith(".h5"))
-        for name in names[:args.first or None]:
-            t1 = time.time()
-            e = run_fixture(os.path.join(folder, name), suite, "/tmp", args.cpgold, args.timeout)
-            e["seconds"] = round(time.time() - t1, 2)
-            entries.append(e)
-            if e["status"] == "not_cp":
-                continue
-            worst = max((x[2] for x in e.get("ratios", [])), default=float("nan"))
-            line = f"te_cp {suite:6} {e['fixture']:48} {e['comm']:9} W={e['cp_size']} {e['status']}"
-            if e["status"] in ("pass", "fail"):
-                line += f" worst max/limit {worst:.3f}"
-            else:
-                line += f": {e['reason'][:200]}"
-            print(line, flush=True)
-            for f in e.get("failures", []):
-                print(f"    {f}", flush=True)
+    results = args.summary + ".jsonl"
+    open(results, "w").close()
+    t0, done = time.time(), 0
+    entries = []
+    while done < len(items):
+        cmd = [sys.executable, os.path.abspath(__file__), *args.folders, "--cpgold", args.cpgold, "--summary",
+               args.summary, "--timeout", str(args.timeout), "--worker", "--skip", str(done), "--results", results]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        with open(results) as f:
+            entries = [json.loads(x) for x in f if x.strip()]
+        for e in entries[done:]:
+            if e["status"] != "not_cp":
+                print(report_line(e), flush=True)
+                for fl in e.get("failures", []):
+                    print(f"    {fl}", flush=True)
+        done = len(entries)
+        if proc.returncode != 0 and done < len(items):  # the process died inside this fixture
+            suite, path = items[done]
+            tail = "\n".join(ln for ln in proc.stderr.splitlines() if "Warning" not in ln and "warnings.warn" not in ln)
+            e = {"fixture": os.path.basename(path), "suite": suite, "status": "error",
+                 "reason": f"the process died (exit {proc.returncode}) running this fixture: {tail[-1500:]}"}
+            with cpgold.Fixture(path) as fx:
+                e.update(case=fx.case, comm=fx.comm, cp_size=fx.cp_size)
+            with open(results, "a") as f:
+                f.write(json.dumps(e, default=str) + "\n")
+            print(report_line(e), flush=True)
+            done += 1
+    with open(results) as f:
+        entries = [json.loads(x) for x in f if x.strip()]
     counts = {}
     for e in entries:
         if e["status"] != "not_cp":

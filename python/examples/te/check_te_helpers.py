@@ -94,6 +94,16 @@ def lse_values(rng, shape, neg_inf=0.05):
     return x.cuda()
 
 
+def out_correction(out, step, lse, lse_step, cu, only_second, packed):
+    """TE 2.20.2's thd_out_correction takes the rank's LSE before and after the step's merge (it rescales `out` by
+    exp(before - after) as well); TE up to 2.19 took one LSE. The dump's twin models the one-LSE kernel, so the new
+    signature gets the same LSE twice: the rescale factor is exp(0) = 1 and what is compared is the weighted add."""
+    try:
+        tex.thd_out_correction(out, step, lse, lse_step, cu, only_second, packed)
+    except TypeError:
+        tex.thd_out_correction(out, step, lse.clone(), lse, lse_step, cu, only_second, packed)
+
+
 def run_layout(dump, rng, w, cu, cu_p):
     dev = "cuda"
     cu_p_t = torch.as_tensor(cu_p, device=dev)
@@ -129,7 +139,7 @@ def run_layout(dump, rng, w, cu, cu_p):
         tex.thd_second_half_lse_correction(lse, lse_half, cu_local_t, bool(packed))
         dump.call("second_half_lse_correction", {"cp_size": w, "packed": packed}, cu_seqlens_padded=cu_local,
                   lse=before, lse_half=lse_half, output=lse)
-        s2 = t // 2
+        s2 = t // 2 if packed else max_local // 2   # TE's binding: packed S2 >= S/2, unpacked S2 == S/2
         out = tex.thd_read_second_half_lse(before, cu_local_t, bool(packed), s2)
         dump.call("read_second_half_lse", {"cp_size": w, "packed": packed, "second_half_lse_seqlen": s2},
                   cu_seqlens_padded=cu_local, lse=before, output=out)
@@ -141,7 +151,7 @@ def run_layout(dump, rng, w, cu, cu_p):
                 lse_full = lse_values(rng, shape, neg_inf=0.0)
                 lse_step = lse_values(rng, half_shape if only_second else shape, neg_inf=0.05)
                 before = out.clone()
-                tex.thd_out_correction(out, step, lse_full, lse_step, cu_local_t, bool(only_second), bool(packed))
+                out_correction(out, step, lse_full, lse_step, cu_local_t, bool(only_second), bool(packed))
                 dump.call("out_correction", {"cp_size": w, "only_second_half": only_second, "packed": packed,
                                              "dtype": dtype},
                           cu_seqlens_padded=cu_local, out=before, out_step=step, lse=lse_full, lse_step=lse_step,

@@ -40,10 +40,13 @@ from transformer_engine.pytorch.attention.dot_product_attention import dot_produ
 
 
 def versions():
-    import torch.backends.cudnn
+    """Versions as the libraries report them (TE loads its own cuDNN: torch's cuDNN check may refuse then)."""
+    try:
+        te_cudnn = ".".join(str(x) for x in te_dpa.dpa_utils.get_cudnn_version())
+    except Exception as e:  # noqa: BLE001 - recorded, not fatal
+        te_cudnn = f"unknown ({type(e).__name__})"
     return {"transformer_engine": transformer_engine.__version__, "torch": torch.__version__,
-            "cuda": torch.version.cuda, "cudnn_torch": torch.backends.cudnn.version(),
-            "device": torch.cuda.get_device_name(0),
+            "cuda": torch.version.cuda, "cudnn_te": te_cudnn, "device": torch.cuda.get_device_name(0),
             "compute_capability": "sm%d%d" % torch.cuda.get_device_capability(0)}
 
 
@@ -58,14 +61,14 @@ class TeLog(logging.Handler):
     def __init__(self):
         super().__init__(level=logging.DEBUG)
         self.records = {}
-        self.lock = threading.Lock()
+        self.records_lock = threading.Lock()   # not Handler.lock, which handle() already holds around emit()
 
     def emit(self, record):
-        with self.lock:
+        with self.records_lock:
             self.records.setdefault(threading.get_ident(), []).append(f"[{record.name}] {record.getMessage()}")
 
     def take(self):
-        with self.lock:
+        with self.records_lock:
             return self.records.pop(threading.get_ident(), [])
 
 
