@@ -110,8 +110,9 @@ inline void add_case_flags(CLI::App& sub, const std::shared_ptr<CaseFlags>& flag
   }
 }
 
-// The case from --case and the flags; InputError (exit code 2) naming the key and value on bad input.
-inline sim::CaseSpec case_from_flags(const CaseFlags& flags) {
+// The case object as given (--case merged with the flags), before parse_case validates and normalises it; InputError
+// naming --case when it is not a JSON object.
+inline nlohmann::json case_object_from_flags(const CaseFlags& flags) {
   nlohmann::json object = nlohmann::json::object();
   if (!flags.case_json.empty()) {
     try {
@@ -126,7 +127,10 @@ inline sim::CaseSpec case_from_flags(const CaseFlags& flags) {
     if (it != flags.values.end()) object[key.name] = case_flags_detail::to_json(key, it->second);
   }
   if (!object.contains("seqlens_q")) fail_input("seqlens_q", "is required (give --seqlens-q or --case)");
-  return sim::parse_case(object);
+  return object;
 }
+
+// The case from --case and the flags; InputError (exit code 2) naming the key and value on bad input.
+inline sim::CaseSpec case_from_flags(const CaseFlags& flags) { return sim::parse_case(case_object_from_flags(flags)); }
 
 }  // namespace cpgold::app

@@ -1,5 +1,6 @@
 // `cpgold explain`: the chunk map, the per-rank per-step table, the work per rank and warnings for a case; for large
-// layouts (W x W x sequences past sim::kSummaryPlanUnits) a summary unless --full.
+// layouts (W x W x sequences past sim::kSummaryPlanUnits) a summary unless --full. With --te-audit also the literal
+// TransformerEngine replay and its visible-pairs audit (docs/te-audit.md); the exit code is then the audit's verdict.
 #include <fstream>
 #include <iostream>
 #include <memory>
@@ -9,7 +10,9 @@
 #include "apps/machine_resources.hpp"
 #include "sim/explain.hpp"
 #include "sim/explain_summary.hpp"
+#include "sim/explain_te.hpp"
 #include "sim/plan.hpp"
+#include "sim/te_replay.hpp"
 
 namespace cpgold::app {
 namespace {
@@ -18,6 +21,8 @@ struct ExplainOptions {
   std::string format = "text";
   std::string svg;
   bool full = false, summary = false;
+  bool te_audit = false;
+  std::string te_pad_between_seqs = "true";
 };
 
 void write_svg(const std::string& path, const std::string& svg) {
@@ -36,11 +41,26 @@ RegisterCommand reg{"explain", [](CLI::App& app) {
   sub->add_option("--svg", options->svg, "also write an SVG of the chunk map and the per-step tiles to this file");
   sub->add_flag("--full", options->full, "every tile also for a large layout (default there: a summary)");
   sub->add_flag("--summary", options->summary, "per-rank totals and the first and worst sequences, whatever the size");
+  sub->add_flag("--te-audit", options->te_audit,
+                "also replay what TransformerEngine 2.20 passes to every attention call (cuDNN and FlashAttention-3) and "
+                "audit the pairs each call computes against the case's mask; exit 1 on a finding, 0 when exact");
+  sub->add_option("--te-pad-between-seqs", options->te_pad_between_seqs,
+                  "true | false: the pad_between_seqs the --te-audit verdict is about (true: what TE sets itself when "
+                  "padded offsets are passed; false: the cu // W shortcut); both are reported")
+      ->check(CLI::IsMember({"true", "false"}));
   return std::function<int()>([flags, options] {
     if (options->full && options->summary) fail_input("--full", "cannot be combined with --summary: give one of them");
-    const sim::CaseSpec spec = case_from_flags(*flags);
-    // A full plan grows with W x W x sequences: large layouts get the summary, computed from the partition alone.
-    if (options->summary || (!options->full && sim::plan_units(spec) > sim::kSummaryPlanUnits)) {
+    if (options->te_audit && options->summary)
+      fail_input("--te-audit", "needs every tile and cannot be combined with --summary");
+    const nlohmann::json case_object = case_object_from_flags(*flags);
+    const sim::CaseSpec spec = sim::parse_case(case_object);
+    if (options->te_audit && spec.cp_size < 2)
+      fail_input("--te-audit", "cp_size ", spec.cp_size, " runs TransformerEngine without context parallelism; the "
+                 "replay covers CP (cp_size >= 2)");
+    // A full plan grows with W x W x sequences: large layouts get the summary, computed from the partition alone
+    // (--te-audit needs every tile, as --full does).
+    const bool full = options->full || options->te_audit;
+    if (options->summary || (!full && sim::plan_units(spec) > sim::kSummaryPlanUnits)) {
       const sim::LayoutSummary summary = sim::summarize_layout(spec);
       if (options->format == "json") std::cout << sim::summary_json(spec, summary).dump(2) << "\n";
       else std::cout << sim::summary_text(spec, summary);
@@ -48,17 +68,26 @@ RegisterCommand reg{"explain", [](CLI::App& app) {
       return kExitPass;
     }
     const MachineResources machine = machine_resources(".");
-    if (options->full && sim::full_explain_bytes(spec) > double(machine.memory_available))
-      fail_input("--full", "the full plan of this case needs about ", sim::full_explain_bytes(spec) / 1e9, " GB (",
-                 sim::plan_units(spec), " units of W x W x sequences) but ", double(machine.memory_available) / 1e9,
-                 " GB are available (", machine.memory_source, "); use the summary (drop --full)");
+    if (full && sim::full_explain_bytes(spec) > double(machine.memory_available))
+      fail_input(options->full ? "--full" : "--te-audit", "the full plan of this case needs about ",
+                 sim::full_explain_bytes(spec) / 1e9, " GB (", sim::plan_units(spec), " units of W x W x sequences) but ",
+                 double(machine.memory_available) / 1e9, " GB are available (", machine.memory_source,
+                 "); use the summary (drop ", options->full ? "--full" : "--te-audit", ")");
     const sim::Plan plan = sim::make_plan(spec);
-    if (options->format == "json")
-      std::cout << sim::explain_json(spec, plan).dump(2) << "\n";
-    else
+    std::unique_ptr<sim::TeAuditReport> te;
+    if (options->te_audit)
+      te = std::make_unique<sim::TeAuditReport>(sim::te_audit_report(spec, plan, sim::te_user_arguments(case_object),
+                                                                     options->te_pad_between_seqs == "true"));
+    if (options->format == "json") {
+      nlohmann::ordered_json j = sim::explain_json(spec, plan);
+      if (te) j["te_audit"] = sim::te_audit_json(*te);
+      std::cout << j.dump(2) << "\n";
+    } else {
       std::cout << sim::explain_text(spec, plan);
-    if (!options->svg.empty()) write_svg(options->svg, sim::explain_svg(spec, plan));
-    return kExitPass;
+      if (te) std::cout << sim::te_audit_text(*te);
+    }
+    if (!options->svg.empty()) write_svg(options->svg, sim::explain_svg(spec, plan, te.get()));
+    return te && !te->exact() ? kExitFail : kExitPass;
   });
 }};
 

@@ -4,6 +4,9 @@
 #include <iomanip>
 #include <map>
 #include <sstream>
+#include <tuple>
+
+#include "sim/explain_te.hpp"
 
 namespace cpgold::sim {
 
@@ -24,7 +27,11 @@ std::string list(const std::vector<int32_t>& v) {
   os << "]";
   return os.str();
 }
-std::string window_text(Window w) { return "(" + std::to_string(w.left) + "," + std::to_string(w.right) + ")"; }
+std::string window_text(Window w) {
+  std::ostringstream os;
+  os << "(" << w.left << "," << w.right << ")";
+  return os.str();
+}
 
 ojson window_json(Window w) { return ojson::array({w.left, w.right}); }
 
@@ -247,7 +254,7 @@ std::string explain_text(const CaseSpec& spec, const Plan& plan) {
   return os.str();
 }
 
-std::string explain_svg(const CaseSpec& spec, const Plan& plan) {
+std::string explain_svg(const CaseSpec& spec, const Plan& plan, const TeAuditReport* te) {
   static const char* colours[] = {"#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1", "#ff9da7"};
   auto colour = [](int r) { return std::string(colours[r % 8]); };
   const SidePartition& q = plan.partition.q;
@@ -258,7 +265,28 @@ std::string explain_svg(const CaseSpec& spec, const Plan& plan) {
   const double g = 14;            // grid cell size
   const int steps = plan.forward.steps;
   const double grid = g * C + 30;
-  const double height = 60 + 22.0 * plan.cp_size + 40 + grid + 40;
+  // TE audit findings of the forward calls: per step and (q chunk, k chunk) cell, the backends and wrong pairs.
+  std::map<std::tuple<int, int, int>, std::string> te_cells;
+  size_t te_backward_findings = 0, te_forward_findings = 0;
+  if (te)
+    for (size_t b = 0; b < te->audits[0].size(); ++b) {
+      const TeReplay& r = te->replays[0][b];
+      for (const TeFinding& f : te->audits[0][b].findings) {
+        if (f.pass != PassKind::forward) {
+          ++te_backward_findings;
+          continue;
+        }
+        ++te_forward_findings;
+        const TeCall& c = r.forward[static_cast<size_t>(f.call)];
+        for (const auto& [qc, kc] : f.cells) {
+          std::string& title = te_cells[{c.step, qc, kc}];
+          title += std::string(title.empty() ? "" : "; ") + std::string(te_backend_name(r.backend)) + " rank " +
+                   std::to_string(c.rank) + " sequence " + std::to_string(f.sequence) + ": " +
+                   std::to_string(f.wrong_pairs()) + " wrong pairs";
+        }
+      }
+    }
+  const double height = 60 + 22.0 * plan.cp_size + 40 + grid + 40 + (te ? 20 : 0);
   std::ostringstream os;
   os << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << std::max(width, 40 + grid * steps) << "\" height=\"" << height
      << "\" font-family=\"monospace\" font-size=\"11\">\n";
@@ -331,7 +359,21 @@ std::string explain_svg(const CaseSpec& spec, const Plan& plan) {
              << "</title></rect>\n";
         }
     }
+    for (const auto& [key, title] : te_cells) {
+      const auto [step, qc, kc] = key;
+      if (step != s || qc >= C || kc >= C) continue;
+      os << "<rect x=\"" << x0 + g * kc << "\" y=\"" << gy + 16 + g * qc << "\" width=\"" << g << "\" height=\"" << g
+         << "\" fill=\"none\" stroke=\"#d00\" stroke-width=\"2\"><title>TE audit, step " << s << ", q chunk " << qc
+         << ", k chunk " << kc << ": " << title << "</title></rect>\n";
+    }
   }
+  if (te)
+    os << "<text x=\"10\" y=\"" << height - 8 << "\">TE audit (" << kTeVersion << ", pad_between_seqs="
+       << (te->pad_between_seqs ? "True" : "False") << "): "
+       << (te->exact() ? std::string("exact")
+                       : std::to_string(te_forward_findings) + " forward findings outlined in red" +
+                             (te_backward_findings ? ", " + std::to_string(te_backward_findings) + " in the backward" : std::string()))
+       << "</text>\n";
   (void)spec;
   os << "</svg>\n";
   return os.str();

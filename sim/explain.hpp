@@ -22,7 +22,9 @@ std::vector<std::string> shortcut_count_warnings(const Plan& plan);
 
 nlohmann::ordered_json explain_json(const CaseSpec& spec, const Plan& plan);
 std::string explain_text(const CaseSpec& spec, const Plan& plan);
-// SVG: the chunk map, then per forward step the (q chunk, k chunk) tiles each rank computes.
-std::string explain_svg(const CaseSpec& spec, const Plan& plan);
+struct TeAuditReport;
+// SVG: the chunk map, then per forward step the (q chunk, k chunk) tiles each rank computes; with a TE audit, the
+// (q chunk, k chunk) cells holding wrong pairs of TE's forward calls are outlined in red.
+std::string explain_svg(const CaseSpec& spec, const Plan& plan, const TeAuditReport* te_audit = nullptr);
 
 }  // namespace cpgold::sim
