@@ -230,7 +230,7 @@ TeCall ring_call(const TeReplay& r, const RingInputs& in, PassKind pass, int p, 
   const V pad_kv = lower ? floor_div(in.cuP_kv, 2) : in.cuP_kv;
   const bool fwd = pass == PassKind::forward;
   if (r.backend == TeBackend::fused) {
-    // cp_p2p_fwd_fused_attn (context_parallel.py:854-899) and cp_p2p_bwd_fused_attn (1165-1181): no window_size and
+    // cp_p2p_fwd_fused_attn (context_parallel.py:854-916) and cp_p2p_bwd_fused_attn (1165-1181): no window_size and
     // no bottom_right_diagonal are passed, so fused_attn_fwd's defaults (-1, -1) and fused_attn.py:325-329 apply.
     c.cu_seqlens_q = cu_q_step;
     c.cu_seqlens_kv = cu_kv_step;
@@ -242,10 +242,10 @@ TeCall ring_call(const TeReplay& r, const RingInputs& in, PassKind pass, int p, 
     c.causal = is_causal_mask(c.attn_mask_type);
     c.window = {-1, -1};
     c.bottom_right = fused_bottom_right_default(c.attn_mask_type);
-    c.source = fwd ? (diag_or_all ? "context_parallel.py:854-869" : (lower ? "context_parallel.py:871-885"
-                                                                            : "context_parallel.py:886-916"))
-                   : (diag_or_all ? "context_parallel.py:1159-1169" : (lower ? "context_parallel.py:1171-1176"
-                                                                             : "context_parallel.py:1177-1183"));
+    c.source = fwd ? (diag_or_all ? "context_parallel.py:854-869,932-957"
+                                  : (lower ? "context_parallel.py:871-885,932-957" : "context_parallel.py:886-916,932-957"))
+                   : (diag_or_all ? "context_parallel.py:1165-1169,1224-1251"
+                                  : (lower ? "context_parallel.py:1171-1176,1224-1251" : "context_parallel.py:1177-1181,1224-1251"));
   } else {
     // cp_p2p_fwd_flash_attn (context_parallel.py:969-1047) and cp_p2p_bwd_flash_attn (1257-1353): causal only on the
     // diagonal, window (-1, 0) there (fa_forward_kwargs, 1636-1641) and (-1, -1) elsewhere; with pad_between_seqs
@@ -264,7 +264,7 @@ TeCall ring_call(const TeReplay& r, const RingInputs& in, PassKind pass, int p, 
       c.cu_seqlens_q = cu_q_step;
       c.cu_seqlens_kv = cu_kv_step;
     }
-    c.source = fwd ? "context_parallel.py:990-1030" : "context_parallel.py:1296-1337";
+    c.source = fwd ? "context_parallel.py:990-1038" : "context_parallel.py:1296-1351";
   }
   return c;
 }
@@ -310,7 +310,7 @@ void replay_a2a(const CaseSpec& spec, TeReplay& r, const ThdLayout& l) {
       c.window = r.window_size;
       const bool fwd = pass == PassKind::forward;
       if (r.backend == TeBackend::fused) {
-        // context_parallel.py:4395-4425 (forward), 4745-4775 (backward): the user's mask and window, global
+        // context_parallel.py:4400-4427 (forward), 4749-4779 (backward): the user's mask and window, global
         // cu_seqlens and padded offsets, bottom_right_diagonal by default.
         c.cu_seqlens_q = l.q.cu_seqlens;
         c.cu_seqlens_kv = l.kv.cu_seqlens;
@@ -319,9 +319,9 @@ void replay_a2a(const CaseSpec& spec, TeReplay& r, const ThdLayout& l) {
         c.attn_mask_type = r.attn_mask_type;
         c.causal = is_causal_mask(c.attn_mask_type);
         c.bottom_right = fused_bottom_right_default(c.attn_mask_type);
-        c.source = fwd ? "context_parallel.py:4395-4425" : "context_parallel.py:4745-4775";
+        c.source = fwd ? "context_parallel.py:4400-4427" : "context_parallel.py:4749-4779";
       } else {
-        // context_parallel.py:4433-4465 (forward), 4783-4819 (backward).
+        // context_parallel.py:4441-4468 (forward), 4789-4827 (backward).
         c.causal = is_causal_mask(r.attn_mask_type);
         c.bottom_right = true;
         if (r.pad_between_seqs) {
@@ -333,7 +333,7 @@ void replay_a2a(const CaseSpec& spec, TeReplay& r, const ThdLayout& l) {
           c.cu_seqlens_q = l.q.cu_seqlens;
           c.cu_seqlens_kv = l.kv.cu_seqlens;
         }
-        c.source = fwd ? "context_parallel.py:4433-4465" : "context_parallel.py:4783-4819";
+        c.source = fwd ? "context_parallel.py:4441-4468" : "context_parallel.py:4789-4827";
       }
       (fwd ? r.forward : r.backward).push_back(std::move(c));
     }
@@ -418,7 +418,7 @@ void replay_all_gather(const CaseSpec& spec, TeReplay& r, const ThdLayout& l) {
         c.window = step_window;
         const bool fwd = pass == PassKind::forward;
         if (r.backend == TeBackend::fused) {
-          // 3409-3445 (forward), 3889-3980 (backward).
+          // 3404-3446 (forward), 3891-3981 (backward).
           c.cu_seqlens_q = cu_q_step;
           c.cu_seqlens_kv = cu_kv_step;
           c.cu_seqlens_q_padded = pad_q_step;
@@ -426,16 +426,16 @@ void replay_all_gather(const CaseSpec& spec, TeReplay& r, const ThdLayout& l) {
           c.attn_mask_type = mask;
           c.causal = is_causal_mask(mask);
           c.bottom_right = fused_bottom_right_default(mask);
-          c.source = fwd ? "context_parallel.py:3409-3445" : "context_parallel.py:3889-3980";
+          c.source = fwd ? "context_parallel.py:3404-3446" : "context_parallel.py:3891-3981";
         } else {
-          // 3455-3497 (forward), 3991-4040 (backward): always seqused on THD (not only with pad_between_seqs).
+          // 3457-3496 (forward), 3999-4050 (backward): always seqused on THD (not only with pad_between_seqs).
           c.causal = causal_user;
           c.bottom_right = true;
           c.seqused_q = diff(cu_q_step);
           c.seqused_k = diff(cu_kv_step);
           c.cu_seqlens_q = pad_q_step;
           c.cu_seqlens_kv = l.kv.cu_seqlens_padded;
-          c.source = fwd ? "context_parallel.py:3455-3497" : "context_parallel.py:3991-4040";
+          c.source = fwd ? "context_parallel.py:3457-3496" : "context_parallel.py:3999-4050";
         }
         (fwd ? r.forward : r.backward).push_back(std::move(c));
       }

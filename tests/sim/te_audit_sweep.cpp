@@ -271,7 +271,7 @@ SweepTable run_te_sweep(const std::vector<SweepCase>& cases) {
         ++t.replays;
         if (a.refused) {
           ++cell.refused[pbs][be];
-          cell.refusal[pbs][be] = r.refusal->source;
+          ++cell.refusal[pbs][be][r.refusal->source];
           continue;
         }
         const bool findings = !a.exact;
@@ -303,10 +303,17 @@ std::string te_sweep_markdown(const SweepTable& t) {
   std::ostringstream os;
   const auto& classes = te_sweep_classes();
   auto verdict = [](const SweepCell& c, int pbs, int be) {
-    if (c.refused[pbs][be] == c.cases) return "refused (" + c.refusal[pbs][be] + ")";
+    // The sources of the refusals, the most frequent first.
+    std::vector<std::pair<int, std::string>> sources;
+    for (const auto& [source, n] : c.refusal[pbs][be]) sources.push_back({-n, source});
+    std::sort(sources.begin(), sources.end());
+    std::string why;
+    for (const auto& [n, source] : sources)
+      why += (why.empty() ? "" : ", ") + source + (sources.size() > 1 ? " in " + std::to_string(-n) : std::string());
+    if (c.refused[pbs][be] == c.cases) return "refused (" + why + ")";
     std::string s = c.with_findings[pbs][be] == 0 ? "exact" : "findings in " + std::to_string(c.with_findings[pbs][be]);
     s += " of " + std::to_string(c.cases - c.refused[pbs][be]);
-    if (c.refused[pbs][be] > 0) s += ", refused in " + std::to_string(c.refused[pbs][be]);
+    if (c.refused[pbs][be] > 0) s += "; refused in " + std::to_string(c.refused[pbs][be]) + " (" + why + ")";
     return s;
   };
   for (int pbs = 1; pbs >= 0; --pbs) {

@@ -5,6 +5,7 @@
 // documented mask formulas written out pair by pair, the truth from reference/mask.hpp), and the class table that
 // docs/te-audit.md records.
 #include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -40,7 +41,7 @@ struct SweepCell {
   int cases = 0;
   int with_findings[2][2] = {};   // [pad_between_seqs][backend]
   int refused[2][2] = {};
-  std::string refusal[2][2];      // TE's message and source, when refused
+  std::map<std::string, int> refusal[2][2];  // TE's source lines of the refusals -> layouts
   std::string smallest[2][2];     // flags of the smallest layout with findings
   int64_t smallest_rows[2][2] = {{-1, -1}, {-1, -1}};
 };
