@@ -53,7 +53,7 @@ json base_case(int W, const CommVariant& cv) {
   o["cp_size"] = W;
   o["comm"] = cv.comm;
   if (cv.a2a_size) o["a2a_size"] = cv.a2a_size;
-  if (W == 3 && cv.comm == "a2a") o["heads_q"] = 6;
+  if (cv.comm == "a2a" && 4 % W != 0) o["heads_q"] = 2 * W;  // divisible by W, even for cuDNN's a2a filter
   return o;
 }
 
@@ -71,11 +71,11 @@ const std::vector<SweepClass>& te_sweep_classes() {
   return classes;
 }
 
-std::vector<SweepCase> te_sweep_cases(int random_per_cell, uint64_t seed) {
+std::vector<SweepCase> te_sweep_cases(int random_per_cell, uint64_t seed, int max_cp_size) {
   std::vector<SweepCase> out;
   SplitMix64 rng{seed};
   const int classes = static_cast<int>(te_sweep_classes().size());
-  for (int W = 2; W <= 4; ++W)
+  for (int W = 2; W <= max_cp_size; ++W)
     for (const CommVariant& cv : comm_variants(W))
       for (int k = 0; k < classes; ++k) {
         const int m = 2 * W;

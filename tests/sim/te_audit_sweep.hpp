@@ -27,9 +27,9 @@ struct SweepClass {
 };
 const std::vector<SweepClass>& te_sweep_classes();
 
-// Layouts of every class for every comm type and W in 2..4: every one-sequence layout up to 2W + 1 tokens with
-// and without extra padding (and other key padding), then `random_per_cell` random layouts of 2 and 3 sequences.
-std::vector<SweepCase> te_sweep_cases(int random_per_cell, uint64_t seed);
+// Layouts of every class for every comm type and W in 2..max_cp_size: every one-sequence layout up to 2W + 1 tokens
+// with and without extra padding (and other key padding), then `random_per_cell` random layouts of 2 and 3 sequences.
+std::vector<SweepCase> te_sweep_cases(int random_per_cell, uint64_t seed, int max_cp_size = 4);
 
 // Sum over (head group, query token, key token) of |computed multiplicity - visible|, counted pair by pair.
 int64_t brute_force_wrong_pairs(const CaseSpec& spec, const TeReplay& replay);
