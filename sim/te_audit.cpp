@@ -21,6 +21,21 @@ struct RowRun {
 struct TensorMap {
   std::vector<RowRun> runs;  // sorted by first_row, disjoint; rows outside every run hold no token
   int64_t rows = 0;          // rows of the tensor
+  std::vector<std::vector<size_t>> runs_of_sequence;  // [sequence] indices into runs
+  // The row holding position `position` of sequence s, -1 if the tensor does not hold it.
+  int64_t row_of(int s, int64_t position) const {
+    if (s < 0 || static_cast<size_t>(s) >= runs_of_sequence.size()) return -1;
+    for (size_t i : runs_of_sequence[static_cast<size_t>(s)]) {
+      const RowRun& run = runs[i];
+      if (position >= run.first_position && position < run.first_position + run.rows)
+        return run.first_row + (position - run.first_position);
+    }
+    return -1;
+  }
+  void index_sequences(int batch) {
+    runs_of_sequence.assign(static_cast<size_t>(batch), {});
+    for (size_t i = 0; i < runs.size(); ++i) runs_of_sequence[static_cast<size_t>(runs[i].sequence)].push_back(i);
+  }
 };
 
 // A piece of a call's sequence slot: indices [index, index + count) of the slot hold positions first_position... of
@@ -38,6 +53,7 @@ TensorMap tensor_map(const TeReplay& r, TeTensor tensor, int shard, bool kv_side
     for (int b = 0; b < g.batch(); ++b)
       if (g.padded_length(b) > 0) m.runs.push_back({g.cu_seqlens_padded[b], g.padded_length(b), b, 0});
     m.rows = g.cu_seqlens_padded.back();
+    m.index_sequences(g.batch());
     return m;
   }
   const SidePartition& side = kv_side ? r.level.kv : r.level.q;
@@ -57,6 +73,7 @@ TensorMap tensor_map(const TeReplay& r, TeTensor tensor, int shard, bool kv_side
     }
   }
   m.rows = tensor == TeTensor::rank_local ? side.local_rows() : side.local_rows() / 2;
+  m.index_sequences(side.batch());
   return m;
 }
 
@@ -155,23 +172,34 @@ class PassAudit {
     }
   }
 
+  // Slot by slot: the query tokens of slot b are normally those of sequence b, so sequence b's pairs are complete once
+  // every call's slot b is evaluated and can be compared and dropped. A sequence whose tokens also appear in another
+  // slot (offsets or counts past its rows) waits until every slot is done.
   void run(std::map<std::pair<int, int>, Accumulator>& acc) {
     acc_ = &acc;
-    for (size_t ci = 0; ci < calls_.size(); ++ci) evaluate_call(static_cast<int>(ci));
-    std::sort(contributions_.begin(), contributions_.end(), [](const Contribution& a, const Contribution& b) {
-      return std::tie(a.group, a.sequence, a.position, a.first, a.call) < std::tie(b.group, b.sequence, b.position, b.first, b.call);
-    });
-    size_t k = 0;
-    for (int g = 0; g < groups_; ++g)
-      for (int s = 0; s < static_cast<int>(truth_.length_q.size()); ++s)
-        for (int64_t qp = 0; qp < truth_.length_q[static_cast<size_t>(s)]; ++qp) {
-          const size_t begin = k;
-          while (k < contributions_.size() && contributions_[k].group == g && contributions_[k].sequence == s &&
-                 contributions_[k].position == qp)
-            ++k;
-          compare(g, s, qp, begin, k);
-        }
-    if (k != contributions_.size()) throw std::logic_error("te audit: contributions of no valid query");
+    const int B = static_cast<int>(truth_.length_q.size());
+    std::vector<char> deferred(static_cast<size_t>(B), 0);
+    for (size_t ci = 0; ci < calls_.size(); ++ci)
+      for (int b = 0; b < B; ++b) {
+        const TeSequenceArgs a = te_sequence_args(calls_[ci], r_.backend, b);
+        if (a.q_count <= 0 || a.kv_count <= 0) continue;
+        for (const Piece& p : slice(q_map(calls_[ci]), a.q_first_row, a.q_count))
+          if (p.sequence >= 0 && p.sequence != b) deferred[static_cast<size_t>(p.sequence)] = 1;
+      }
+    std::vector<std::vector<Contribution>> later(static_cast<size_t>(B));  // per deferred sequence
+    for (int b = 0; b < B; ++b) {
+      contributions_.clear();
+      for (size_t ci = 0; ci < calls_.size(); ++ci) evaluate(static_cast<int>(ci), b);
+      if (deferred[static_cast<size_t>(b)]) {
+        for (const Contribution& c : contributions_) later[static_cast<size_t>(c.sequence)].push_back(c);
+        continue;
+      }
+      std::vector<Contribution> own;
+      for (const Contribution& c : contributions_) (c.sequence == b ? own : later[static_cast<size_t>(c.sequence)]).push_back(c);
+      compare_sequence(own, b);
+    }
+    for (int b = 0; b < B; ++b)
+      if (deferred[static_cast<size_t>(b)]) compare_sequence(later[static_cast<size_t>(b)], b);
   }
 
   // What call ci computes for the query at index i of slot b.
@@ -214,17 +242,18 @@ class PassAudit {
     e.query_sequence = s;
     e.query_position = qp;
     e.slot = -1;
-    const TensorMap qm = q_map(c);
-    for (int b = 0; b < static_cast<int>(truth_.length_q.size()); ++b) {
+    const int64_t row = q_map(c).row_of(s, qp);
+    if (row < 0) return e;
+    const int B = static_cast<int>(truth_.length_q.size());
+    for (int k = 0; k < B; ++k) {
+      const int b = k == 0 ? s : (k <= s ? k - 1 : k);  // the query's own slot first
       const TeSequenceArgs a = te_sequence_args(c, r_.backend, b);
-      if (a.q_count <= 0) continue;
-      for (const Piece& p : slice(qm, a.q_first_row, a.q_count))
-        if (p.sequence == s && qp >= p.first_position && qp < p.first_position + p.count) {
-          e.slot = b;
-          e.index = p.index + (qp - p.first_position);
-          e.row = a.q_first_row + e.index;
-          return e;
-        }
+      if (row >= a.q_first_row && row < a.q_first_row + a.q_count && a.kv_count > 0) {
+        e.slot = b;
+        e.index = row - a.q_first_row;
+        e.row = row;
+        return e;
+      }
     }
     return e;
   }
@@ -267,18 +296,37 @@ class PassAudit {
     for (int64_t c = k_first / ck; c <= k_last / ck; ++c) a.cells.insert({static_cast<int>(qp / cq), static_cast<int>(c)});
   }
 
-  void evaluate_call(int ci) {
+  // Compares the contributions of sequence s (every group, every valid query) with the truth. A stable counting sort
+  // by (group, query position) keeps each query's contributions in the order the calls made them.
+  void compare_sequence(const std::vector<Contribution>& contributions, int s) {
+    const int64_t lq = truth_.length_q[static_cast<size_t>(s)];
+    std::vector<size_t>& start = bucket_start_;
+    start.assign(static_cast<size_t>(groups_ * lq + 1), 0);
+    for (const Contribution& c : contributions) ++start[static_cast<size_t>(c.group * lq + c.position) + 1];
+    for (size_t i = 1; i < start.size(); ++i) start[i] += start[i - 1];
+    std::vector<Contribution>& sorted = sorted_;
+    sorted.resize(contributions.size());
+    std::vector<size_t> next(start.begin(), start.end() - 1);
+    for (const Contribution& c : contributions) sorted[next[static_cast<size_t>(c.group * lq + c.position)]++] = c;
+    for (int g = 0; g < groups_; ++g)
+      for (int64_t qp = 0; qp < lq; ++qp) {
+        const size_t i = static_cast<size_t>(g * lq + qp);
+        compare(sorted, g, s, qp, start[i], start[i + 1]);
+      }
+  }
+
+  void evaluate(int ci, int b) {
     const TeCall& c = calls_[static_cast<size_t>(ci)];
     const TeKernelMask mask = te_kernel_mask(c, r_.backend);
     const TensorMap& qm = q_map(c);
     const TensorMap& km = kv_map(c);
-    for (int b = 0; b < static_cast<int>(truth_.length_q.size()); ++b) {
+    {
       const TeSequenceArgs a = te_sequence_args(c, r_.backend, b);
       if (a.q_count > c.max_seqlen_q || a.kv_count > c.max_seqlen_kv || a.q_count < 0 || a.kv_count < 0)
         at(ci, b).argument = "sequence " + std::to_string(b) + " has " + std::to_string(a.q_count) + " query and " +
                              std::to_string(a.kv_count) + " key rows but max_seqlen_q " + std::to_string(c.max_seqlen_q) +
                              " and max_seqlen_kv " + std::to_string(c.max_seqlen_kv);
-      if (a.q_count <= 0 || a.kv_count <= 0) continue;
+      if (a.q_count <= 0 || a.kv_count <= 0) return;
       const std::vector<Piece> kpieces = slice(km, a.kv_first_row, a.kv_count);
       for (const Piece& qp : slice(qm, a.q_first_row, a.q_count))
         for (int64_t i = qp.index; i < qp.index + qp.count; ++i) {
@@ -317,17 +365,37 @@ class PassAudit {
     if (k0 <= k1) contributions_.push_back({calls_[static_cast<size_t>(ci)].head_group, qs, qpos, k0, k1, ci});
   }
 
-  void compare(int g, int s, int64_t qp, size_t begin, size_t end) {
+  void compare(const std::vector<Contribution>& contributions, int g, int s, int64_t qp, size_t begin, size_t end) {
     const auto [tlo, thi] = truth_.keys(s, qp);
     if (begin == end && tlo > thi) return;
-    std::vector<int64_t> cuts;
+    if (tlo <= thi && begin < end) {
+      // Fast path: contributions inside the visible range whose lengths add up to it and that do not overlap cover it
+      // exactly once.
+      int64_t total = 0;
+      bool inside = true;
+      for (size_t k = begin; k < end; ++k) {
+        total += contributions[k].last - contributions[k].first + 1;
+        inside = inside && contributions[k].first >= tlo && contributions[k].last <= thi;
+      }
+      if (inside && total == thi - tlo + 1) {
+        if (end - begin == 1) return;
+        spans_.clear();
+        for (size_t k = begin; k < end; ++k) spans_.push_back({contributions[k].first, contributions[k].last});
+        std::sort(spans_.begin(), spans_.end());
+        bool disjoint = true;
+        for (size_t k = 1; k < spans_.size(); ++k) disjoint = disjoint && spans_[k].first > spans_[k - 1].second;
+        if (disjoint) return;
+      }
+    }
+    std::vector<int64_t>& cuts = cuts_;
+    cuts.clear();
     if (tlo <= thi) {
       cuts.push_back(tlo);
       cuts.push_back(thi + 1);
     }
     for (size_t k = begin; k < end; ++k) {
-      cuts.push_back(contributions_[k].first);
-      cuts.push_back(contributions_[k].last + 1);
+      cuts.push_back(contributions[k].first);
+      cuts.push_back(contributions[k].last + 1);
     }
     const int64_t lo = *std::min_element(cuts.begin(), cuts.end()), hi = *std::max_element(cuts.begin(), cuts.end());
     const int64_t ck = r_.level.kv.chunk_size(s);
@@ -335,13 +403,13 @@ class PassAudit {
       for (int64_t x = (lo / ck + 1) * ck; x < hi; x += ck) cuts.push_back(x);
     std::sort(cuts.begin(), cuts.end());
     cuts.erase(std::unique(cuts.begin(), cuts.end()), cuts.end());
-    std::vector<int> covering;
+    std::vector<int>& covering = covering_;
     for (size_t u = 0; u + 1 < cuts.size(); ++u) {
       const int64_t x = cuts[u], y = cuts[u + 1];
       const bool visible = tlo <= thi && x >= tlo && y - 1 <= thi;
       covering.clear();
       for (size_t k = begin; k < end; ++k)
-        if (contributions_[k].first <= x && contributions_[k].last >= y - 1) covering.push_back(contributions_[k].call);
+        if (contributions[k].first <= x && contributions[k].last >= y - 1) covering.push_back(contributions[k].call);
       const int64_t n = y - x;
       const size_t m = covering.size();
       if (visible ? m == 1 : m == 0) continue;
@@ -387,6 +455,11 @@ class PassAudit {
   int level_chunks_ = 2;
   std::vector<int> responsible_;
   std::vector<Contribution> contributions_;
+  std::vector<int64_t> cuts_;   // buffers kept between queries and sequences
+  std::vector<size_t> bucket_start_;
+  std::vector<Contribution> sorted_;
+  std::vector<int> covering_;
+  std::vector<std::pair<int64_t, int64_t>> spans_;
   std::map<std::pair<int, int>, Accumulator>* acc_ = nullptr;
   mutable std::map<std::tuple<int, int, bool>, TensorMap> maps_;
 };
