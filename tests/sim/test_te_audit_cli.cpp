@@ -31,7 +31,7 @@ TEST_CASE("explain --te-audit: exit 1 with findings, both sides of a difference 
   CHECK_FALSE(has(plain.output, "TransformerEngine replay"));
 }
 
-TEST_CASE("explain --te-audit: exit 0 when exact; --te-pad-between-seqs false judges the shortcut") {
+TEST_CASE("explain --te-audit: exit 0 when exact, and --te-pad-between-seqs false judges the shortcut") {
   const std::string c = "explain --seqlens-q 5,8,30 --cp-size 2 --comm p2p --mask causal --te-audit";
   const CliResult exact = run_cli(c);
   CHECK(exact.code == 0);

@@ -29,7 +29,7 @@ std::string documented_table() {
 
 }  // namespace
 
-TEST_CASE("te audit sweep: exact exactly where the computed pairs equal the truth; docs table matches") {
+TEST_CASE("te audit sweep: exact exactly where the computed pairs equal the truth, and the docs table matches") {
   const SweepTable t = run_te_sweep(te_sweep_cases(kRandomPerCell, kSeed));
   INFO("first mismatch: " << t.first_mismatch);
   CHECK(t.mismatches == 0);
