@@ -16,6 +16,8 @@ struct CheckArgs {
   bool identical = false, self = false;
   std::string format = "text";
   std::string tensors;
+  std::string ranks;
+  bool allow_same_file = false;
   std::string empty_row_lse = "neg-inf";
 };
 
@@ -49,6 +51,24 @@ int run_check(const CheckArgs& args) {
       options.tensors.push_back(*quantity);
     }
   }
+  options.allow_same_file = args.allow_same_file;
+  if (!args.ranks.empty()) {
+    std::stringstream in(args.ranks);
+    std::string item;
+    while (std::getline(in, item, ',')) {
+      size_t used = 0;
+      int rank = -1;
+      try {
+        rank = std::stoi(item, &used);
+      } catch (const std::exception&) {
+        used = 0;
+      }
+      if (item.empty() || used != item.size() || rank < 0)
+        fail_input("--ranks", "expected ranks as non-negative integers separated by commas (e.g. 0,2), got \"",
+                   args.ranks, "\"");
+      options.ranks.push_back(rank);
+    }
+  }
   fx::CheckReport report;
   if (args.self) {
     if (args.files.size() != 1) fail_input("--self", "expects exactly one golden file, got ", args.files.size());
@@ -73,6 +93,10 @@ const RegisterCommand registered("check", [](CLI::App& app) -> std::function<int
                   "LSE of a valid row without visible keys: neg-inf (the contract, default) or pos-inf "
                   "(FlashAttention-2's convention, accepted knowingly)");
   sub->add_option("--tensors", args->tensors, "comma-separated subset of o,lse,dq,dk,dv (e.g. o,lse for forward only)");
+  sub->add_option("--ranks", args->ranks,
+                  "comma-separated ranks whose per-rank outputs are checked (default: every rank of the fixture)");
+  sub->add_flag("--allow-same-file", args->allow_same_file,
+                "accept the golden file as a candidate: checks its stored simulator outputs (/peer), on purpose");
   return [=] {
     try {
       return run_check(*args);

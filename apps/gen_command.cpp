@@ -16,6 +16,7 @@
 #include "apps/case_options.hpp"
 #include "apps/command_registry.hpp"
 #include "apps/machine_resources.hpp"
+#include "fixtures/fixture_schema.hpp"
 #include "fixtures/fixture_writer.hpp"
 #include "fixtures/golden_manifest.hpp"
 #include "fixtures/output_file.hpp"
@@ -23,6 +24,7 @@
 #include "reference/input_error.hpp"
 #include "reference/progress.hpp"
 #include "sim/case_spec.hpp"
+#include "sim/plan.hpp"
 
 namespace cpgold::app {
 namespace {
@@ -82,7 +84,7 @@ double case_bytes(const sim::CaseSpec& spec) {
 }
 
 // The estimates, calibrated on this project's 2-core build machine (docs/PERF.md, "gen estimates"): peak memory
-// (maxrss) was 5.4-5.5 x case_bytes for causal and full cases of 800-2400 tokens; the file 0.80 x case_bytes; the
+// (maxrss) was 5.4-5.5 x case_bytes for causal and full cases of 800-2400 tokens (the disk bound is disk_bound); the
 // time a * pair-dims + b * bytes, fitted on two full-mask cases (1200 and 2400 tokens): 11.4e9 score-tile pair-dims/s
 // over the 9 kernel passes and 31 MB/s of payload (HDF5 deflate and Fletcher32, shards included). More cores make the
 // compute part faster: an upper bound there.
@@ -146,6 +148,12 @@ struct Job {
   bool trace = false;  // the suite asks for step partials (golden)
 };
 
+// At most this many bytes on disk (fx::fixture_size_bound: the stored bytes as if nothing compressed, plus every
+// object's overhead); the files are usually smaller.
+double disk_bound(const Job& job, bool trace) {
+  return double(fx::fixture_size_bound(job.spec, sim::make_plan(job.spec), trace || job.trace));
+}
+
 struct Done {
   std::string name, status;
   bool cpu_only = false;
@@ -204,7 +212,7 @@ int run_gen(CaseFlags flags, const std::string& suite, const std::string& output
   double disk_needed = 0, memory_needed = 0, largest_bytes = 0;
   std::string largest;
   for (const Job& job : jobs) {
-    disk_needed += case_bytes(job.spec);
+    disk_needed += disk_bound(job, trace);
     if (memory_estimate(job.spec) > memory_needed)
       memory_needed = memory_estimate(job.spec), largest = job.name, largest_bytes = case_bytes(job.spec);
   }
@@ -217,7 +225,8 @@ int run_gen(CaseFlags flags, const std::string& suite, const std::string& output
                " of data + ", human_bytes(kMemoryBase), ") but ", human_bytes(double(machine.memory_available)),
                " are available (", machine.memory_source, "); make the case smaller or pass --yes to try anyway");
   if (!yes && disk_needed > double(machine.disk_free))
-    fail_input(jobs.size() == 1 ? jobs.front().path : folder, "needs up to ", human_bytes(disk_needed), " of disk (the fixtures' uncompressed size) but ",
+    fail_input(jobs.size() == 1 ? jobs.front().path : folder, "needs up to ", human_bytes(disk_needed),
+               " of disk (an upper bound: the fixtures' uncompressed size and HDF5's overhead) but ",
                human_bytes(double(machine.disk_free)), " are free there; free space or pass --yes to try anyway");
 
   const bool terminal = ::isatty(STDERR_FILENO) != 0;
@@ -233,8 +242,8 @@ int run_gen(CaseFlags flags, const std::string& suite, const std::string& output
     const double estimate = seconds_estimate(job.spec, job_trace);
     const double eta = (total_estimate - estimated_done) * correction;
     if (estimate * correction > 2.0 || !terminal)
-      std::fprintf(stderr, "[%zu/%zu] %s: about %s on disk, %s of memory, %s (ETA %s)\n", i + 1, jobs.size(),
-                   job.name.c_str(), human_bytes(0.8 * case_bytes(job.spec)).c_str(),
+      std::fprintf(stderr, "[%zu/%zu] %s: at most %s on disk, about %s of memory, %s (ETA %s)\n", i + 1, jobs.size(),
+                   job.name.c_str(), human_bytes(disk_bound(job, trace)).c_str(),
                    human_bytes(memory_estimate(job.spec)).c_str(), seconds_text(estimate * correction).c_str(),
                    seconds_text(eta).c_str());
     const auto t0 = std::chrono::steady_clock::now();

@@ -1,5 +1,7 @@
 // cpgold: golden data for context-parallel attention, and checks against it. One binary, subcommands.
 #include <algorithm>
+#include <string>
+#include <vector>
 #include <exception>
 #include <iostream>
 #include <map>
@@ -18,6 +20,59 @@ std::vector<Command>& command_registry() {
 }  // namespace cpgold::app
 
 namespace {
+// Edit distance (insertions, deletions, substitutions) between two short names.
+size_t edit_distance(const std::string& a, const std::string& b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diagonal = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      const size_t up = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diagonal + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      diagonal = up;
+    }
+  }
+  return row[b.size()];
+}
+
+// The closest of `known` to `given`, if it is close enough to be a typo (a third of the name, at least 2 edits).
+std::string closest(const std::string& given, const std::vector<std::string>& known) {
+  std::string best;
+  size_t best_distance = std::max<size_t>(2, given.size() / 3) + 1;
+  for (const std::string& name : known) {
+    const size_t d = edit_distance(given, name);
+    if (d < best_distance) best = name, best_distance = d;
+  }
+  return best;
+}
+
+// After a parse error: "did you mean ...?" for an unknown subcommand or an unknown --option of the subcommand given.
+void suggest(CLI::App& app, int argc, char** argv) {
+  if (argc < 2) return;
+  std::vector<std::string> commands;
+  for (const CLI::App* sub : app.get_subcommands({})) commands.push_back(sub->get_name());
+  const std::string first = argv[1];
+  if (first.empty() || first[0] == '-') return;
+  if (std::find(commands.begin(), commands.end(), first) == commands.end()) {
+    const std::string best = closest(first, commands);
+    if (!best.empty()) std::cerr << "cpgold: unknown subcommand \"" << first << "\": did you mean \"" << best << "\"?\n";
+    return;
+  }
+  CLI::App* sub = app.get_subcommand(first);
+  std::vector<std::string> options;
+  for (const CLI::Option* option : sub->get_options())
+    for (const std::string& name : option->get_lnames()) options.push_back("--" + name);
+  for (int i = 2; i < argc; ++i) {
+    std::string arg = argv[i];
+    if (arg.rfind("--", 0) != 0 || arg == "--") continue;
+    arg = arg.substr(0, arg.find('='));
+    if (std::find(options.begin(), options.end(), arg) != options.end()) continue;
+    const std::string best = closest(arg, options);
+    if (!best.empty()) std::cerr << "cpgold " << first << ": unknown option " << arg << ": did you mean " << best << "?\n";
+  }
+}
+
 std::string available_memory_text() {
   const cpgold::app::MachineResources machine = cpgold::app::machine_resources(".");
   return std::to_string(machine.memory_available / (1 << 20)) + " MiB";
@@ -40,6 +95,7 @@ int main(int argc, char** argv) {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     const int code = app.exit(e);
+    if (code != 0) suggest(app, argc, argv);
     return code == 0 ? 0 : kExitUnusable;
   }
   for (CLI::App* sub : app.get_subcommands()) {

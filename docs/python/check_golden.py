@@ -15,7 +15,8 @@ Needs h5py and numpy only (Debian: python3-h5py, python3-numpy). For every fixtu
      oracle with the rule of fixtures/SCHEMA.md version 2 (atol = max(k * ulp_p(0.3 + max|x|), FlashAttention's
      rounding floor), k = 2 in bf16/fp16 and 8 in float32; peer max/mean errors; max budget = rtol * max + atol;
      mean budget = max(1.5 * mean + atol / 8, max budget / sqrt(n)));
-  5. with a folder holding MANIFEST.json: the SHA-256 of every dataset's raw bytes against the manifest.
+  5. the /case attribute inputs_sha256: the SHA-256 of the raw bytes of /inputs/q, k, v, dout one after the other;
+  6. with a folder holding MANIFEST.json: the SHA-256 of every dataset's raw bytes against the manifest.
 Exit 0 if everything holds, 1 otherwise (one line per problem); a missing h5py is an ImportError (exit 1).
 """
 import hashlib
@@ -149,6 +150,11 @@ def check_fixture(path, problems):
             fail(f"/case: schema_version {version}, this checker applies the budget rule of version {SCHEMA_VERSION}")
             return
         c = case_of(f)
+        digest = hashlib.sha256(b"".join(raw_bytes(f["inputs/" + n]) for n in ("q", "k", "v", "dout"))).hexdigest()
+        if "inputs_sha256" not in f["case"].attrs:
+            fail("/case: no attribute inputs_sha256")
+        elif f["case"].attrs["inputs_sha256"] != digest:
+            fail(f"/case: inputs_sha256 {f['case'].attrs['inputs_sha256']} != SHA-256 of the stored inputs {digest}")
         ref = oracle(f)
         tq, tkv = f["inputs/q"].shape[0], f["inputs/k"].shape[0]
         vq = valid_rows(f["layout/cu_seqlens_q"][()], f["layout/cu_seqlens_q_padded"][()], tq)

@@ -1,0 +1,244 @@
+// cpgold._core: cpgold's C++ core inside Python. Case parsing and validation, suites, `explain`, fixture generation
+// (to a file or to the bytes of an HDF5 file in memory), fixture validation and the check engine, on files or on
+// arrays, without a subprocess and without writing a candidate. Every function here calls the code the `cpgold`
+// command calls (fixtures::check, fixtures::generate, sim::explain_json, ...), so the two cannot disagree.
+// The Python package (python/cpgold) wraps these in its documented API; this module is its private engine.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <optional>
+#include <string>
+#include <variant>
+#include <vector>
+
+#include "fixtures/check.hpp"
+#include "fixtures/fixture_reader.hpp"
+#include "fixtures/fixture_schema.hpp"
+#include "fixtures/fixture_writer.hpp"
+#include "fixtures/golden_run.hpp"
+#include "fixtures/hdf5_file.hpp"
+#include "fixtures/inputs_digest.hpp"
+#include "fixtures/output_file.hpp"
+#include "fixtures/suites.hpp"
+#include "reference/input_error.hpp"
+#include "sim/case_spec.hpp"
+#include "sim/explain.hpp"
+#include "sim/explain_summary.hpp"
+#include "sim/plan.hpp"
+
+namespace py = pybind11;
+using namespace cpgold;
+
+namespace {
+
+// A fixture given from Python: a path, or the bytes of an HDF5 file (a fixture generated in memory).
+using FixtureSource = std::variant<py::bytes, std::string>;
+
+struct OpenGolden {
+  std::vector<uint8_t> image;  // kept alive while the reader uses it
+  std::optional<fx::h5::Reader> reader;
+};
+
+void open_golden(const FixtureSource& source, OpenGolden& out) {
+  if (const auto* path = std::get_if<std::string>(&source)) {
+    out.reader.emplace(*path);
+    return;
+  }
+  const std::string bytes = std::get<py::bytes>(source);
+  out.image.assign(bytes.begin(), bytes.end());
+  out.reader.emplace("<fixture in memory>", out.image, fx::h5::InMemory{});
+}
+
+sim::CaseSpec parse_case(const std::string& json_text) { return sim::parse_case_text(json_text); }
+
+fx::CheckOptions check_options(const std::vector<std::string>& tensors, const std::string& empty_row_lse,
+                               const std::vector<int>& ranks, bool allow_same_file) {
+  fx::CheckOptions options;
+  for (const std::string& name : tensors) {
+    const auto quantity = fx::parse_quantity(name);
+    if (!quantity) fail_input("tensors", "unknown tensor \"", name, "\" (expected o, lse, dq, dk, dv)");
+    options.tensors.push_back(*quantity);
+  }
+  const auto convention = fx::parse_empty_row_lse(empty_row_lse);
+  if (!convention) fail_input("empty_row_lse", "expected neg-inf or pos-inf, got \"", empty_row_lse, "\"");
+  options.empty_row_lse = *convention;
+  options.ranks = ranks;
+  options.allow_same_file = allow_same_file;
+  return options;
+}
+
+py::dict suite_case_dict(const fx::SuiteCase& c) {
+  py::dict d;
+  d["name"] = c.name;
+  d["json"] = c.json;
+  d["cpu_only"] = c.cpu_only;
+  d["trace"] = c.trace;
+  d["note"] = c.note;
+  return d;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_core, m) {
+  m.doc() = "cpgold's C++ core (private: use the cpgold package)";
+
+  // cpgold::InputError -> cpgold.InputError (a ValueError with .field), raised from Python's side of the package.
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const InputError& e) {
+      py::object cls = py::module_::import("cpgold.errors").attr("InputError");
+      py::object error = cls(e.what(), e.field());
+      PyErr_SetObject(cls.ptr(), error.ptr());
+    }
+  });
+
+  m.def("generator_version", &fx::generator_version, "\"cpgold X.Y.Z\", stored in every fixture");
+  m.attr("schema_version") = fx::kSchemaVersion;
+
+  m.def(
+      "normalize_case", [](const std::string& json_text) { return sim::normalized_json(parse_case(json_text)); },
+      py::arg("case_json"), "the case with every key and its default, validated (InputError names the key)");
+  m.def("suite_names", &fx::suite_names);
+  m.def(
+      "suite_cases",
+      [](const std::string& suite) {
+        py::list out;
+        for (const fx::SuiteCase& c : fx::suite_cases(suite)) out.append(suite_case_dict(c));
+        return out;
+      },
+      py::arg("suite"));
+  m.def(
+      "random_cases",
+      [](int count, uint64_t seed) {
+        if (count < 1) fail_input("count", "expected a number of cases >= 1, got ", count);
+        py::list out;
+        for (const fx::SuiteCase& c : fx::random_cases(count, seed)) out.append(suite_case_dict(c));
+        return out;
+      },
+      py::arg("count"), py::arg("seed"));
+  m.def("inside_gpu_table", [](const std::string& json_text) { return fx::inside_gpu_table(parse_case(json_text)); });
+
+  m.def(
+      "explain",
+      [](const std::string& json_text, bool summary) {
+        const sim::CaseSpec spec = parse_case(json_text);
+        if (summary || sim::plan_units(spec) > sim::kSummaryPlanUnits) {
+          const sim::LayoutSummary s = sim::summarize_layout(spec);
+          return py::make_tuple(sim::summary_json(spec, s).dump(), sim::summary_text(spec, s));
+        }
+        const sim::Plan plan = sim::make_plan(spec);
+        return py::make_tuple(sim::explain_json(spec, plan).dump(), sim::explain_text(spec, plan));
+      },
+      py::arg("case_json"), py::arg("summary") = false, "(JSON text, text) of `cpgold explain`");
+
+  m.def(
+      "generate",
+      [](const std::string& json_text, std::optional<std::string> path, bool trace, bool force) -> py::object {
+        const sim::CaseSpec spec = parse_case(json_text);
+        if (path) fx::check_destination(*path, force);  // before any compute, as `cpgold gen`
+        fx::GenerateOptions options;
+        options.trace = trace;
+        fx::GoldenRun run;
+        {
+          py::gil_scoped_release release;
+          run = fx::generate(spec, options);
+        }
+        if (path) {
+          fx::WriteOptions write;
+          write.force = force;
+          const fx::WriteSummary summary = fx::write_fixture(run, *path, write);
+          py::dict d;
+          d["path"] = summary.path;
+          d["bytes"] = summary.bytes;
+          d["datasets"] = summary.datasets;
+          return d;
+        }
+        const std::vector<uint8_t> image = fx::write_fixture_image(run);
+        return py::bytes(reinterpret_cast<const char*>(image.data()), image.size());
+      },
+      py::arg("case_json"), py::arg("path") = py::none(), py::arg("trace") = false, py::arg("force") = false,
+      "a fixture of the case: written to `path` as `cpgold gen` writes it, or (path None) the bytes of the same file");
+
+  m.def(
+      "open_fixture",
+      [](const FixtureSource& source, bool verify) {
+        OpenGolden golden;
+        open_golden(source, golden);
+        const fx::FixtureFile f = fx::open_fixture(*golden.reader, fx::OpenOptions{verify});
+        py::dict d;
+        d["schema_version"] = f.schema_version;
+        d["generator"] = f.generator;
+        d["case_json"] = f.case_json;
+        d["traced"] = f.traced;
+        d["datasets"] = f.datasets;
+        d["inputs_sha256"] = f.inputs_sha256.empty() ? fx::inputs_sha256(*golden.reader) : f.inputs_sha256;
+        d["inputs_sha256_stored"] = !f.inputs_sha256.empty();
+        return d;
+      },
+      py::arg("fixture"), py::arg("verify") = false,
+      "validates a fixture against the schema (verify: also every checksum and the inputs digest)");
+
+  m.def(
+      "check_files",
+      [](const FixtureSource& golden_source, const std::vector<std::string>& candidates,
+         const std::vector<std::string>& tensors, const std::string& empty_row_lse, const std::vector<int>& ranks,
+         bool allow_same_file) {
+        const fx::CheckOptions options = check_options(tensors, empty_row_lse, ranks, allow_same_file);
+        OpenGolden golden;
+        open_golden(golden_source, golden);
+        const fx::FixtureFile fixture = fx::open_fixture(*golden.reader, fx::OpenOptions{false});
+        py::gil_scoped_release release;
+        return fx::check(*golden.reader, fixture, candidates, options);
+      },
+      py::arg("golden"), py::arg("candidates"), py::arg("tensors"), py::arg("empty_row_lse"), py::arg("ranks"),
+      py::arg("allow_same_file"));
+
+  // tensors: (rank or -1, name, float32 C-contiguous array, lse_row_major); LSE [h, t] unless lse_row_major.
+  m.def(
+      "check_arrays",
+      [](const FixtureSource& golden_source,
+         const std::vector<std::tuple<int, std::string, py::array_t<float, py::array::c_style>, bool>>& arrays,
+         const std::string& scope, const std::string& source, const std::string& inputs_sha256,
+         const std::vector<std::string>& tensors, const std::string& empty_row_lse, const std::vector<int>& ranks) {
+        const fx::CheckOptions options = check_options(tensors, empty_row_lse, ranks, false);
+        fx::CandidateSet cands;
+        cands.sources = {source};
+        if (scope == "cp_gathered") cands.global_scope = fx::CandidateScope::cp_output;
+        else if (scope != "global") fail_input("scope", "expected \"global\" or \"cp_gathered\", got \"", scope, "\"");
+        if (!inputs_sha256.empty()) cands.inputs.push_back({source, inputs_sha256, "", true});
+        for (const auto& [rank, name, array, lse_row_major] : arrays) {
+          const auto quantity = fx::parse_quantity(name);
+          if (!quantity) fail_input("outputs", "tensor \"", name, "\" is not one of o, lse, dq, dk, dv");
+          fx::CandidateTensor t;
+          t.where = "array " + name + (rank >= 0 ? "@r" + std::to_string(rank) : std::string());
+          t.values.assign(array.data(), array.data() + array.size());
+          for (py::ssize_t i = 0; i < array.ndim(); ++i) t.dims.push_back(array.shape(i));
+          t.lse_row_major = lse_row_major;
+          cands.add({rank, -1, 0, *quantity}, std::move(t));
+        }
+        OpenGolden golden;
+        open_golden(golden_source, golden);
+        const fx::FixtureFile fixture = fx::open_fixture(*golden.reader, fx::OpenOptions{false});
+        py::gil_scoped_release release;
+        return fx::check(*golden.reader, fixture, cands, options);
+      },
+      py::arg("golden"), py::arg("arrays"), py::arg("scope"), py::arg("source"), py::arg("inputs_sha256"),
+      py::arg("tensors"), py::arg("empty_row_lse"), py::arg("ranks"));
+
+  m.def(
+      "self_check",
+      [](const std::string& golden, const std::vector<std::string>& tensors, const std::string& empty_row_lse) {
+        const fx::CheckOptions options = check_options(tensors, empty_row_lse, {}, false);
+        py::gil_scoped_release release;
+        return fx::self_check(golden, options);
+      },
+      py::arg("golden"), py::arg("tensors"), py::arg("empty_row_lse"));
+
+  // Reports cross into Python as (JSON text, the text report of `cpgold check`).
+  py::class_<fx::CheckReport>(m, "CheckReport")
+      .def("json", [](const fx::CheckReport& r) { return fx::to_json(r).dump(); })
+      .def("text", [](const fx::CheckReport& r) { return fx::render_text(r); })
+      .def_property_readonly("passed", &fx::CheckReport::pass);
+}
