@@ -1,8 +1,28 @@
-"""cpgold from Python: read golden fixtures, write candidate outputs, run `cpgold check` (docs/python.md)."""
-from .candidate import lse_to_ht, read_candidate, write_global, write_rank, write_ranks
-from .check import CheckInputError, check, failures, find_cpgold, ratios
-from .fixture import Fixture, FixtureError, INPUT_NAMES, OUTPUT_NAMES
+"""cpgold from Python: golden fixtures for context-parallel attention and checks against them (docs/python.md).
+
+In process, through cpgold's C++ core (the extension cpgold._core, built by `pip install ./python`):
+cases and suites (`normalize_case`, `suite`, `random_suite`), `explain`, fixture generation (`generate`), and the
+check engine of `cpgold check` on candidate files (`check`) or on numpy arrays and torch tensors (`check_outputs`,
+`testing.assert_close`). Without the extension, reading fixtures and writing candidates need only numpy and h5py, and
+`check(..., cpgold=BINARY)` runs the command.
+"""
+# The extension of an in-tree CMake build lives in build/python/cpgold/: with build/python on PYTHONPATH next to
+# python/, this package finds it there.
+from pkgutil import extend_path
+
+__path__ = extend_path(__path__, __name__)
+
+from .candidate import lse_to_ht, read_candidate, write_global, write_rank, write_ranks  # noqa: E402
+from .cases import (explain, explain_text, generate, normalize_case, random_suite, suite,  # noqa: E402
+                    suite_names)
+from .check import (Report, check, check_outputs, describe, failures, find_cpgold, ratios,  # noqa: E402
+                    self_check)
+from .errors import CheckInputError, InputError  # noqa: E402
+from .fixture import INPUT_NAMES, OUTPUT_NAMES, Fixture, FixtureError  # noqa: E402
+from . import testing  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = ["Fixture", "FixtureError", "INPUT_NAMES", "OUTPUT_NAMES", "write_global", "write_rank", "write_ranks",
-           "read_candidate", "lse_to_ht", "check", "failures", "ratios", "find_cpgold", "CheckInputError"]
+           "read_candidate", "lse_to_ht", "check", "check_outputs", "self_check", "failures", "ratios", "describe",
+           "find_cpgold", "Report", "InputError", "CheckInputError", "normalize_case", "suite", "suite_names",
+           "random_suite", "explain", "explain_text", "generate", "testing"]

@@ -12,8 +12,18 @@ def ndim(x):
     return x.dim() if is_torch(x) else np.ndim(x)
 
 
+def _import_torch(what):
+    try:
+        import torch
+    except ImportError:
+        raise ModuleNotFoundError(f"{what} needs PyTorch, which is not installed in this Python ({__import__('sys').executable}): "
+                                  "pip install torch, or use the numpy form (framework='numpy', the default)",
+                                  name="torch") from None
+    return torch
+
+
 def torch_dtype(case_dtype):
-    import torch
+    torch = _import_torch("torch tensors")
 
     if case_dtype not in TORCH_DTYPE_NAMES:
         raise ValueError(f"dtype: expected one of {sorted(TORCH_DTYPE_NAMES)}, got {case_dtype!r}")
@@ -22,22 +32,28 @@ def torch_dtype(case_dtype):
 
 def to_torch(x, case_dtype, device=None):
     """numpy values of the case dtype (bf16 read as float32) -> a torch tensor of that dtype; exact."""
-    import torch
+    torch = _import_torch("inputs as torch tensors (framework='torch')")
 
     t = torch.from_numpy(np.ascontiguousarray(x))
     return t.to(dtype=torch_dtype(case_dtype), device=device)
 
 
+# numpy dtypes of ml_dtypes (and of jax, which uses it) that widen exactly to float32.
+_EXTENSION_FLOATS = ("bfloat16", "float16")
+
+
 def to_float32(x, what):
-    """numpy or torch (any float dtype, any device) -> contiguous numpy float32. bf16/fp16 convert exactly."""
+    """numpy or torch (any float dtype, any device: CUDA tensors are copied to the host) -> contiguous numpy float32.
+    bf16/fp16 (torch, numpy's float16, ml_dtypes' bfloat16) convert exactly; float64 rounds to nearest, as the writer
+    stores it."""
     if is_torch(x):
         if not x.is_floating_point():
             raise ValueError(f"{what}: expected a floating-point tensor, got {x.dtype}")
-        return x.detach().to("cpu", copy=False).float().contiguous().numpy()
+        return x.detach().to("cpu").float().contiguous().numpy()
     a = np.asarray(x)
-    if a.dtype.kind != "f":
+    if a.dtype.kind != "f" and a.dtype.name not in _EXTENSION_FLOATS:
         raise ValueError(f"{what}: expected a floating-point array, got dtype {a.dtype}")
-    return np.ascontiguousarray(a, dtype=np.float32)
+    return np.ascontiguousarray(a.astype(np.float32, copy=False))
 
 
 def _index_like(index, x):

@@ -2,7 +2,9 @@
 
 Every tensor is stored as float32 (bf16/fp16 convert exactly); LSE is stored as [h, t] whatever it came as:
 [h, t] (FlashAttention's varlen layout), [t, h] or TransformerEngine's [t, h, 1]. Everything is validated before
-the file is opened, so bad input leaves an existing file untouched.
+the file is opened, so bad input leaves an existing file untouched. With `fixture=` the file also records the inputs
+it was computed from (root attributes inputs_sha256 and inputs_case_json), so that `check` can tell a candidate
+computed from the inputs of another fixture.
 """
 import h5py
 import numpy as np
@@ -43,29 +45,52 @@ def lse_to_ht(lse, heads=None, layout=None):
 
 
 def _prepared(outputs, fixture, rank, lse_layout, what):
-    """{name: float32 numpy} with LSE as [h, t], shapes checked against the fixture when one is given."""
+    """{name: float32 numpy} with LSE as [h, t], shapes checked against the fixture when one is given: the THD tensors
+    first, so that a wrong O is named as such before LSE's heads axis is looked for."""
     if not outputs:
         raise ValueError(f"{what}: no tensors given (expected some of {OUTPUT_NAMES})")
     for name in outputs:
         if name not in OUTPUT_NAMES:
             raise ValueError(f"{what}: tensor {name!r} is not one of {OUTPUT_NAMES}")
-    heads = fixture.heads_q if fixture is not None else None
-    if heads is None and "o" in outputs:
-        heads = int(outputs["o"].shape[1])
+    where = "global" if rank is None else f"rank {rank}"
     out = {}
     for name, x in outputs.items():
         if name == "lse":
-            out[name] = lse_to_ht(x, heads, lse_layout)
+            continue
+        out[name] = _arrays.to_float32(x, f"{what}: {name}")
+        if out[name].ndim != 3:
+            raise ValueError(f"{what}: {name} must be [t, h, d], got shape {tuple(out[name].shape)}")
+        if fixture is not None and tuple(out[name].shape) != _expected_shape(fixture, name, rank):
+            raise ValueError(f"{what}: {name} has shape {tuple(out[name].shape)}, the fixture's {where} layout needs "
+                             f"{_expected_shape(fixture, name, rank)}")
+    if "lse" in outputs:
+        if fixture is not None:
+            heads, source = fixture.heads_q, f"the fixture's heads_q"
+        elif "o" in out:
+            heads, source = int(out["o"].shape[1]), f"the heads of o (shape {tuple(out['o'].shape)})"
+        elif "dq" in out:
+            heads, source = int(out["dq"].shape[1]), f"the heads of dq (shape {tuple(out['dq'].shape)})"
         else:
-            out[name] = _arrays.to_float32(x, f"{what}: {name}")
+            heads, source = None, None
+        try:
+            out["lse"] = lse_to_ht(outputs["lse"], heads, lse_layout)
+        except ValueError as e:
+            if source is None or "has no axis of" not in str(e):
+                raise
+            raise ValueError(f"{what}: lse has shape {tuple(_arrays.to_float32(outputs['lse'], 'lse').shape)} and no "
+                             f"axis of {heads} heads, {source}: lse and the other outputs disagree on the number of "
+                             "heads (pass fixture= to have every shape checked against the fixture's layout)") from None
+        if fixture is not None and tuple(out["lse"].shape) != _expected_shape(fixture, "lse", rank):
+            raise ValueError(f"{what}: lse has shape {tuple(out['lse'].shape)} (as [h, t]), the fixture's {where} "
+                             f"layout needs {_expected_shape(fixture, 'lse', rank)} (LSE stored as [h, t])")
+    return {name: out[name] for name in outputs}
+
+
+def _record_inputs(f, fixture):
+    """The inputs a candidate was computed from: the fixture's inputs digest and its case (SCHEMA.md)."""
     if fixture is not None:
-        for name, x in out.items():
-            expected = _expected_shape(fixture, name, rank)
-            if tuple(x.shape) != expected:
-                where = "global" if rank is None else f"rank {rank}"
-                raise ValueError(f"{what}: {name} has shape {tuple(x.shape)}, the fixture's {where} layout needs "
-                                 f"{expected}" + (" (LSE stored as [h, t])" if name == "lse" else ""))
-    return out
+        f.attrs["inputs_sha256"] = fixture.inputs_sha256
+        f.attrs["inputs_case_json"] = fixture.case_json
 
 
 def _expected_shape(fixture, name, rank):
@@ -91,6 +116,7 @@ def write_global(path, outputs, scope="global", fixture=None, lse_layout=None):
     tensors = _prepared(outputs, fixture, None, lse_layout, "write_global")
     with h5py.File(path, "w") as f:
         _write_group(f, tensors)
+        _record_inputs(f, fixture)
         if scope == "cp_gathered":
             f.attrs["scope"] = "cp_gathered"
 
@@ -102,6 +128,7 @@ def write_rank(path, rank, outputs, fixture=None, lse_layout=None):
     tensors = _prepared(outputs, fixture, int(rank), lse_layout, f"write_rank({rank})")
     with h5py.File(path, "w") as f:
         _write_group(f, tensors)
+        _record_inputs(f, fixture)
         f.attrs["rank"] = np.int64(rank)
 
 
@@ -121,6 +148,7 @@ def write_ranks(path, rank_outputs, global_outputs=None, scope="global", fixture
     root = _prepared(global_outputs, fixture, None, lse_layout, "write_ranks: global") if global_outputs else {}
     with h5py.File(path, "w") as f:
         _write_group(f, root)
+        _record_inputs(f, fixture)
         if root and scope == "cp_gathered":
             f.attrs["scope"] = "cp_gathered"
         for r, tensors in sorted(prepared.items()):

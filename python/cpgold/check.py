@@ -1,14 +1,35 @@
-"""Runs `cpgold check GOLDEN CANDIDATE... --format json` and returns its report as a dict."""
+"""Checks against a golden fixture, in process: candidate files (`cpgold check`), or outputs held as numpy arrays or
+torch tensors (no candidate file, no subprocess). Both go through the C++ engine of `cpgold check` (the extension
+cpgold._core), so their verdicts are the command's. `check(..., cpgold=BINARY)` runs the command instead, for those
+who have the binary and not the extension.
+
+A report is a dict: the JSON report of `cpgold check --format json` (docs/cli.md), with numbers that JSON cannot
+hold (inf, NaN) given back as floats, plus `exit_code` (0 pass, 1 fail); `report.text` is the command's text report
+(in process only).
+"""
 import json
 import os
 import shutil
 import subprocess
 
+from . import _arrays
+from ._core_loader import available as _core_available
+from ._core_loader import core
+from .errors import CheckInputError, InputError
+from .fixture import OUTPUT_NAMES, Fixture
+
 EMPTY_ROW_LSE = ("neg-inf", "pos-inf")
+SCOPES = ("global", "cp_gathered")
 
 
-class CheckInputError(RuntimeError):
-    """`cpgold check` refused its input (exit 2): the message is its error text."""
+class Report(dict):
+    """The JSON report as a dict; `text` is the text report of `cpgold check`, `passed` its verdict."""
+
+    text = None
+
+    @property
+    def passed(self):
+        return bool(self.get("pass"))
 
 
 def find_cpgold(cpgold=None):
@@ -17,29 +38,178 @@ def find_cpgold(cpgold=None):
     if not candidate or not os.path.isfile(candidate) or not os.access(candidate, os.X_OK):
         raise FileNotFoundError(f"cpgold binary not found (argument {cpgold!r}, CPGOLD_BIN "
                                 f"{os.environ.get('CPGOLD_BIN')!r}, PATH): build it with "
-                                "`cmake --build build --target cpgold` and set CPGOLD_BIN=build/bin/cpgold")
+                                "`cmake --preset default && cmake --build --preset default` and set "
+                                "CPGOLD_BIN=build/bin/cpgold, or install the package (pip install ./python) to check "
+                                "in process")
     return candidate
 
 
-def check(golden, *candidates, tensors=None, empty_row_lse=None, cpgold=None, timeout=None):
-    """Checks candidate file(s) against a golden fixture. Returns the JSON report (a dict) with two keys added:
-    'exit_code' (0 pass, 1 fail) and 'command'. `tensors`: e.g. ('o', 'lse') for a forward-only candidate.
-    `empty_row_lse`: 'pos-inf' accepts FlashAttention-2's LSE +inf on rows with no visible key (the contract,
-    and the default, is 'neg-inf'). Raises CheckInputError on exit 2 (unusable input) with cpgold's message."""
+def tensor_names(tensors):
+    """('o', 'lse') from a list, a tuple or a comma-separated string ("o,lse"); None for all five."""
+    if tensors is None:
+        return None
+    if isinstance(tensors, str):
+        tensors = tensors.split(",")
+    names = [str(t).strip() for t in tensors]
+    for name in names:
+        if name not in OUTPUT_NAMES:
+            raise InputError(f"tensors: {name!r} is not one of {', '.join(OUTPUT_NAMES)} "
+                             f"(given: {', '.join(repr(n) for n in names)})", "tensors")
+    return tuple(names)
+
+
+def _empty_row_lse(value):
+    value = "neg-inf" if value is None else value
+    if value not in EMPTY_ROW_LSE:
+        raise InputError(f"empty_row_lse: expected one of {EMPTY_ROW_LSE}, got {value!r}", "empty_row_lse")
+    return value
+
+
+def _ranks(ranks):
+    if ranks is None:
+        return []
+    if isinstance(ranks, int):
+        return [ranks]
+    return [int(r) for r in ranks]
+
+
+def _restore_nonfinite(node):
+    """JSON has no inf/NaN: cpgold writes null and names the value in the object's "nonfinite" map."""
+    if isinstance(node, dict):
+        for value in node.values():
+            _restore_nonfinite(value)
+        for key, text in node.get("nonfinite", {}).items():
+            node[key] = float(text)
+    elif isinstance(node, list):
+        for value in node:
+            _restore_nonfinite(value)
+    return node
+
+
+def _report(core_report):
+    report = Report(_restore_nonfinite(json.loads(core_report.json())))
+    report.text = core_report.text()
+    report["exit_code"] = 0 if report["pass"] else 1
+    return report
+
+
+def _source(golden):
+    return golden.source if isinstance(golden, Fixture) else os.fspath(golden)
+
+
+def check(golden, *candidates, tensors=None, empty_row_lse=None, ranks=None, allow_same_file=False, cpgold=None,
+          timeout=None):
+    """Checks candidate file(s) against a golden fixture (a path or a Fixture) as `cpgold check` does.
+    tensors: e.g. ("o", "lse") or "o,lse" for a forward-only candidate. empty_row_lse: "pos-inf" accepts
+    FlashAttention-2's LSE +inf on rows with no visible key (the contract, and the default, is "neg-inf").
+    ranks: check the per-rank outputs of these ranks only. allow_same_file: accept the golden itself as candidate (its
+    stored simulator outputs are then checked). Raises CheckInputError (an InputError) on unusable input.
+    cpgold: a cpgold binary to run instead of the in-process engine (also used when the extension is missing)."""
     if not candidates:
-        raise ValueError("check: give at least one candidate file")
-    cmd = [find_cpgold(cpgold), "check", str(golden), *(str(c) for c in candidates), "--format", "json"]
-    if tensors:
-        cmd += ["--tensors", ",".join(tensors)]
-    if empty_row_lse is not None:
-        if empty_row_lse not in EMPTY_ROW_LSE:
-            raise ValueError(f"empty_row_lse: expected one of {EMPTY_ROW_LSE}, got {empty_row_lse!r}")
-        cmd += ["--empty-row-lse", empty_row_lse]
+        raise InputError("check: give at least one candidate file", "candidates")
+    names = tensor_names(tensors)
+    convention = _empty_row_lse(empty_row_lse)
+    rank_list = _ranks(ranks)
+    files = [os.fspath(c) for c in candidates]
+    if cpgold is not None or not _core_available():
+        if isinstance(golden, Fixture) and not isinstance(golden.source, str):
+            raise InputError("check: a fixture in memory needs the in-process engine (pip install ./python)", "golden")
+        return _check_with_binary(_source(golden), files, names, convention, rank_list, allow_same_file, cpgold,
+                                  timeout)
+    try:
+        result = core().check_files(_source(golden), files, list(names or ()), convention, rank_list, allow_same_file)
+    except InputError as e:
+        raise CheckInputError(str(e), e.field) from None
+    return _report(result)
+
+
+def _arrays_of(fixture, outputs, rank, lse_layout):
+    """(rank, name, float32 array, lse_row_major) tuples for the engine; LSE converted to [h, t]."""
+    from .candidate import lse_to_ht
+
+    if not isinstance(outputs, dict) or not outputs:
+        raise InputError(f"outputs: expected a dict of tensors (some of {', '.join(OUTPUT_NAMES)}), got "
+                         f"{type(outputs).__name__}", "outputs")
+    where = "outputs" if rank < 0 else f"outputs of rank {rank}"
+    out = []
+    for name, x in outputs.items():
+        if name not in OUTPUT_NAMES:
+            raise InputError(f"{where}: tensor {name!r} is not one of {', '.join(OUTPUT_NAMES)}", "outputs")
+        try:
+            if name == "lse":
+                values = lse_to_ht(x, fixture.heads_q, lse_layout)
+            else:
+                values = _arrays.to_float32(x, f"{where}: {name}")
+        except ValueError as e:
+            raise InputError(f"{where}: {e}" if not str(e).startswith(where) else str(e), name) from None
+        out.append((rank, name, values, False))
+    return out
+
+
+def check_outputs(fixture, outputs, rank=None, scope="global", tensors=None, empty_row_lse=None, lse_layout=None):
+    """Checks outputs held in memory (numpy arrays or torch tensors on any device; float32, bf16, fp16) against the
+    fixture, in process, with the engine of `cpgold check`. No candidate file is written.
+
+    outputs: a dict of some of o [t, h, d], lse, dq, dk, dv, in the global layout (rank None); or one rank's outputs
+    in the rank-local layout (rank=r, that rank alone is checked); or a list of every rank's dicts (rank None).
+    LSE may be [h, t], [t, h] or [t, h, 1] (lse_layout "ht"/"th" where t can equal h).
+    scope (global outputs): "global" for a non-CP implementation (the larger of the CP and non-CP budgets decides),
+    "cp_gathered" for CP outputs gathered to the global layout (the CP budget decides)."""
+    if not isinstance(fixture, Fixture):
+        with Fixture(fixture) as opened:
+            return check_outputs(opened, outputs, rank, scope, tensors, empty_row_lse, lse_layout)
+    if scope not in SCOPES:
+        raise InputError(f"scope: expected one of {SCOPES}, got {scope!r}", "scope")
+    names = tensor_names(tensors)
+    convention = _empty_row_lse(empty_row_lse)
+    if isinstance(outputs, (list, tuple)):
+        if rank is not None:
+            raise InputError("rank: give either one rank's outputs with rank=r, or a list of every rank's outputs",
+                             "rank")
+        if len(outputs) != fixture.cp_size:
+            raise InputError(f"outputs: a list of {len(outputs)} ranks' outputs, the fixture has cp_size "
+                             f"{fixture.cp_size}", "outputs")
+        arrays = [a for r, o in enumerate(outputs) for a in _arrays_of(fixture, o, r, lse_layout)]
+        ranks, source = [], f"arrays of ranks 0..{fixture.cp_size - 1}"
+    elif rank is not None:
+        if not 0 <= int(rank) < fixture.cp_size:
+            raise InputError(f"rank: {rank} is outside [0, {fixture.cp_size}) (cp_size {fixture.cp_size})", "rank")
+        arrays = _arrays_of(fixture, outputs, int(rank), lse_layout)
+        ranks, source = [int(rank)], f"arrays of rank {int(rank)}"
+    else:
+        arrays = _arrays_of(fixture, outputs, -1, lse_layout)
+        ranks, source = [], f"arrays ({scope})"
+    try:
+        result = core().check_arrays(fixture.source, arrays, scope, source, "", list(names or ()), convention, ranks)
+    except InputError as e:
+        raise CheckInputError(str(e), e.field) from None
+    return _report(result)
+
+
+def self_check(golden, tensors=None, empty_row_lse=None):
+    """`cpgold check --self`: an independent CPU path (the CP simulator with another order of operations) checked
+    against the fixture."""
+    names = tensor_names(tensors)
+    try:
+        result = core().self_check(_source(golden), list(names or ()), _empty_row_lse(empty_row_lse))
+    except InputError as e:
+        raise CheckInputError(str(e), e.field) from None
+    return _report(result)
+
+
+def _check_with_binary(golden, files, names, convention, ranks, allow_same_file, cpgold, timeout):
+    cmd = [find_cpgold(cpgold), "check", golden, *files, "--format", "json", "--empty-row-lse", convention]
+    if names:
+        cmd += ["--tensors", ",".join(names)]
+    if ranks:
+        cmd += ["--ranks", ",".join(str(r) for r in ranks)]
+    if allow_same_file:
+        cmd += ["--allow-same-file"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     if proc.returncode not in (0, 1):
         raise CheckInputError(f"{' '.join(cmd)}: exit {proc.returncode}: {proc.stderr.strip() or proc.stdout.strip()}")
     try:
-        report = json.loads(proc.stdout)
+        report = Report(_restore_nonfinite(json.loads(proc.stdout)))
     except json.JSONDecodeError:
         raise CheckInputError(f"{' '.join(cmd)}: exit {proc.returncode} without a JSON report: "
                               f"{proc.stderr.strip()[:2000]}") from None
@@ -50,27 +220,62 @@ def check(golden, *candidates, tensors=None, empty_row_lse=None, cpgold=None, ti
     return report
 
 
-def _number(x):
-    """A report's number: JSON has no inf/NaN, so cpgold writes them as the strings "inf" and "nan"."""
-    return float(x)
+def describe(location):
+    """A report location (worst element, first divergence, exact violation) in words, as the text report says it."""
+    loc = location
+    parts = []
+    if loc["rank"] >= 0:
+        parts.append(f"rank {loc['rank']}")
+    if loc["step"] >= 0:
+        parts.append(f"step {loc['step']}")
+    kind = loc.get("row_kind")
+    if kind == "token":
+        where = f"sequence {loc['sequence']}, row {loc['row_in_sequence']} of the sequence"
+    elif kind == "pad":
+        where = f"sequence {loc['sequence']}, pad row (row {loc['row_in_sequence']} of its padded range)"
+    elif kind == "tail":
+        where = "tail row (past the last sequence)"
+    else:
+        where = "a row outside every sequence of the call"
+    parts.append(where)
+    text = ", ".join(parts) + f" (tensor row {loc['row']}"
+    if loc["rank"] >= 0 and loc["global_row"] >= 0:
+        text += f", global row {loc['global_row']}"
+    text += f"), head {loc['head']}, dim {loc['dim']}: candidate {loc['candidate']:.6g}, oracle {loc['oracle']:.6g}"
+    if loc.get("peer") is not None:
+        text += f", peer {loc['peer']:.6g}"
+    return text
 
 
 def failures(report):
-    """One line per failed result of a report: tensor, rank, step, errors and limits."""
+    """What failed, in lines: per failed result its errors and limits, the exact rule broken and where, the worst
+    element and the first divergence; lines on inputs computed from another fixture."""
     lines = []
+    for claim in report.get("inputs", {}).get("candidates", []):
+        if not claim["matches"]:
+            lines.append(f"inputs: {claim['source']} was computed from the inputs of another fixture "
+                         f"(inputs_sha256 {claim['sha256'][:16]}..., this fixture's "
+                         f"{(report['inputs']['fixture_sha256'] or '')[:16]}...)")
     for r in report.get("results", []):
         if r.get("pass"):
             continue
         where = r["tensor"] + (f"@r{r['rank']}" if r.get("rank", -1) >= 0 else "")
-        where += f"/s{r['step']}" if r.get("step", -1) >= 0 else ""
+        if r.get("step", -1) >= 0:
+            where += f"/s{r['step']}" + ("f" if r.get("pass_kind") == "forward" else "b")
         if r.get("missing"):
             lines.append(f"{where}: missing in the candidate")
             continue
-        mx, mx_lim, mn, mn_lim = (_number(r[k]) for k in ("max_err", "max_limit", "mean_err", "mean_limit"))
-        lines.append(f"{where}: max err {mx:.3e} (limit {mx_lim:.3e}), mean err {mn:.3e} (limit {mn_lim:.3e}), "
-                     f"exact violations "
-                     f"{r['exact_violations']}, compared {r['compared']}"
-                     + (f" [{r['pass_kind']}]" if r.get("pass_kind") else ""))
+        lines.append(f"{where}: max err {float(r['max_err']):.3e} (limit {r['max_limit']:.3e}, ratio "
+                     f"{float(r['max_ratio']):.3f}), mean err {float(r['mean_err']):.3e} (limit {r['mean_limit']:.3e}), "
+                     f"exact violations {r['exact_violations']}, compared {r['compared']}")
+        if r["exact_violations"]:
+            lines.append(f"  exact rule: {r['exact_rule']} ({r['exact_violations']} element(s))")
+        if r.get("worst") is not None and (float(r["max_ratio"]) > 1 or float(r["mean_ratio"]) > 1):
+            lines.append(f"  worst element: {describe(r['worst'])}")
+        if r.get("first_divergence") is not None:
+            lines.append(f"  first divergence: {describe(r['first_divergence'])}")
+    if report.get("results") and not report.get("compared"):
+        lines.append("nothing was compared (every selected row is padding)")
     return lines
 
 
@@ -81,5 +286,5 @@ def ratios(report):
     for r in report.get("results", []):
         if r.get("missing") or not r.get("compared"):
             continue
-        out.append((r["tensor"], r.get("rank", -1), _number(r["max_ratio"]), _number(r["mean_ratio"])))
+        out.append((r["tensor"], r.get("rank", -1), float(r["max_ratio"]), float(r["mean_ratio"])))
     return out

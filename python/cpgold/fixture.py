@@ -5,7 +5,10 @@ The global layout keeps sequence b at rows [cu_seqlens_padded[b], cu_seqlens_pad
 without per-sequence used lengths (FlashAttention-2's varlen API) reads the valid rows compacted (`compact`) and
 writes back with `expand`.
 """
+import hashlib
+import io
 import json
+import os
 
 import h5py
 import numpy as np
@@ -23,13 +26,24 @@ class FixtureError(ValueError):
     """A fixture that this package cannot use (missing file or dataset, unknown schema version)."""
 
 
+IN_MEMORY = "<fixture in memory>"
+
+
 class Fixture:
-    """One golden fixture, open for reading. Use as a context manager or call close()."""
+    """One golden fixture, open for reading: a path, or the bytes of one (cpgold.generate(case) without a path).
+    Use as a context manager or call close()."""
 
     def __init__(self, path):
-        self.path = str(path)
+        if isinstance(path, (bytes, bytearray, memoryview)):
+            self.source = bytes(path)  # what the check engine opens
+            self.path = IN_MEMORY
+            opened = io.BytesIO(self.source)
+        else:
+            self.path = os.fspath(path) if not isinstance(path, str) else path
+            self.source = self.path
+            opened = self.path
         try:
-            self._file = h5py.File(self.path, "r")
+            self._file = h5py.File(opened, "r")
         except OSError as e:
             raise FixtureError(f"fixture {self.path!r}: cannot open as HDF5 ({e})") from None
         if "case" not in self._file:
@@ -41,8 +55,10 @@ class Fixture:
             self.close()
             raise FixtureError(f"fixture {self.path!r}: schema_version {self.schema_version} is not one of "
                                f"{SUPPORTED_SCHEMA_VERSIONS}")
-        self.case = json.loads(_text(attrs["case_json"]))
+        self.case_json = _text(attrs["case_json"])
+        self.case = json.loads(self.case_json)
         self.generator = _text(attrs["generator"])
+        self._inputs_sha256 = _text(attrs["inputs_sha256"]) if "inputs_sha256" in attrs else None
         self._layout = {name: np.asarray(self._file["layout"][name][()]) for name in self._file["layout"]}
 
     # -- the case ------------------------------------------------------------------------------------------------
@@ -60,6 +76,17 @@ class Fixture:
 
     def __repr__(self):
         return f"Fixture({self.path!r}, dtype={self.dtype}, cp_size={self.cp_size}, comm={self.comm})"
+
+    @property
+    def inputs_sha256(self):
+        """SHA-256 naming the fixture's inputs (fixtures/SCHEMA.md, "Inputs digest"): the /case attribute, or for a
+        fixture written before it existed the same digest computed from /inputs. Writers copy it into candidates."""
+        if self._inputs_sha256 is None:
+            digest = hashlib.sha256()
+            for name in INPUT_NAMES:
+                digest.update(raw_bytes(self._file["inputs"][name]))
+            self._inputs_sha256 = digest.hexdigest()
+        return self._inputs_sha256
 
     @property
     def dtype(self):
@@ -231,3 +258,14 @@ def _side(side):
 
 def _text(value):
     return value.decode() if isinstance(value, bytes) else value
+
+
+def raw_bytes(dataset):
+    """A dataset's element bytes as the file stores them (bf16 has no numpy type: read as 16-bit words)."""
+    t = dataset.id.get_type()
+    if t.get_class() == h5py.h5t.FLOAT and t.get_size() == 2 and t.get_ebias() == 127:
+        out = np.empty(dataset.shape, dtype="<u2")
+        if out.size:
+            dataset.id.read(h5py.h5s.ALL, h5py.h5s.ALL, out, mtype=t)
+        return out.tobytes()
+    return np.ascontiguousarray(dataset[()]).tobytes()

@@ -1,0 +1,90 @@
+"""Cases, suites, `explain` and fixture generation in process (the code of `cpgold gen` and `cpgold explain`).
+
+A case is a dict of the keys of docs/case-spec.md (or the same as a JSON string, or keyword arguments):
+    cpgold.normalize_case({"seqlens_q": [5, 8], "cp_size": 2, "mask": "causal"})
+returns it with every key and its default; a bad key or value is an InputError naming the key.
+"""
+import json
+import os
+
+from ._core_loader import core
+
+
+def _case_text(case=None, **keys):
+    if case is None:
+        case = {}
+    if isinstance(case, str):
+        try:
+            case = json.loads(case)
+        except json.JSONDecodeError as e:
+            from .errors import InputError
+
+            raise InputError(f"case: not valid JSON ({e}): {case}", "case") from None
+    if not isinstance(case, dict):
+        from .errors import InputError
+
+        raise InputError(f"case: expected a dict or a JSON object, got {type(case).__name__}", "case")
+    merged = dict(case, **keys)
+    return json.dumps(merged)
+
+
+def normalize_case(case=None, **keys):
+    """The case as a dict with every key and its default (the form a fixture stores), validated."""
+    return json.loads(core().normalize_case(_case_text(case, **keys)))
+
+
+class SuiteCase:
+    """One case of a suite: `name` (a fixture's file stem), `case` (a dict), `json` (as given), `cpu_only`, `trace`."""
+
+    def __init__(self, d):
+        self.name = d["name"]
+        self.json = d["json"]
+        self.case = json.loads(d["json"])
+        self.cpu_only = bool(d["cpu_only"])
+        self.trace = bool(d["trace"])
+        self.note = d["note"]
+
+    def __repr__(self):
+        return f"SuiteCase({self.name!r})"
+
+
+def suite_names():
+    """quick, edge, te, full, golden, random."""
+    return list(core().suite_names())
+
+
+def suite(name):
+    """The cases of a named suite (`cpgold gen --suite NAME`)."""
+    return [SuiteCase(d) for d in core().suite_cases(name)]
+
+
+def random_suite(count, seed):
+    """`count` valid random cases drawn from `seed` alone (`cpgold gen --suite random --count N --seed S`)."""
+    return [SuiteCase(d) for d in core().random_cases(int(count), int(seed))]
+
+
+def explain(case=None, summary=False, **keys):
+    """`cpgold explain --format json` as a dict (docs/explain-json.md): chunk map, per-step tables, work, warnings.
+    Large layouts, or summary=True, give the summary form."""
+    text, _ = core().explain(_case_text(case, **keys), summary)
+    return json.loads(text)
+
+
+def explain_text(case=None, summary=False, **keys):
+    """`cpgold explain` as text."""
+    _, text = core().explain(_case_text(case, **keys), summary)
+    return text
+
+
+def generate(case=None, path=None, trace=False, force=False, **keys):
+    """A golden fixture of the case, made by the code of `cpgold gen`.
+    path: write it there (never over an existing file unless force) and return a Fixture open on it;
+    None: keep it in memory and return a Fixture on its bytes (the same bytes `gen` writes; nothing stays on disk).
+    trace: also store the per-step partials."""
+    from .fixture import Fixture
+
+    text = _case_text(case, **keys)
+    if path is None:
+        return Fixture(core().generate(text, None, bool(trace), False))
+    core().generate(text, os.fspath(path), bool(trace), bool(force))
+    return Fixture(path)
