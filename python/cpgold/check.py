@@ -220,8 +220,9 @@ def _check_with_binary(golden, files, names, convention, ranks, allow_same_file,
     return report
 
 
-def describe(location):
-    """A report location (worst element, first divergence, exact violation) in words, as the text report says it."""
+def describe(location, has_dim=True):
+    """A report location (worst element, first divergence, exact violation) in words, as the text report says it;
+    has_dim False for LSE (its elements are rows and heads)."""
     loc = location
     parts = []
     if loc["rank"] >= 0:
@@ -241,7 +242,8 @@ def describe(location):
     text = ", ".join(parts) + f" (tensor row {loc['row']}"
     if loc["rank"] >= 0 and loc["global_row"] >= 0:
         text += f", global row {loc['global_row']}"
-    text += f"), head {loc['head']}, dim {loc['dim']}: candidate {loc['candidate']:.6g}, oracle {loc['oracle']:.6g}"
+    text += f"), head {loc['head']}" + (f", dim {loc['dim']}" if has_dim else "")
+    text += f": candidate {loc['candidate']:.6g}, oracle {loc['oracle']:.6g}"
     if loc.get("peer") is not None:
         text += f", peer {loc['peer']:.6g}"
     return text
@@ -271,9 +273,9 @@ def failures(report):
         if r["exact_violations"]:
             lines.append(f"  exact rule: {r['exact_rule']} ({r['exact_violations']} element(s))")
         if r.get("worst") is not None and (float(r["max_ratio"]) > 1 or float(r["mean_ratio"]) > 1):
-            lines.append(f"  worst element: {describe(r['worst'])}")
+            lines.append(f"  worst element: {describe(r['worst'], r['tensor'] != 'lse')}")
         if r.get("first_divergence") is not None:
-            lines.append(f"  first divergence: {describe(r['first_divergence'])}")
+            lines.append(f"  first divergence: {describe(r['first_divergence'], r['tensor'] != 'lse')}")
     if report.get("results") and not report.get("compared"):
         lines.append("nothing was compared (every selected row is padding)")
     return lines

@@ -86,6 +86,23 @@ def selected_cases(config):
     return unique
 
 
+def _options_given(config):
+    return bool(config.getoption("--cpgold-suite") or config.getoption("--cpgold-random") or
+                config.getoption("--cpgold-case") or config.getoption("--cpgold-seed") is not None)
+
+
+def pytest_configure(config):
+    # Options given on the command line are checked now, so that a mistake is a usage error before collection.
+    if _options_given(config):
+        config._cpgold_cases = selected_cases(config)
+
+
+def _cases(config):
+    if not hasattr(config, "_cpgold_cases"):
+        config._cpgold_cases = selected_cases(config)
+    return config._cpgold_cases
+
+
 def _cache(config):
     if not hasattr(config, "_cpgold_cache"):
         config._cpgold_cache = FixtureCache(config.getoption("--cpgold-cache"))
@@ -93,16 +110,15 @@ def _cache(config):
 
 
 def pytest_report_header(config):
-    if not config.getoption("--cpgold-suite") and not config.getoption("--cpgold-random") and \
-            not config.getoption("--cpgold-case"):
+    if not _options_given(config):
         return None
-    return f"cpgold: fixtures cached in {_cache(config).folder}"
+    return f"cpgold: {len(_cases(config))} case(s), fixtures cached in {_cache(config).folder}"
 
 
 def pytest_generate_tests(metafunc):
     if "cpgold_case" not in metafunc.fixturenames:
         return
-    params = selected_cases(metafunc.config)
+    params = _cases(metafunc.config)
     metafunc.parametrize("cpgold_case", params, ids=[p.name for p in params], indirect=True)
 
 

@@ -1,4 +1,5 @@
-"""Shared pytest fixtures: the package and the examples on sys.path, the committed golden set, the cpgold binary."""
+"""Shared pytest fixtures: the package and the examples on sys.path, the committed golden set, the cpgold binary,
+the package's C++ core."""
 import glob
 import os
 import sys
@@ -7,9 +8,18 @@ import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.normpath(os.path.join(HERE, "..", ".."))
-sys.path.insert(0, os.path.join(REPO, "python"))
+try:  # the installed package (pip install ./python), else the source tree's
+    import cpgold  # noqa: F401
+except ImportError:
+    sys.path.insert(0, os.path.join(REPO, "python"))
 sys.path.insert(0, os.path.join(REPO, "python", "examples"))
 GOLDEN = os.path.join(REPO, "fixtures", "golden")
+
+pytest_plugins = ["pytester"]
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: minutes; CTest runs it as python_parity_te (label python_slow)")
 
 
 def golden_path(name):
@@ -26,3 +36,14 @@ def cpgold_bin():
     if not path or not os.path.isfile(path):
         pytest.skip("CPGOLD_BIN is not set to the cpgold binary (CTest sets it)")
     return path
+
+
+@pytest.fixture
+def core():
+    """cpgold's C++ core; the test is skipped, naming why, when the extension was not built."""
+    import cpgold._core_loader as loader
+
+    try:
+        return loader.core()
+    except ImportError as e:
+        pytest.skip(str(e))

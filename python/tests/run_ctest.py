@@ -1,5 +1,6 @@
 """CTest entry point of the Python package tests: runs pytest on the given paths, or reports the test as skipped
-(exit 77, CTest's SKIP_RETURN_CODE) with the missing module and its Debian package named."""
+(exit 77, CTest's SKIP_RETURN_CODE) with the missing module and its Debian package named.
+--require-core: also skipped, naming why, when the package's C++ core (cpgold._core) was not built."""
 import importlib
 import sys
 
@@ -17,6 +18,14 @@ def main(argv):
     if missing:
         print(f"SKIPPED: {sys.executable} lacks " + ", ".join(missing) + "; the Python package tests did not run")
         return SKIP
+    if argv and argv[0] == "--require-core":
+        argv = argv[1:]
+        try:
+            importlib.import_module("cpgold._core")
+        except ImportError as e:
+            print(f"SKIPPED: cpgold's extension (cpgold._core) is not built ({e}): configure with pybind11 and "
+                  "Python's headers (Debian: pybind11-dev, python3-dev), or pip install ./python")
+            return SKIP
     import pytest
 
     return pytest.main(["-q", "-rs", "-p", "no:cacheprovider", *argv])
