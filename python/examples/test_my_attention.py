@@ -1,6 +1,8 @@
-"""pytest example: validate your attention against cpgold fixtures, global and per rank.
+"""pytest example: validate your attention against a folder of cpgold fixtures, global and per rank, through candidate
+files (the path for outputs that come from another process). docs/python/test_attention_example.py is the shorter
+form with the pytest plugin and in-process checks.
 
-    CPGOLD_BIN=build/bin/cpgold CPGOLD_FIXTURES=fixtures/golden python3 -m pytest python/examples/test_my_attention.py
+    CPGOLD_FIXTURES=fixtures/golden python3 -m pytest python/examples/test_my_attention.py
 
 Replace `my_attention` with a call of your kernel: it gets a cpgold.Fixture and returns global-layout outputs
 o [Tq, hq, dv], lse [hq, Tq], dq, dk, dv as numpy arrays or torch tensors, zero on pad rows (an LSE of another
@@ -16,7 +18,7 @@ import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-import cpgold  # noqa: E402  (pip install ./python, or PYTHONPATH=python)
+import cpgold  # noqa: E402  (pip install ./python, or PYTHONPATH=python:build/python; else CPGOLD_BIN is run)
 from numpy_varlen_attention import attention_on_fixture  # noqa: E402
 
 
