@@ -6,6 +6,7 @@
 #include "apps/command_registry.hpp"
 #include "fixtures/fixture_reader.hpp"
 #include "fixtures/fixture_schema.hpp"
+#include "fixtures/inputs_digest.hpp"
 
 namespace cpgold::app {
 namespace {
@@ -25,6 +26,12 @@ int run_inspect(const std::string& path, bool verify) {
   std::printf("schema    %lld (%s)\n", static_cast<long long>(fixture.schema_version), fixture.generator.c_str());
   std::printf("case      %s\n", fixture.case_json.c_str());
   std::printf("traced    %s\n", fixture.traced ? "yes" : "no");
+  if (fixture.inputs_sha256.empty())
+    std::printf("inputs    sha256 %s (computed: the file predates the inputs_sha256 attribute)\n",
+                fx::inputs_sha256(reader).c_str());
+  else
+    std::printf("inputs    sha256 %s (%s)\n", fixture.inputs_sha256.c_str(),
+                verify ? "verified against the stored inputs" : "not verified: --no-verify");
   const int unchecked = static_cast<int>(fixture.without_checksum.size());
   if (verify)
     std::printf("checksums verified: %d dataset(s) with Fletcher32 read in full; %d empty dataset(s) hold no data and no "

@@ -77,6 +77,15 @@ class Fixture:
     def __repr__(self):
         return f"Fixture({self.path!r}, dtype={self.dtype}, cp_size={self.cp_size}, comm={self.comm})"
 
+    def validate(self, verify=True):
+        """Reads the file with cpgold's C++ reader, as `cpgold inspect` does: schema version, every dataset's presence,
+        type and shape against the case, the stored layout, and with verify every checksum and the inputs digest.
+        Returns {schema_version, generator, case_json, traced, datasets, inputs_sha256}; InputError naming the
+        dataset otherwise. Needs the extension."""
+        from ._core_loader import core
+
+        return core().open_fixture(self.source, bool(verify))
+
     @property
     def inputs_sha256(self):
         """SHA-256 naming the fixture's inputs (fixtures/SCHEMA.md, "Inputs digest"): the /case attribute, or for a

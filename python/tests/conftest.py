@@ -19,7 +19,7 @@ pytest_plugins = ["pytester"]
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "slow: minutes; CTest runs it as python_parity_te (label python_slow)")
+    config.addinivalue_line("markers", "slow: minutes; CTest runs it as python_parity_slow (label python_slow)")
 
 
 def golden_path(name):

@@ -295,3 +295,25 @@ def test_docs_build_with_the_readmes_commands():
         assert command in readme, f"docs/python.md builds with {command!r}, the README does not"
     assert "pip install ./python" in python_md
     assert python_md.index("numpy only") < python_md.index("## With PyTorch"), "the numpy path comes first"
+
+
+def test_fixture_read_by_the_cpp_reader(core, tmp_path):
+    import shutil
+
+    with cpgold.Fixture(golden_path("p2p_w2_causal_gqa_bf16")) as fx:
+        summary = fx.validate()
+        assert summary["schema_version"] == 2 and summary["inputs_sha256"] == fx.inputs_sha256
+        assert summary["case_json"] == fx.case_json
+    shutil.copy(golden_path("p2p_w2_causal_gqa_bf16"), tmp_path / "tampered.h5")
+    with h5py.File(tmp_path / "tampered.h5", "r+") as f:
+        f["case"].attrs["inputs_sha256"] = "0" * 64
+    with cpgold.Fixture(tmp_path / "tampered.h5") as fx:
+        with pytest.raises(cpgold.InputError, match="does not match the stored inputs"):
+            fx.validate()
+    shutil.copy(golden_path("p2p_w2_causal_gqa_bf16"), tmp_path / "missing.h5")
+    with h5py.File(tmp_path / "missing.h5", "r+") as f:
+        del f["golden/dq"]
+    with cpgold.Fixture(tmp_path / "missing.h5") as fx:
+        with pytest.raises(cpgold.InputError) as e:
+            fx.validate(verify=False)
+        assert e.value.field.endswith(":/golden/dq") and "dataset missing" in str(e.value)

@@ -6,7 +6,7 @@ For each fixture and candidate file (global outputs at the root, every rank unde
   - cpgold.check(GOLDEN, CANDIDATE) (the extension on the file),
   - cpgold.check_outputs on the same tensors read into numpy, globally and as the list of ranks,
 and every result (pass, errors, limits, ratios, exact violations, worst element, first divergence) must be equal.
-quick and edge run with the package's tests; te (minutes) is the slow test python_parity_te."""
+quick runs with the package's tests; edge and te (minutes) are the slow test python_parity_slow."""
 import os
 import subprocess
 
@@ -68,11 +68,11 @@ def check_parity(suite, tmp_path, cpgold_bin):
     return verdicts
 
 
-@pytest.mark.parametrize("suite", ["quick", "edge"])
-def test_in_process_verdicts_equal_the_commands(suite, tmp_path, cpgold_bin, core):
-    check_parity(suite, tmp_path, cpgold_bin)
+def test_in_process_verdicts_equal_the_commands(tmp_path, cpgold_bin, core):
+    check_parity("quick", tmp_path, cpgold_bin)
 
 
 @pytest.mark.slow
-def test_in_process_verdicts_equal_the_commands_on_te(tmp_path, cpgold_bin, core):
-    check_parity("te", tmp_path, cpgold_bin)
+@pytest.mark.parametrize("suite", ["edge", "te"])
+def test_in_process_verdicts_equal_the_commands_on_edge_and_te(suite, tmp_path, cpgold_bin, core):
+    check_parity(suite, tmp_path, cpgold_bin)
