@@ -8,8 +8,8 @@ set -euo pipefail
 repo=$(cd "$(dirname "$0")/../.." && pwd)
 python=${PYTHON:-/usr/bin/python3}
 work=$(mktemp -d)
-build="$repo/python/build/fresh-venv-$$"  # inside the tree: a compiler cache keyed on relative paths can serve it
-trap 'rm -rf "$work" "$build"' EXIT
+build="$work/build"  # a new build folder: nothing of an earlier `pip install` is reused (a compiler cache may be)
+trap 'rm -rf "$work"' EXIT
 unset CPGOLD_BIN PYTHONPATH
 
 t0=$(date +%s)
