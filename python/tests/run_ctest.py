@@ -2,6 +2,7 @@
 (exit 77, CTest's SKIP_RETURN_CODE) with the missing module and its Debian package named.
 --require-core: also skipped, naming why, when the package's C++ core (cpgold._core) was not built."""
 import importlib
+import os
 import sys
 
 SKIP = 77
@@ -26,9 +27,15 @@ def main(argv):
             print(f"SKIPPED: cpgold's extension (cpgold._core) is not built ({e}): configure with pybind11 and "
                   "Python's headers (Debian: pybind11-dev, python3-dev), or pip install ./python")
             return SKIP
+    import tempfile
+
     import pytest
 
-    return pytest.main(["-q", "-rs", "-p", "no:cacheprovider", *argv])
+    # Fixtures the plugin generates go to a new folder each run, so that a build whose generator changed never meets
+    # fixtures cached by an earlier one (users keep theirs, keyed by case, schema and generator version).
+    with tempfile.TemporaryDirectory(prefix="cpgold-fixture-cache-") as cache:
+        os.environ["CPGOLD_CACHE"] = cache
+        return pytest.main(["-q", "-rs", "-p", "no:cacheprovider", *argv])
 
 
 if __name__ == "__main__":
