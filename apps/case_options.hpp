@@ -61,14 +61,14 @@ inline std::string flag_name(const std::string& key) {
 inline nlohmann::json parse_number(const std::string& key, const std::string& text, bool integer) {
   nlohmann::json value;
   try {
-    value = nlohmann::json::parse(text);
-  } catch (const nlohmann::json::out_of_range&) {
-    fail_input(key, "value \"", text, "\" is out of range (it does not fit a 64-bit float or integer)");
-  } catch (const nlohmann::json::exception&) {
-    fail_input(key, "value \"", text, "\" is not ", integer ? "an integer" : "a number");
+    value = sim::parse_json(text, key);
+  } catch (const InputError& e) {
+    if (std::string(e.what()).find("out_of_range") != std::string::npos || std::string(e.what()).find("out of range") != std::string::npos)
+      fail_input(key, "value \"", sim::excerpt(text), "\" is out of range (it does not fit a 64-bit float or integer)");
+    fail_input(key, "value \"", sim::excerpt(text), "\" is not ", integer ? "an integer" : "a number");
   }
   if (!value.is_number() || (integer && !value.is_number_integer()))
-    fail_input(key, "value \"", text, "\" is not ", integer ? "an integer" : "a number");
+    fail_input(key, "value \"", sim::excerpt(text), "\" is not ", integer ? "an integer" : "a number");
   return value;
 }
 
@@ -81,7 +81,7 @@ inline nlohmann::json parse_list(const std::string& key, const std::string& text
     const size_t end = text.find(',', begin);
     const std::string item = text.substr(begin, end == std::string::npos ? std::string::npos : end - begin);
     const std::string field = key + "[" + std::to_string(i) + "]";
-    if (item.empty()) fail_input(field, "empty item in \"", text, "\"");
+    if (item.empty()) fail_input(field, "empty item in \"", sim::excerpt(text), "\"");
     list.push_back(parse_number(field, item, true));
     if (end == std::string::npos) return list;
     begin = end + 1;
@@ -115,12 +115,8 @@ inline void add_case_flags(CLI::App& sub, const std::shared_ptr<CaseFlags>& flag
 inline nlohmann::json case_object_from_flags(const CaseFlags& flags) {
   nlohmann::json object = nlohmann::json::object();
   if (!flags.case_json.empty()) {
-    try {
-      object = nlohmann::json::parse(flags.case_json);
-    } catch (const nlohmann::json::exception& e) {  // parse errors and number overflow (1e400)
-      fail_input("--case", "is not valid JSON (", e.what(), "): ", flags.case_json);
-    }
-    if (!object.is_object()) fail_input("--case", "must be a JSON object, got ", flags.case_json);
+    object = sim::parse_json(flags.case_json, "--case");  // bounded: length, depth, no key twice
+    if (!object.is_object()) fail_input("--case", "must be a JSON object, got ", sim::excerpt(flags.case_json));
   }
   for (const auto& key : case_flags_detail::kKeys) {
     auto it = flags.values.find(key.name);

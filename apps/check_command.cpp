@@ -1,10 +1,12 @@
 // `cpgold check`: candidate files against a golden fixture (exit 0 pass, 1 fail, 2 unusable input);
 // `--identical A B` compares two candidates bit for bit; `--self GOLDEN` checks an independent CPU path.
+#include <algorithm>
 #include <cstdio>
 #include <iostream>
 #include <sstream>
 
 #include "apps/command_registry.hpp"
+#include "apps/json_output.hpp"
 #include "fixtures/check.hpp"
 #include "reference/input_error.hpp"
 
@@ -32,7 +34,7 @@ int run_check(const CheckArgs& args) {
       j["datasets"] = report.datasets;
       j["differences"] = report.differences;
       j["identical"] = report.pass();
-      std::cout << j.dump(2) << "\n";
+      std::cout << json_text(j);
     } else {
       std::cout << fx::render_text(report);
     }
@@ -43,19 +45,28 @@ int run_check(const CheckArgs& args) {
   if (!convention) fail_input("--empty-row-lse", "expected neg-inf or pos-inf, got \"", args.empty_row_lse, "\"");
   options.empty_row_lse = *convention;
   if (!args.tensors.empty()) {
-    std::stringstream in(args.tensors);
-    std::string name;
-    while (std::getline(in, name, ',')) {
+    // "o,lse": every item a tensor name, none empty ("o," and "o,,lse" alike), none twice.
+    size_t begin = 0;
+    for (int i = 0;; ++i) {
+      const size_t end = args.tensors.find(',', begin);
+      const std::string name = args.tensors.substr(begin, end == std::string::npos ? std::string::npos : end - begin);
       const auto quantity = fx::parse_quantity(name);
+      if (name.empty()) fail_input("--tensors", "empty item ", i, " in \"", args.tensors, "\" (expected o, lse, dq, dk, dv)");
       if (!quantity) fail_input("--tensors", "unknown tensor \"", name, "\" (expected o, lse, dq, dk, dv)");
+      if (std::find(options.tensors.begin(), options.tensors.end(), *quantity) != options.tensors.end())
+        fail_input("--tensors", "tensor \"", name, "\" is given twice in \"", args.tensors, "\"");
       options.tensors.push_back(*quantity);
+      if (end == std::string::npos) break;
+      begin = end + 1;
     }
   }
   options.allow_same_file = args.allow_same_file;
   if (!args.ranks.empty()) {
-    std::stringstream in(args.ranks);
-    std::string item;
-    while (std::getline(in, item, ',')) {
+    // "0,2": non-negative integers, no empty item ("0," included), none twice.
+    size_t begin = 0;
+    for (;;) {
+      const size_t end = args.ranks.find(',', begin);
+      const std::string item = args.ranks.substr(begin, end == std::string::npos ? std::string::npos : end - begin);
       size_t used = 0;
       int rank = -1;
       try {
@@ -66,7 +77,11 @@ int run_check(const CheckArgs& args) {
       if (item.empty() || used != item.size() || rank < 0)
         fail_input("--ranks", "expected ranks as non-negative integers separated by commas (e.g. 0,2), got \"",
                    args.ranks, "\"");
+      if (std::find(options.ranks.begin(), options.ranks.end(), rank) != options.ranks.end())
+        fail_input("--ranks", "rank ", rank, " is given twice in \"", args.ranks, "\"");
       options.ranks.push_back(rank);
+      if (end == std::string::npos) break;
+      begin = end + 1;
     }
   }
   fx::CheckReport report;
@@ -77,7 +92,7 @@ int run_check(const CheckArgs& args) {
     if (args.files.size() < 2) fail_input("check", "expects GOLDEN CANDIDATE... (one merged file or one file per rank)");
     report = fx::check(args.files[0], {args.files.begin() + 1, args.files.end()}, options);
   }
-  if (args.format == "json") std::cout << fx::to_json(report).dump(2) << "\n";
+  if (args.format == "json") std::cout << json_text(fx::to_json(report));
   else std::cout << fx::render_text(report);
   return report.pass() ? kExitPass : kExitFail;
 }
@@ -97,18 +112,8 @@ const RegisterCommand registered("check", [](CLI::App& app) -> std::function<int
                   "comma-separated ranks whose per-rank outputs are checked (default: every rank of the fixture)");
   sub->add_flag("--allow-same-file", args->allow_same_file,
                 "accept the golden file as a candidate: checks its stored simulator outputs (/peer), on purpose");
-  return [=] {
-    try {
-      return run_check(*args);
-    } catch (const InputError& e) {
-      if (args->format != "json") throw;
-      // With --format json, stdout stays one JSON document also on error; main's text still goes to stderr.
-      nlohmann::ordered_json j;
-      j["error"] = {{"field", e.field()}, {"message", e.what()}, {"exit_code", kExitUnusable}};
-      std::cout << j.dump(2) << "\n";
-      throw;
-    }
-  };
+  // With --format json, main prints every error as one JSON object ({"error": ...}) on stdout as well.
+  return [=] { return run_check(*args); };
 });
 
 }  // namespace

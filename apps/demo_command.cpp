@@ -1,8 +1,10 @@
 // `cpgold demo`: the main job. Runs what the build has on built-in cases and prints one verdict per check.
 #include <omp.h>
 
+#include <cerrno>
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <cstdio>
 #include <cstring>
 #include <limits>
@@ -19,6 +21,7 @@
 #include "fixtures/golden_run.hpp"
 #include "fixtures/suites.hpp"
 #include "reference/attention.hpp"
+#include "reference/input_error.hpp"
 #include "sim/case_inputs.hpp"
 #include "sim/case_spec.hpp"
 #include "sim/executor.hpp"
@@ -282,9 +285,10 @@ int run_demo(const std::string& keep_folder) {
   if (!keep_folder.empty()) {
     folder = keep_folder;
     std::filesystem::create_directories(folder);
-  } else {
-    folder = std::filesystem::temp_directory_path() / ("cpgold-demo-" + std::to_string(::getpid()));
-    std::filesystem::create_directories(folder);
+  } else {  // a private folder of this process (mkdtemp): nothing of another user's is followed or removed
+    std::string scratch = (std::filesystem::temp_directory_path() / "cpgold-demo-XXXXXX").string();
+    if (!::mkdtemp(scratch.data())) fail_input(scratch, "cannot create a temporary folder (", std::strerror(errno), ")");
+    folder = scratch;
   }
   std::printf("\n2. The quick suite: fixtures in %s, the float64 CP simulation against the non-CP oracle "
               "(limit 1e-12 relative),\n   and `cpgold check --self` (the CP simulator in the case dtype with another "

@@ -1,13 +1,14 @@
 // `cpgold explain`: the chunk map, the per-rank per-step table, the work per rank and warnings for a case; for large
 // layouts (W x W x sequences past sim::kSummaryPlanUnits) a summary unless --full. With --te-audit also the literal
 // TransformerEngine replay and its visible-pairs audit (docs/te-audit.md); the exit code is then the audit's verdict.
-#include <fstream>
 #include <iostream>
 #include <memory>
 
 #include "apps/case_options.hpp"
 #include "apps/command_registry.hpp"
+#include "apps/json_output.hpp"
 #include "apps/machine_resources.hpp"
+#include "fixtures/output_file.hpp"
 #include "sim/explain.hpp"
 #include "sim/explain_summary.hpp"
 #include "sim/explain_te.hpp"
@@ -20,17 +21,10 @@ namespace {
 struct ExplainOptions {
   std::string format = "text";
   std::string svg;
-  bool full = false, summary = false;
+  bool full = false, summary = false, force = false;
   bool te_audit = false;
   std::string te_pad_between_seqs = "true";
 };
-
-void write_svg(const std::string& path, const std::string& svg) {
-  std::ofstream out(path);
-  if (!out) fail_input("--svg", "cannot write \"", path, "\"");
-  out << svg;
-  if (!out) fail_input("--svg", "cannot write \"", path, "\"");
-}
 
 RegisterCommand reg{"explain", [](CLI::App& app) {
   auto* sub = app.add_subcommand("explain", "Show how a case is split over CP ranks: chunk map, per-step tables, work, warnings");
@@ -48,12 +42,18 @@ RegisterCommand reg{"explain", [](CLI::App& app) {
                   "true | false: the pad_between_seqs the --te-audit verdict is about (true: what TE sets itself when "
                   "padded offsets are passed; false: the cu // W shortcut); both are reported")
       ->check(CLI::IsMember({"true", "false"}));
+  sub->add_flag("--force", options->force, "with --svg: replace an existing file (a regular file only)");
   return std::function<int()>([flags, options] {
     if (options->full && options->summary) fail_input("--full", "cannot be combined with --summary: give one of them");
+    if (options->force && options->svg.empty()) fail_input("--force", "replaces the --svg file only: give --svg FILE");
     if (options->te_audit && options->summary)
       fail_input("--te-audit", "needs every tile and cannot be combined with --summary");
     const nlohmann::json case_object = case_object_from_flags(*flags);
     const sim::CaseSpec spec = sim::parse_case(case_object);
+    // The SVG's destination by gen's rules, before any work: no existing path replaced without --force, only a
+    // regular file with it, nothing left behind by a failed write (fx::write_text_file). The SVG is written before the
+    // report is printed: a failed write then prints no report (with --format json, one {"error": ...} object instead).
+    if (!options->svg.empty()) fx::check_destination(options->svg, options->force);
     if (options->te_audit && spec.cp_size < 2)
       fail_input("--te-audit", "cp_size ", spec.cp_size, " runs TransformerEngine without context parallelism; the "
                  "replay covers CP (cp_size >= 2)");
@@ -62,9 +62,9 @@ RegisterCommand reg{"explain", [](CLI::App& app) {
     const bool full = options->full || options->te_audit;
     if (options->summary || (!full && sim::plan_units(spec) > sim::kSummaryPlanUnits)) {
       const sim::LayoutSummary summary = sim::summarize_layout(spec);
-      if (options->format == "json") std::cout << sim::summary_json(spec, summary).dump(2) << "\n";
+      if (!options->svg.empty()) fx::write_text_file(options->svg, sim::summary_svg(spec, summary), options->force);
+      if (options->format == "json") std::cout << json_text(sim::summary_json(spec, summary));
       else std::cout << sim::summary_text(spec, summary);
-      if (!options->svg.empty()) write_svg(options->svg, sim::summary_svg(spec, summary));
       return kExitPass;
     }
     const MachineResources machine = machine_resources(".");
@@ -78,15 +78,16 @@ RegisterCommand reg{"explain", [](CLI::App& app) {
     if (options->te_audit)
       te = std::make_unique<sim::TeAuditReport>(sim::te_audit_report(spec, plan, sim::te_user_arguments(case_object),
                                                                      options->te_pad_between_seqs == "true"));
+    if (!options->svg.empty())
+      fx::write_text_file(options->svg, sim::explain_svg(spec, plan, te.get()), options->force);
     if (options->format == "json") {
       nlohmann::ordered_json j = sim::explain_json(spec, plan);
       if (te) j["te_audit"] = sim::te_audit_json(*te);
-      std::cout << j.dump(2) << "\n";
+      std::cout << json_text(j);
     } else {
       std::cout << sim::explain_text(spec, plan);
       if (te) std::cout << sim::te_audit_text(*te);
     }
-    if (!options->svg.empty()) write_svg(options->svg, sim::explain_svg(spec, plan, te.get()));
     return te && !te->exact() ? kExitFail : kExitPass;
   });
 }};

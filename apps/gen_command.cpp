@@ -1,6 +1,7 @@
 // `cpgold gen`: a case or a suite to HDF5 fixtures. Before any work: the destinations, and the memory and disk
 // estimates against what the machine has. Size and time estimate before each long case, progress during its compute
 // (a bar on a terminal, a line every 10 s otherwise), a summary table at the end.
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -45,56 +46,6 @@ std::string seconds_text(double s) {
   if (s >= 60) std::snprintf(buffer, sizeof buffer, "%dm%02ds", static_cast<int>(s) / 60, static_cast<int>(s) % 60);
   else std::snprintf(buffer, sizeof buffer, "%.1fs", s);
   return buffer;
-}
-
-// Score-tile elements of one pass over a case: sum over sequences and query heads of the (q, k) pairs inside the
-// mask (causal, window), counted row by row: O(total tokens).
-double case_pairs(const sim::CaseSpec& spec) {
-  const std::vector<int32_t> kv = sim::seqlens_kv(spec);
-  const Window w = sim::mask_window(spec);
-  double pairs = 0;
-  for (size_t b = 0; b < spec.seqlens_q.size(); ++b) {
-    const int64_t lq = spec.seqlens_q[b], lk = kv[b], delta = lk - lq;
-    if (w.left < 0 && w.right < 0) {
-      pairs += double(lq) * double(lk);
-      continue;
-    }
-    for (int64_t i = 0; i < lq; ++i) {
-      const int64_t lo = w.left >= 0 ? std::max<int64_t>(0, i + delta - w.left) : 0;
-      const int64_t hi = w.right >= 0 ? std::min<int64_t>(lk - 1, i + delta + w.right) : lk - 1;
-      if (hi >= lo) pairs += double(hi - lo + 1);
-    }
-  }
-  return pairs * spec.heads_q;
-}
-
-// Runs over the tiles: forward, dQ and dK/dV passes of the oracle, the non-CP peer and the CP peer; with --trace also
-// of the float64 CP oracle.
-int kernel_passes(bool trace) { return 3 * (trace ? 4 : 3); }
-
-// Uncompressed bytes: inputs, goldens + peer, per-rank copies of both.
-double case_bytes(const sim::CaseSpec& spec) {
-  const ThdLayout layout = sim::layout(spec);
-  const double tq = double(layout.q.total_rows), tkv = double(layout.kv.total_rows);
-  const double hq = spec.heads_q, hkv = sim::heads_kv(spec), dqk = spec.dim_qk, dv = sim::dim_v(spec);
-  const double in = dtype_bytes(spec.dtype);
-  const double inputs = (tq * hq * (dqk + dv) + tkv * hkv * (dqk + dv)) * in;
-  const double outputs = tq * hq * (dv + dqk + 1) + tkv * hkv * (dqk + dv);
-  return 2 * inputs + outputs * (4 + in) + outputs * 4;
-}
-
-// The estimates, calibrated on this project's 2-core build machine (docs/PERF.md, "gen estimates"): peak memory
-// (maxrss) was 5.4-5.5 x case_bytes for causal and full cases of 800-2400 tokens (the disk bound is disk_bound); the
-// time a * pair-dims + b * bytes, fitted on two full-mask cases (1200 and 2400 tokens): 11.4e9 score-tile pair-dims/s
-// over the 9 kernel passes and 31 MB/s of payload (HDF5 deflate and Fletcher32, shards included). More cores make the
-// compute part faster: an upper bound there.
-constexpr double kMemoryPerByte = 5.6, kMemoryBase = 64e6;
-constexpr double kPairDimsPerSecond = 11.4e9, kBytesPerSecond = 31e6;
-
-double memory_estimate(const sim::CaseSpec& spec) { return kMemoryPerByte * case_bytes(spec) + kMemoryBase; }
-double seconds_estimate(const sim::CaseSpec& spec, bool trace) {
-  return case_pairs(spec) * (spec.dim_qk + sim::dim_v(spec)) * kernel_passes(trace) / kPairDimsPerSecond +
-         case_bytes(spec) / kBytesPerSecond;
 }
 
 // Progress of one case: score-tile elements reported by the kernels (any thread) against the expected count; a bar
@@ -148,12 +99,6 @@ struct Job {
   bool trace = false;  // the suite asks for step partials (golden)
 };
 
-// At most this many bytes on disk (fx::fixture_size_bound: the stored bytes as if nothing compressed, plus every
-// object's overhead); the files are usually smaller.
-double disk_bound(const Job& job, bool trace) {
-  return double(fx::fixture_size_bound(job.spec, sim::make_plan(job.spec), trace || job.trace));
-}
-
 struct Done {
   std::string name, status;
   bool cpu_only = false;
@@ -192,46 +137,69 @@ int run_gen(CaseFlags flags, const std::string& suite, const std::string& output
   if (output.empty()) fail_input("-o", "an output path is required (a file for a case, a folder for a suite)");
   std::vector<Job> jobs;
   if (!suite.empty()) {
-    std::error_code ec;
-    fs::create_directories(output, ec);
-    if (!fs::is_directory(output)) fail_input("-o", "cannot create output folder '", output, "'");
-    for (const fx::SuiteCase& c : suite == "random" ? random : fx::suite_cases(suite)) {
+    // The suite's cases first: an unknown suite is refused before the folder is created.
+    const std::vector<fx::SuiteCase> cases = suite == "random" ? random : fx::suite_cases(suite);
+    for (const fx::SuiteCase& c : cases) {
       if (!only.empty() && std::find(only.begin(), only.end(), c.name) == only.end()) continue;
       jobs.push_back({c.name, (fs::path(output) / (c.name + ".h5")).string(), c.spec, c.cpu_only, c.trace});
     }
+    for (const std::string& name : only)
+      if (std::none_of(cases.begin(), cases.end(), [&](const fx::SuiteCase& c) { return c.name == name; }))
+        fail_input("--only", "no case named \"", name, "\" in suite ", suite);
     if (jobs.empty()) fail_input("--only", "no case of suite ", suite, " matches");
+    std::error_code ec;
+    struct stat info {};
+    if (::lstat(output.c_str(), &info) == 0 && !S_ISDIR(info.st_mode))
+      fail_input("-o", "'", output, "' exists and is not a folder (a suite is written into a folder)");
+    fs::create_directories(output, ec);
+    if (!fs::is_directory(output)) fail_input("-o", "cannot create output folder '", output, "'", ec ? " (" + ec.message() + ")" : "");
   } else {
     const sim::CaseSpec spec = case_from_flags(flags);
     jobs.push_back({fs::path(output).stem().string(), output, spec, !fx::inside_gpu_table(spec)});
   }
   // Refuse before any work: a missing or unwritable folder, a destination that exists (without --force) or is not a
-  // regular file (with --force).
+  // regular file (with --force); the manifest's destination by the same rules.
   for (const Job& job : jobs) fx::check_destination(job.path, force);
+  const std::string manifest_path = (fs::path(output) / fx::kManifestName).string();
+  if (manifest) fx::check_destination(manifest_path, force);
 
-  // Refuse before any work when the estimates exceed what the machine has (unless --yes).
-  double disk_needed = 0, memory_needed = 0, largest_bytes = 0;
+  // Refuse before any work when the estimates exceed what the machine has (unless --yes). Memory first, from
+  // sim::case_cost (tensors, the Plan, step partials), before any Plan is built: a Plan can be larger than the machine.
+  double disk_needed = 0, memory_needed = 0;
+  sim::CaseCost largest_cost;
   std::string largest;
   for (const Job& job : jobs) {
-    disk_needed += disk_bound(job, trace);
-    if (memory_estimate(job.spec) > memory_needed)
-      memory_needed = memory_estimate(job.spec), largest = job.name, largest_bytes = case_bytes(job.spec);
+    const sim::CaseCost cost = sim::case_cost(job.spec, trace || job.trace);
+    if (cost.memory_bytes > memory_needed) memory_needed = cost.memory_bytes, largest = job.name, largest_cost = cost;
   }
   const std::string folder = fs::absolute(fs::path(jobs.front().path)).parent_path().string();
   const MachineResources machine = machine_resources(folder);
-  if (!yes && memory_needed > double(machine.memory_available))
+  if (!yes && memory_needed > double(machine.memory_available)) {
+    const auto job = std::find_if(jobs.begin(), jobs.end(), [&](const Job& j) { return j.name == largest; });
     fail_input(jobs.size() == 1 ? std::string("case") : largest,
-               "needs about ", human_bytes(memory_needed), " of memory (estimate: ", kMemoryPerByte, " x ",
-               human_bytes(largest_bytes),
-               " of data + ", human_bytes(kMemoryBase), ") but ", human_bytes(double(machine.memory_available)),
-               " are available (", machine.memory_source, "); make the case smaller or pass --yes to try anyway");
+               "needs about ", human_bytes(memory_needed), " of memory (estimate: ", sim::kMemoryPerByte, " x ",
+               human_bytes(largest_cost.tensor_bytes), " of tensors + ", human_bytes(sim::kMemoryBase), " + ",
+               human_bytes(largest_cost.plan_bytes), " for the Plan: ", largest_cost.tiles, " tiles per pass x ",
+               job->spec.seqlens_q.size(), " sequences",
+               largest_cost.trace_bytes > 0 ? " + the step partials" : "", ") but ",
+               human_bytes(double(machine.memory_available)), " are available (", machine.memory_source,
+               "); make the case smaller or pass --yes to try anyway");
+  }
+  // Disk: each fixture's size bound (fx::fixture_size_bound over every dataset and group, step groups included), from
+  // its Plan, which fits now.
+  std::vector<double> disk_bounds;
+  for (const Job& job : jobs) {
+    disk_bounds.push_back(double(fx::fixture_size_bound(job.spec, sim::make_plan(job.spec), trace || job.trace)));
+    disk_needed += disk_bounds.back();
+  }
   if (!yes && disk_needed > double(machine.disk_free))
     fail_input(jobs.size() == 1 ? jobs.front().path : folder, "needs up to ", human_bytes(disk_needed),
-               " of disk (an upper bound: the fixtures' uncompressed size and HDF5's overhead) but ",
+               " of disk (an upper bound: the fixtures' uncompressed size and HDF5's overhead, step groups included) but ",
                human_bytes(double(machine.disk_free)), " are free there; free space or pass --yes to try anyway");
 
   const bool terminal = ::isatty(STDERR_FILENO) != 0;
   double total_estimate = 0;
-  for (const Job& job : jobs) total_estimate += seconds_estimate(job.spec, trace || job.trace);
+  for (const Job& job : jobs) total_estimate += sim::case_cost(job.spec, trace || job.trace).seconds;
   double correction = 1.0;  // measured / estimated, refined after every case
   double estimated_done = 0;
   const auto start = std::chrono::steady_clock::now();
@@ -239,16 +207,17 @@ int run_gen(CaseFlags flags, const std::string& suite, const std::string& output
   for (size_t i = 0; i < jobs.size(); ++i) {
     const Job& job = jobs[i];
     const bool job_trace = trace || job.trace;
-    const double estimate = seconds_estimate(job.spec, job_trace);
+    const sim::CaseCost cost = sim::case_cost(job.spec, job_trace);
+    const double estimate = cost.seconds;
     const double eta = (total_estimate - estimated_done) * correction;
     if (estimate * correction > 2.0 || !terminal)
       std::fprintf(stderr, "[%zu/%zu] %s: at most %s on disk, about %s of memory, %s (ETA %s)\n", i + 1, jobs.size(),
-                   job.name.c_str(), human_bytes(disk_bound(job, trace)).c_str(),
-                   human_bytes(memory_estimate(job.spec)).c_str(), seconds_text(estimate * correction).c_str(),
+                   job.name.c_str(), human_bytes(disk_bounds[i]).c_str(),
+                   human_bytes(cost.memory_bytes).c_str(), seconds_text(estimate * correction).c_str(),
                    seconds_text(eta).c_str());
     const auto t0 = std::chrono::steady_clock::now();
     CaseProgress progress("[" + std::to_string(i + 1) + "/" + std::to_string(jobs.size()) + "] " + job.name,
-                          case_pairs(job.spec) * kernel_passes(job_trace), terminal);
+                          cost.pairs * sim::kernel_passes(job_trace), terminal);
     fx::GenerateOptions options;
     options.trace = job_trace;
     options.progress = &progress;
@@ -259,7 +228,7 @@ int run_gen(CaseFlags flags, const std::string& suite, const std::string& output
         const ThdLayout layout = sim::layout(job.spec);
         fail_input(job.name, "out of memory: total_tokens_q = ", layout.q.total_rows, ", total_tokens_kv = ",
                    layout.kv.total_rows, ", heads_q = ", job.spec.heads_q, ", dim_qk = ", job.spec.dim_qk,
-                   ", cp_size = ", job.spec.cp_size, " need about ", human_bytes(memory_estimate(job.spec)), ", ",
+                   ", cp_size = ", job.spec.cp_size, " need about ", human_bytes(cost.memory_bytes), ", ",
                    human_bytes(double(machine_resources(folder).memory_available)), " are available");
       }
     }();
@@ -294,7 +263,7 @@ int run_gen(CaseFlags flags, const std::string& suite, const std::string& output
   if (manifest) {
     std::vector<fx::FixtureDigest> digests;
     for (const Job& job : jobs) digests.push_back(fx::digest_fixture(job.path));
-    std::printf("manifest: %s\n", fx::write_manifest(output, suite, digests).c_str());
+    std::printf("manifest: %s\n", fx::write_manifest(output, suite, digests, force).c_str());
   }
   return kExitPass;
 }

@@ -1,5 +1,8 @@
 // cpgold: golden data for context-parallel attention, and checks against it. One binary, subcommands.
 #include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
 #include <string>
 #include <vector>
 #include <exception>
@@ -9,6 +12,7 @@
 #include <stdexcept>
 
 #include "apps/command_registry.hpp"
+#include "apps/json_output.hpp"
 #include "apps/machine_resources.hpp"
 #include "reference/input_error.hpp"
 
@@ -77,10 +81,33 @@ std::string available_memory_text() {
   const cpgold::app::MachineResources machine = cpgold::app::machine_resources(".");
   return std::to_string(machine.memory_available / (1 << 20)) + " MiB";
 }
+
+// --format json (or --format=json) anywhere on the command line: every outcome, a parse error of the command line
+// included, then prints one JSON object on standard output.
+bool wants_json(int argc, char** argv) {
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg == "--format=json" || (arg == "--format" && i + 1 < argc && std::string(argv[i + 1]) == "json")) return true;
+  }
+  return false;
+}
+
+// Standard output must have taken everything (a full disk, a closed file): otherwise the command did not do its work.
+int finish_output(const std::string& command, int code) {
+  errno = 0;
+  std::cout.flush();
+  const bool failed = !std::cout.good() || std::fflush(stdout) != 0 || std::ferror(stdout);
+  if (!failed) return code;
+  const int error = errno;
+  std::cerr << "cpgold " << command << ": error: cannot write standard output ("
+            << (error ? std::strerror(error) : "write failed") << "): the report is incomplete\n";
+  return cpgold::app::kExitUnusable;
+}
 }  // namespace
 
 int main(int argc, char** argv) {
   using namespace cpgold::app;
+  const bool json = wants_json(argc, argv);
   CLI::App app{"cpgold " CPGOLD_VERSION ": golden data and checks for context-parallel (CP) attention on THD layouts"};
   app.set_version_flag("--version", std::string(CPGOLD_VERSION));
   app.require_subcommand(1);
@@ -94,29 +121,36 @@ int main(int argc, char** argv) {
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
+    if (json && e.get_exit_code() != 0) std::cout << json_error_text("arguments", e.what(), kExitUnusable);
     const int code = app.exit(e);
     if (code != 0) suggest(app, argc, argv);
-    return code == 0 ? 0 : kExitUnusable;
+    return finish_output("", code == 0 ? 0 : kExitUnusable);
   }
   for (CLI::App* sub : app.get_subcommands()) {
+    const std::string name = sub->get_name();
+    // An error: the message on stderr and, with --format json, the same as one JSON object on stdout. Whatever the
+    // command printed before is left as it is (commands print their report last).
+    auto error = [&](const std::string& field, const std::string& message, int code, const char* kind) {
+      if (json) std::cout << json_error_text(field, message, code);
+      std::cerr << "cpgold " << name << ": " << kind << message << "\n";  // std::cerr flushes std::cout first
+      return finish_output(name, code);
+    };
     try {
-      return runners.at(sub)();
+      return finish_output(name, runners.at(sub)());
     } catch (const cpgold::InputError& e) {
-      std::cerr << "cpgold " << sub->get_name() << ": error: " << e.what() << "\n";
-      return kExitUnusable;
+      return error(e.field(), e.what(), kExitUnusable, "error: ");
     } catch (const std::bad_alloc&) {
-      // Input too large for this machine (gen refuses most such cases up front from its estimate).
-      std::cerr << "cpgold " << sub->get_name() << ": error: out of memory: the input is too large for the memory "
-                << "available (" << available_memory_text() << "); make the case smaller (total_tokens_q, "
-                << "total_tokens_kv, seqlens_q, heads_q, dim_qk, cp_size)\n";
-      return kExitUnusable;
+      // Input too large for this machine (gen and the fixture reader refuse most such cases up front).
+      return error("memory",
+                   "out of memory: the input is too large for the memory available (" + available_memory_text() +
+                       "); make the case smaller (total_tokens_q, total_tokens_kv, seqlens_q, heads_q, dim_qk, "
+                       "cp_size) or check a smaller file",
+                   kExitUnusable, "error: ");
     } catch (const std::length_error& e) {
-      std::cerr << "cpgold " << sub->get_name() << ": error: the input is too large to hold in memory (" << e.what()
-                << "); make the case smaller\n";
-      return kExitUnusable;
+      return error("memory", std::string("the input is too large to hold in memory (") + e.what() + ")", kExitUnusable,
+                   "error: ");
     } catch (const std::exception& e) {
-      std::cerr << "cpgold " << sub->get_name() << ": internal error: " << e.what() << "\n";
-      return 3;
+      return error("internal", e.what(), 3, "internal error: ");
     }
   }
   return kExitUnusable;

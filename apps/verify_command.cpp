@@ -9,7 +9,10 @@
 // `--backend nccl`: one GPU per rank (gpu/nccl_verify.hpp), ranks started as threads, by mpirun or through a shared
 // folder (apps/rank_launch_options.hpp); every rank checks its own outputs, rank 0 prints one table per fixture.
 // `--inject-failure RANK:KIND` / `--inject-mismatch RANK` (with --backend nccl): self-tests of the fault contract.
+#include <cerrno>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <unistd.h>
 
 #include <filesystem>
@@ -21,7 +24,9 @@
 #include <vector>
 
 #include "apps/command_registry.hpp"
+#include "apps/json_output.hpp"
 #include "apps/rank_launch_options.hpp"
+#include "fixtures/output_file.hpp"
 #include "reference/input_error.hpp"
 
 #if CPGOLD_HAVE_CUDA
@@ -40,6 +45,7 @@ namespace {
 struct VerifyArgs {
   std::vector<std::string> fixtures;
   std::string dump;
+  bool force = false;  // --dump may replace an existing regular file
   std::string format = "text";
   bool deterministic = false;
   std::string backend;  // empty: the non-CP path; "local": CP with W ranks on one GPU
@@ -79,7 +85,7 @@ gpu::FixtureVerdict verify_one(const std::string& path, const VerifyArgs& args, 
     std::cout << "fixture    " << path << "\nUNSUPPORTED on the GPU: " << result.unsupported_reason << "\n\n";
     return result.verdict;
   }
-  if (args.format == "json") std::cout << fx::to_json(*result.report).dump(2) << "\n";
+  if (args.format == "json") std::cout << json_text(fx::to_json(*result.report));
   else std::cout << fx::render_text(*result.report) << "\n";
   return result.verdict;
 }
@@ -116,6 +122,9 @@ int run_verify(const VerifyArgs& args, const RankLaunchOptions& launch) {
   if (args.format != "text" && args.format != "json") fail_input("--format", "expected text or json, got \"", args.format, "\"");
   if (!args.dump.empty() && args.fixtures.size() != 1)
     fail_input("--dump", "writes the outputs of one fixture; got ", args.fixtures.size(), " fixtures");
+  if (args.force && args.dump.empty()) fail_input("--force", "replaces the --dump file only: give --dump FILE");
+  // The dump's destination by gen's rules, before any work (fx::check_destination).
+  if (!args.dump.empty()) fx::check_destination(args.dump, args.force);
   if (!args.backend.empty() && args.backend != "local" && args.backend != "nccl")
     fail_input("--backend", "expected local or nccl, got \"", args.backend, "\"");
   if ((!args.inject_failure.empty() || args.inject_mismatch >= 0) && args.backend != "nccl")
@@ -130,21 +139,24 @@ int run_verify(const VerifyArgs& args, const RankLaunchOptions& launch) {
   if (gpu::cuda_device_count() == 0) fail_input("verify", "no CUDA device (the GPU path needs one)");
   int passed = 0, failed = 0, unsupported = 0;
   namespace fs = std::filesystem;
+  // Candidates the check reads back go to a private folder of this process (mkdtemp: nothing of another user's is
+  // followed or replaced); --dump goes through a hidden temporary file moved into place at the end.
+  std::string scratch = (fs::temp_directory_path() / "cpgold-verify-XXXXXX").string();
+  if (!::mkdtemp(scratch.data())) fail_input(scratch, "cannot create a temporary folder (", std::strerror(errno), ")");
+  struct RemoveScratch {
+    std::string path;
+    ~RemoveScratch() {
+      std::error_code ec;
+      fs::remove_all(path, ec);
+    }
+  } remove_scratch{scratch};
   for (const std::string& path : args.fixtures) {
-    std::string dump = args.dump;
-    bool temporary = false;
-    if (dump.empty()) {
-      dump = (fs::temp_directory_path() / ("cpgold-verify-" + std::to_string(::getpid()) + ".h5")).string();
-      temporary = true;
-    }
-    gpu::FixtureVerdict verdict;
-    try {
-      verdict = verify_one(path, args, dump);
-    } catch (...) {
-      if (temporary) fs::remove(dump);
-      throw;
-    }
-    if (temporary) fs::remove(dump);
+    std::optional<fx::PartialFile> partial;
+    if (!args.dump.empty()) partial.emplace(args.dump, args.force);
+    const std::string dump = partial ? partial->path() : (fs::path(scratch) / "candidate.h5").string();
+    const gpu::FixtureVerdict verdict = verify_one(path, args, dump);
+    if (partial) partial->commit();
+    else fs::remove(dump);
     (verdict == gpu::FixtureVerdict::pass ? passed : verdict == gpu::FixtureVerdict::fail ? failed : unsupported) += 1;
   }
   std::printf("verify: %d passed, %d failed, %d unsupported (of %zu fixtures; %s; backward mode %s)\n", passed,
@@ -167,6 +179,7 @@ const RegisterCommand registered("verify", [](CLI::App& app) -> std::function<in
   auto args = std::make_shared<VerifyArgs>();
   sub->add_option("fixtures", args->fixtures, "FIXTURE... (golden HDF5 files)")->required();
   sub->add_option("--dump", args->dump, "write the GPU outputs as a candidate file (one fixture)");
+  sub->add_flag("--force", args->force, "with --dump: replace an existing file (a regular file only)");
   sub->add_option("--format", args->format, "text or json");
   sub->add_flag("--deterministic", args->deterministic, "bitwise reproducible backward (dQ by a separate pass)");
   sub->add_option("--backend", args->backend,

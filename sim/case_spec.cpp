@@ -1,5 +1,6 @@
 #include "sim/case_spec.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <set>
 
@@ -21,15 +22,57 @@ const std::vector<std::string>& case_keys() {
   return keys;
 }
 
-std::string show(const json& value) { return value.dump(); }
+// A value in a message: its JSON text, cut (parse_json bounds the depth, so dump() stays shallow).
+std::string show(const json& value) { return excerpt(value.dump(-1, ' ', false, json::error_handler_t::replace)); }
 
-int64_t get_int(const json& value, const std::string& field, int64_t lo, int64_t hi) {
+// `why`: the reason for the range, appended to the message.
+int64_t get_int(const json& value, const std::string& field, int64_t lo, int64_t hi, const char* why = "") {
   if (!value.is_number_integer())
     fail_input(field, "must be an integer, got ", show(value));
   const bool past_int64 = value.is_number_unsigned() && value.get<uint64_t>() > static_cast<uint64_t>(INT64_MAX);
   const int64_t x = past_int64 ? 0 : value.get<int64_t>();
-  if (past_int64 || x < lo || x > hi) fail_input(field, "value ", show(value), " outside [", lo, ", ", hi, "]");
+  if (past_int64 || x < lo || x > hi) fail_input(field, "value ", show(value), " outside [", lo, ", ", hi, "]", why);
   return x;
+}
+
+template <class Json>
+Json parse_bounded(std::string_view text, const std::string& field) {
+  if (text.size() > kMaxJsonBytes)
+    fail_input(field, "JSON of ", text.size(), " bytes, more than the ", kMaxJsonBytes, " accepted: ", excerpt(text));
+  int level = 0;
+  std::vector<std::set<std::string>> keys;  // keys of each open object
+  typename Json::parser_callback_t check = [&](int, typename Json::parse_event_t event, Json& parsed) -> bool {
+    using Event = typename Json::parse_event_t;
+    switch (event) {
+      case Event::object_start:
+        keys.emplace_back();
+        [[fallthrough]];
+      case Event::array_start:
+        if (++level > kMaxJsonDepth)
+          throw InputError(field, "JSON nested deeper than " + std::to_string(kMaxJsonDepth) + " levels: " + excerpt(text));
+        break;
+      case Event::object_end:
+        if (!keys.empty()) keys.pop_back();
+        [[fallthrough]];
+      case Event::array_end:
+        --level;
+        break;
+      case Event::key:
+        if (!keys.empty() && !keys.back().insert(parsed.template get<std::string>()).second)
+          throw InputError(field, "key \"" + excerpt(parsed.template get<std::string>(), 64) + "\" appears twice in one "
+                           "object (JSON would keep the last silently): give each key once: " + excerpt(text));
+        break;
+      case Event::value: break;
+    }
+    return true;
+  };
+  try {
+    return Json::parse(text.begin(), text.end(), check);
+  } catch (const InputError&) {
+    throw;
+  } catch (const std::exception& e) {  // parse errors and number overflow (1e400)
+    fail_input(field, "is not valid JSON (", excerpt(e.what(), 240), "): ", excerpt(text));
+  }
 }
 
 std::vector<int32_t> get_lengths(const json& value, const std::string& field) {
@@ -48,6 +91,16 @@ std::string get_string(const json& value, const std::string& field) {
 json lengths_json(const std::vector<int32_t>& v) { return json(v); }
 
 }  // namespace
+
+std::string excerpt(std::string_view text, size_t max_bytes) {
+  if (text.size() <= max_bytes) return std::string(text);
+  return std::string(text.substr(0, max_bytes)) + "... (" + std::to_string(text.size() - max_bytes) + " more bytes)";
+}
+
+json parse_json(std::string_view text, const std::string& field) { return parse_bounded<json>(text, field); }
+nlohmann::ordered_json parse_ordered_json(std::string_view text, const std::string& field) {
+  return parse_bounded<nlohmann::ordered_json>(text, field);
+}
 
 std::string_view comm_name(CommType comm) {
   switch (comm) {
@@ -188,7 +241,7 @@ CaseSpec parse_case(const json& object) {
   const auto& keys = case_keys();
   for (auto it = object.begin(); it != object.end(); ++it)
     if (std::find(keys.begin(), keys.end(), it.key()) == keys.end())
-      fail_input(it.key(), "unknown case key (value ", show(it.value()), "); known keys: seqlens_q, seqlens_kv, padded_q, "
+      fail_input(excerpt(it.key(), 64), "unknown case key (value ", show(it.value()), "); known keys: seqlens_q, seqlens_kv, padded_q, "
                  "padded_kv, total_tokens_q, total_tokens_kv, heads_q, heads_kv, dim_qk, dim_v, dtype, mask, window, "
                  "cp_size, comm, a2a_size, seed, pad_fill, softmax_scale");
   CaseSpec s;
@@ -222,14 +275,22 @@ CaseSpec parse_case(const json& object) {
   // layer (TE metadata, sections) sees one spelling of it.
   if (is_causal(s.window)) s.causal = true;
   if (object.contains("cp_size")) {
-    s.cp_size = static_cast<int>(get_int(object["cp_size"], "cp_size", INT32_MIN, INT32_MAX));
-    if (s.cp_size > kMaxCpSize)
-      fail_input("cp_size", "value ", s.cp_size, " is above the supported maximum ", kMaxCpSize,
-                 " (a plan has W x W tiles per pass; docs/case-spec.md)");
+    const json& w = object["cp_size"];
+    if (w.is_number_integer() && !w.is_number_unsigned() && w.get<int64_t>() < 1)
+      fail_input("cp_size", "must be >= 1, got ", show(w));
+    s.cp_size = static_cast<int>(get_int(w, "cp_size", 1, kMaxCpSize,
+                                         " (the supported maximum: a plan has W x W tiles per pass; docs/case-spec.md)"));
   }
   if (object.contains("comm")) s.comm = parse_comm(get_string(object["comm"], "comm"));
-  if (object.contains("a2a_size"))
-    s.a2a_size = static_cast<int>(get_int(object["a2a_size"], "a2a_size", INT32_MIN, kMaxCpSize));
+  if (object.contains("a2a_size")) {
+    s.a2a_size = static_cast<int>(get_int(object["a2a_size"], "a2a_size", 1, kMaxCpSize, " (ranks of an a2a group)"));
+    // The normalised form stores a2a_size for every comm type (1 for p2p and all_gather, cp_size for a2a): any other
+    // value there would be ignored, so it is refused.
+    const int implied = s.comm == CommType::a2a ? s.cp_size : 1;
+    if (s.comm != CommType::a2a_p2p && s.a2a_size != implied)
+      fail_input("a2a_size", "value ", s.a2a_size, " does not apply to comm ", comm_name(s.comm), " (it is ", implied,
+                 " there; a2a_size chooses the a2a groups of comm a2a+p2p)");
+  }
   if (object.contains("seed")) {
     // Stored as an int64 attribute: the range ends at INT64_MAX.
     s.seed = static_cast<uint64_t>(get_int(object["seed"], "seed", 0, INT64_MAX));
@@ -249,15 +310,7 @@ CaseSpec parse_case(const json& object) {
   return s;
 }
 
-CaseSpec parse_case_text(std::string_view text) {
-  json object;
-  try {
-    object = json::parse(text);
-  } catch (const json::exception& e) {  // parse errors and number overflow (1e400)
-    fail_input("case", "is not valid JSON (", e.what(), "): ", text);
-  }
-  return parse_case(object);
-}
+CaseSpec parse_case_text(std::string_view text) { return parse_case(parse_json(text, "case")); }
 
 nlohmann::ordered_json case_to_json(const CaseSpec& s) {
   const ThdLayout l = layout(s);
@@ -286,5 +339,85 @@ nlohmann::ordered_json case_to_json(const CaseSpec& s) {
 }
 
 std::string normalized_json(const CaseSpec& spec) { return case_to_json(spec).dump(); }
+
+int kernel_passes(bool trace) { return 3 * (trace ? 4 : 3); }
+
+namespace {
+// Score-tile elements of one pass over a case: sum over sequences and query heads of the (q, k) pairs inside the
+// mask (causal, window), counted row by row: O(total tokens).
+double case_pairs(const CaseSpec& spec) {
+  const std::vector<int32_t> kv = seqlens_kv(spec);
+  const Window w = mask_window(spec);
+  double pairs = 0;
+  for (size_t b = 0; b < spec.seqlens_q.size(); ++b) {
+    const int64_t lq = spec.seqlens_q[b], lk = kv[b], delta = lk - lq;
+    if (w.left < 0 && w.right < 0) {
+      pairs += double(lq) * double(lk);
+      continue;
+    }
+    for (int64_t i = 0; i < lq; ++i) {
+      const int64_t lo = w.left >= 0 ? std::max<int64_t>(0, i + delta - w.left) : 0;
+      const int64_t hi = w.right >= 0 ? std::min<int64_t>(lk - 1, i + delta + w.right) : lk - 1;
+      if (hi >= lo) pairs += double(hi - lo + 1);
+    }
+  }
+  return pairs * spec.heads_q;
+}
+
+// Calibration (docs/PERF.md, "gen estimates"): 11.4e9 score-tile pair-dims/s over the kernel passes, 31 MB/s of
+// payload through HDF5 (deflate + Fletcher32); per step group 1.5 ms and 1 us per sequence (dataset and attribute
+// creation), about 5 kB of file besides its cu_seqlens; a Plan 80 bytes per tile and sequence, 160 more for a
+// sequence with rows (its row segments); the step partials of a traced run 8 bytes of memory per stored byte.
+constexpr double kPairDimsPerSecond = 11.4e9, kBytesPerSecond = 31e6;
+constexpr double kStepGroupSeconds = 1.5e-3, kStepSequenceSeconds = 1e-6, kStepGroupFileBytes = 5e3;
+constexpr double kPlanBytesPerSequence = 80, kPlanBytesPerRows = 160, kPlanBytesPerTile = 2048;
+constexpr double kTraceMemoryPerByte = 8;
+}  // namespace
+
+CaseCost case_cost(const CaseSpec& spec, bool trace) {
+  CaseCost cost;
+  const ThdLayout l = layout(spec);
+  const double W = spec.cp_size, B = static_cast<double>(spec.seqlens_q.size());
+  const double tq = double(l.q.total_rows), tkv = double(l.kv.total_rows);
+  const double hq = spec.heads_q, hkv = heads_kv(spec), dqk = spec.dim_qk, dv = dim_v(spec);
+  const double in = dtype_bytes(spec.dtype);
+  // Uncompressed bytes: inputs, goldens + peer, per-rank copies of both.
+  const double inputs = (tq * hq * (dqk + dv) + tkv * hkv * (dqk + dv)) * in;
+  const double outputs = tq * hq * (dv + dqk + 1) + tkv * hkv * (dqk + dv);
+  cost.tensor_bytes = 2 * inputs + outputs * (4 + in) + outputs * 4;
+  // Tiles per pass and what one tile reads (rows and heads), per comm type (sim/plan.cpp).
+  double q_rows = tq / W, kv_rows = tkv / W, heads = hq, kv_heads = hkv;
+  switch (spec.comm) {
+    case CommType::p2p: cost.tiles = spec.cp_size * int64_t{spec.cp_size}; break;
+    case CommType::a2a:
+      cost.tiles = spec.cp_size;
+      q_rows = tq, kv_rows = tkv, heads = hq / W, kv_heads = hkv / W;
+      break;
+    case CommType::all_gather:
+      cost.tiles = 2 * int64_t{spec.cp_size};
+      kv_rows = tkv;
+      break;
+    case CommType::a2a_p2p: {
+      const double a = spec.cp_size == 1 ? 1 : std::max(1, a2a_size(spec)), p = std::max(1.0, W / a);
+      cost.tiles = spec.cp_size * static_cast<int64_t>(p);
+      q_rows = tq / p, kv_rows = tkv / p, heads = hq / a, kv_heads = hkv / a;
+      break;
+    }
+  }
+  cost.step_groups = 2 * cost.tiles;
+  cost.pairs = case_pairs(spec);
+  if (trace)
+    cost.trace_bytes = double(cost.tiles) * 4 * (q_rows * heads * (dv + 1 + dqk) + kv_rows * kv_heads * (dqk + dv));
+  double with_rows = 0;
+  const std::vector<int32_t> kv = seqlens_kv(spec);
+  for (size_t b = 0; b < spec.seqlens_q.size(); ++b) with_rows += spec.seqlens_q[b] > 0 || kv[b] > 0;
+  cost.plan_bytes = double(cost.step_groups) * (kPlanBytesPerSequence * B + kPlanBytesPerRows * with_rows + kPlanBytesPerTile);
+  cost.datasets = 10 + 4 + 5 + 5 + 9 * int64_t{spec.cp_size} + 4 * cost.step_groups;
+  cost.memory_bytes = kMemoryPerByte * cost.tensor_bytes + kMemoryBase + cost.plan_bytes + kTraceMemoryPerByte * cost.trace_bytes;
+  cost.seconds = cost.pairs * (dqk + dv) * kernel_passes(trace) / kPairDimsPerSecond +
+                 (cost.tensor_bytes + cost.trace_bytes) / kBytesPerSecond +
+                 double(cost.step_groups) * (kStepGroupSeconds + kStepSequenceSeconds * B);
+  return cost;
+}
 
 }  // namespace cpgold::sim

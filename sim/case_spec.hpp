@@ -60,10 +60,20 @@ CommType parse_comm(std::string_view text);         // InputError naming "comm"
 std::string_view pad_fill_name(PadFill fill);       // "zero", "random", "nan", "inf"
 PadFill parse_pad_fill(std::string_view text);      // InputError naming "pad_fill"
 
+// JSON as cpgold reads it (a case, a fixture's case_json, a manifest): at most kMaxJsonBytes of text, containers
+// nested at most kMaxJsonDepth deep, no key twice in one object (JSON allows it, and a silent "last one wins" would
+// hide a typo). InputError naming `field` otherwise, with an excerpt of the text, never all of it.
+inline constexpr size_t kMaxJsonBytes = size_t{64} << 20;
+inline constexpr int kMaxJsonDepth = 32;
+nlohmann::json parse_json(std::string_view text, const std::string& field);
+nlohmann::ordered_json parse_ordered_json(std::string_view text, const std::string& field);
+// At most `max_bytes` of `text` for a message: "{\"seqlens_q\":[[[[... (999,987 more bytes)".
+std::string excerpt(std::string_view text, size_t max_bytes = 160);
+
 // Parses a case object. Unknown keys, wrong types and bad values are InputErrors naming the key and the value.
 // The result is validated (validate_case) and its window normalised.
 CaseSpec parse_case(const nlohmann::json& object);
-CaseSpec parse_case_text(std::string_view json_text);
+CaseSpec parse_case_text(std::string_view json_text);  // parse_json, then parse_case
 
 // Every key with its default filled in, in the documented order (docs/case-spec.md). Fixtures store this.
 nlohmann::ordered_json case_to_json(const CaseSpec& spec);
@@ -83,6 +93,30 @@ int a2a_size(const CaseSpec& spec);
 double softmax_scale(const CaseSpec& spec);
 Window mask_window(const CaseSpec& spec);  // normalised (causal -> right = 0); (-1,-1) for mask none
 ThdLayout layout(const CaseSpec& spec);    // validated global THD layout
+
+// What a case costs, before anything is built (docs/PERF.md, "gen estimates"): gen checks memory against it before any
+// Plan is built (its disk bound, fx::fixture_size_bound, needs the Plan), and the fixture reader refuses a fixture
+// whose case would not fit in memory before it builds the case's Plan. Measured on a 2-core x86-64 box (HDF5 1.10);
+// the memory is an upper bound, the time is for an idle machine.
+struct CaseCost {
+  int64_t tiles = 0;               // tiles of one pass: W^2 (p2p), W (a2a), 2W (all_gather), W^2 / a2a_size (a2a+p2p)
+  int64_t step_groups = 0;         // forward and backward step groups of a fixture (2 x tiles)
+  int64_t datasets = 0;            // datasets every fixture of the case holds (step partials not counted)
+  double pairs = 0;                // score-tile elements of one pass: visible (q, k) pairs x heads_q
+  double tensor_bytes = 0;         // uncompressed inputs, goldens, peer and rank shards
+  double trace_bytes = 0;          // uncompressed step partials (with trace; an upper bound)
+  double plan_bytes = 0;           // memory of the Plan: per tile, metadata per sequence
+  double memory_bytes = 0;         // peak memory of gen
+  double seconds = 0;              // gen on an idle 2-core machine
+};
+CaseCost case_cost(const CaseSpec& spec, bool trace);
+// Runs over the tiles: forward, dQ and dK/dV passes of the oracle, the non-CP peer and the CP peer; with trace also
+// of the float64 CP oracle.
+int kernel_passes(bool trace);
+inline constexpr double kMemoryPerByte = 5.6, kMemoryBase = 64e6;  // gen's peak memory per tensor byte, and base
+// Every dataset takes at least this many bytes of a file (its object header and the link to it): a file smaller
+// than datasets x this cannot hold the fixture its case_json describes.
+inline constexpr double kMinBytesPerDataset = 64;
 
 // Each length rounded up to a multiple of 2 * cp_size (the CP padding rule); InputError if cp_size < 1.
 std::vector<int32_t> pad_lengths_for_cp(const std::vector<int32_t>& lengths, int cp_size);
