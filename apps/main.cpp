@@ -100,7 +100,7 @@ int finish_output(const std::string& command, int code) {
   if (!failed) return code;
   const int error = errno;
   std::cerr << "cpgold " << command << ": error: cannot write standard output ("
-            << (error ? std::strerror(error) : "write failed") << "): the report is incomplete\n";
+            << (error ? std::strerror(error) : "a write failed: a full disk, a closed or full output") << "): the report is incomplete\n";
   return cpgold::app::kExitUnusable;
 }
 }  // namespace
