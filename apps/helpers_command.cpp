@@ -4,6 +4,7 @@
 #include <iostream>
 
 #include "apps/command_registry.hpp"
+#include "apps/json_output.hpp"
 #include "fixtures/thd_helpers_check.hpp"
 #include "reference/input_error.hpp"
 
@@ -19,7 +20,7 @@ int run_helpers_check(const HelpersArgs& args) {
   if (args.format != "text" && args.format != "json")
     fail_input("--format", "expected text or json, got \"", args.format, "\"");
   const fx::HelpersReport report = fx::check_thd_helpers(args.dump);
-  if (args.format == "json") std::cout << fx::to_json(report).dump(2) << "\n";
+  if (args.format == "json") std::cout << json_text(fx::to_json(report));
   else std::cout << fx::render_text(report);
   return report.pass() ? kExitPass : kExitFail;
 }
@@ -30,18 +31,8 @@ const RegisterCommand registered("helpers-check", [](CLI::App& app) -> std::func
   auto args = std::make_shared<HelpersArgs>();
   sub->add_option("dump", args->dump, "HDF5 dump of the calls (docs/helpers-check.md)")->required();
   sub->add_option("--format", args->format, "text or json");
-  return [=] {
-    try {
-      return run_helpers_check(*args);
-    } catch (const InputError& e) {
-      if (args->format != "json") throw;
-      // With --format json, stdout stays one JSON document also on error; main's text still goes to stderr.
-      nlohmann::ordered_json j;
-      j["error"] = {{"field", e.field()}, {"message", e.what()}, {"exit_code", kExitUnusable}};
-      std::cout << j.dump(2) << "\n";
-      throw;
-    }
-  };
+  // With --format json, main prints every error as one JSON object ({"error": ...}) on stdout as well.
+  return [=] { return run_helpers_check(*args); };
 });
 
 }  // namespace
