@@ -366,11 +366,11 @@ double case_pairs(const CaseSpec& spec) {
 
 // Calibration (docs/PERF.md, "gen estimates"): 11.4e9 score-tile pair-dims/s over the kernel passes, 31 MB/s of
 // payload through HDF5 (deflate + Fletcher32); per step group 0.7 ms and 0.6 us per sequence (the Plan's tile, four
-// datasets and ~20 attributes), about 5 kB of file besides its cu_seqlens; a Plan 80 bytes per tile and sequence,
+// datasets and ~20 attributes); a Plan 80 bytes per tile and sequence,
 // 160 more for a sequence with rows (its row segments); the step partials of a traced run 8 bytes of memory per
 // stored byte.
 constexpr double kPairDimsPerSecond = 11.4e9, kBytesPerSecond = 31e6;
-constexpr double kStepGroupSeconds = 0.7e-3, kStepSequenceSeconds = 0.6e-6, kStepGroupFileBytes = 5e3;
+constexpr double kStepGroupSeconds = 0.7e-3, kStepSequenceSeconds = 0.6e-6;
 constexpr double kPlanBytesPerSequence = 80, kPlanBytesPerRows = 160, kPlanBytesPerTile = 2048;
 constexpr double kTraceMemoryPerByte = 8;
 }  // namespace
