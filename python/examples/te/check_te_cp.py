@@ -22,6 +22,10 @@ import traceback
 
 import numpy as np
 
+# TE's jit_fuser helpers (torch.compile) cannot be traced from several threads at once ("Detected that you are
+# using FX to symbolically trace a dynamo-optimized function"): under thread ranks they run eagerly, a setting TE
+# supports (transformer_engine/pytorch/jit.py).
+os.environ.setdefault("NVTE_TORCH_COMPILE", "0")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import te_harness as th  # noqa: E402
 import torch  # noqa: E402
@@ -45,14 +49,17 @@ def cp_groups(fx, ranks):
     return [a2a, p2p]
 
 
-def run_rank(rank, ranks, fx, cu):
+def run_rank(rank, ranks, fx, cu, spy=None):
     group = cp_groups(fx, ranks)
     dpa = th.make_dpa(fx)
     dpa.set_context_parallel_group(group, list(range(fx.cp_size)), torch.cuda.Stream(), fx.comm)
     x = fx.rank_inputs(rank, "torch", "cuda")
+    if spy is not None:
+        spy.take()
     out, log, backend = th.run_dpa(dpa, fx, x["q"], x["k"], x["v"], x["dout"], cu)
     torch.cuda.current_stream().synchronize()
-    return {n: out[n].float().cpu().numpy() for n in TENSORS}, th.debug_summary(log), backend
+    calls = spy.take() if spy is not None else None
+    return {n: out[n].float().cpu().numpy() for n in TENSORS}, th.debug_summary(log), backend, calls
 
 
 def gather(fx, rank_outputs):
@@ -68,7 +75,12 @@ def gather(fx, rank_outputs):
     return result
 
 
-def run_fixture(path, suite, workdir, cpgold_bin, timeout):
+def run_ranks(fx, cu, timeout, spy):
+    return ThreadRanks(fx.cp_size, device="cuda", timeout=timeout).run(
+        lambda r, ranks: run_rank(r, ranks, fx, cu, spy))
+
+
+def run_fixture(path, suite, workdir, cpgold_bin, timeout, trace=False, repeat=1):
     entry = {"fixture": os.path.basename(path), "suite": suite}
     with cpgold.Fixture(path) as fx:
         entry["case"] = fx.case
@@ -78,9 +90,20 @@ def run_fixture(path, suite, workdir, cpgold_bin, timeout):
             return entry
         entry["arguments"] = th.te_arguments(fx)
         cu = th.cu_tensors(fx)
+        spy = th.CallSpy(th.RowIndex(fx)) if trace else None
         try:
-            results = ThreadRanks(fx.cp_size, device="cuda", timeout=timeout).run(
-                lambda r, ranks: run_rank(r, ranks, fx, cu))
+            if spy is not None:
+                with spy:
+                    results = run_ranks(fx, cu, timeout, spy)
+            else:
+                results = run_ranks(fx, cu, timeout, None)
+            # reruns of the same fixture: identical bits say the result does not depend on timing between ranks
+            differing = []
+            for k in range(1, repeat):
+                again = run_ranks(fx, cu, timeout, None)
+                for r, (a, b) in enumerate(zip(results, again)):
+                    differing += [f"run {k + 1} rank {r} {n}" for n in TENSORS
+                                  if not np.array_equal(a[0][n], b[0][n], equal_nan=True)]
         except ThreadRankError as e:
             cause = e.__cause__
             if isinstance(cause, (th.Refused, AssertionError)):
@@ -93,6 +116,11 @@ def run_fixture(path, suite, workdir, cpgold_bin, timeout):
         outs = [r[0] for r in results]
         entry["backend"] = sorted({r[2] for r in results})
         entry["nvte_debug"] = results[0][1]
+        if repeat > 1:
+            entry["repeats"] = repeat
+            entry["repeat_differences"] = differing
+        if trace:
+            entry["calls"] = {str(r): res[3] for r, res in enumerate(results)}
         candidate = os.path.join(workdir, "te_cp_candidate.h5")
         cpgold.write_ranks(candidate, outs, fixture=fx)
         gathered = os.path.join(workdir, "te_cp_gathered.h5")
@@ -110,11 +138,14 @@ def run_fixture(path, suite, workdir, cpgold_bin, timeout):
     return entry
 
 
-def fixture_list(folders):
+def fixture_list(folders, only=None):
     items = []
     for folder in folders:
         suite = os.path.basename(os.path.normpath(folder))
         items += [(suite, os.path.join(folder, n)) for n in sorted(os.listdir(folder)) if n.endswith(".h5")]
+    if only:
+        wanted = set(only)
+        items = [(s, p) for s, p in items if os.path.basename(p) in wanted or f"{s}/{os.path.basename(p)}" in wanted]
     return items
 
 
@@ -124,7 +155,7 @@ def worker(args, items):
     with open(args.results, "a") as out:
         for suite, path in items[args.skip:]:
             t1 = time.time()
-            e = run_fixture(path, suite, "/tmp", args.cpgold, args.timeout)
+            e = run_fixture(path, suite, "/tmp", args.cpgold, args.timeout, args.trace, args.repeat)
             e["seconds"] = round(time.time() - t1, 2)
             out.write(json.dumps(e, default=str) + "\n")
             out.flush()
@@ -136,6 +167,9 @@ def report_line(e):
     line = f"te_cp {e['suite']:10} {e['fixture']:48} {e.get('comm', '?'):9} W={e.get('cp_size', '?')} {e['status']}"
     if e["status"] in ("pass", "fail"):
         line += f" worst max/limit {worst:.3f}"
+        if e.get("repeats"):
+            n = len(e.get("repeat_differences", []))
+            line += f"; {e['repeats']} runs " + ("bit-identical" if n == 0 else f"differ in {n} rank tensors")
     else:
         line += f": {e.get('reason', '')[:300]}"
     return line
@@ -147,11 +181,16 @@ def main():
     ap.add_argument("--cpgold", required=True)
     ap.add_argument("--summary", required=True)
     ap.add_argument("--timeout", type=float, default=60.0, help="seconds a rank waits for a peer (default 60)")
+    ap.add_argument("--only", type=lambda s: [x for x in s.split(",") if x], default=None,
+                    help="comma-separated fixtures to run (file names or suite/file), the rest skipped")
+    ap.add_argument("--trace", action="store_true",
+                    help="record every fused-attention call per rank (arguments, where its q and k rows come from)")
+    ap.add_argument("--repeat", type=int, default=1, help="run each fixture this many times and compare the bits")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--skip", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--results", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
-    items = fixture_list(args.folders)
+    items = fixture_list(args.folders, args.only)
     if args.worker:
         return worker(args, items)
     print(", ".join(f"{k} {v}" for k, v in th.versions().items()), flush=True)
@@ -161,7 +200,9 @@ def main():
     entries = []
     while done < len(items):
         cmd = [sys.executable, os.path.abspath(__file__), *args.folders, "--cpgold", args.cpgold, "--summary",
-               args.summary, "--timeout", str(args.timeout), "--worker", "--skip", str(done), "--results", results]
+               args.summary, "--timeout", str(args.timeout), "--worker", "--skip", str(done), "--results", results,
+               "--repeat", str(args.repeat)] + (["--trace"] if args.trace else []) + \
+              (["--only", ",".join(args.only)] if args.only else [])
         proc = subprocess.run(cmd, capture_output=True, text=True)
         with open(results) as f:
             entries = [json.loads(x) for x in f if x.strip()]
@@ -189,7 +230,8 @@ def main():
         if e["status"] != "not_cp":
             c = counts.setdefault(f"{e['comm']} W={e['cp_size']}", {})
             c[e["status"]] = c.get(e["status"], 0) + 1
-    summary = {"versions": th.versions(), "te_environment": th.TE_ENV, "seconds": round(time.time() - t0, 1),
+    summary = {"versions": th.versions(), "te_environment": {**th.TE_ENV, "NVTE_TORCH_COMPILE":
+                                                                  os.environ["NVTE_TORCH_COMPILE"]}, "seconds": round(time.time() - t0, 1),
                "counts": counts, "fixtures": entries}
     with open(args.summary, "w") as f:
         json.dump(summary, f, indent=1, default=str)

@@ -5,11 +5,16 @@
 #            checks need only gen and check), the fixtures generated: quick, edge, te, random (RANDOM_COUNT, seed
 #            RANDOM_SEED) and TE's CP-test shapes (te_test_cases.py)
 #   dpa      check_te_dpa.py over every folder (non-CP, global and per rank)
-#   cp       check_te_cp.py over every folder (CP with W thread ranks on one GPU)
+#   shapes   the fixtures at TE's CP-test shapes alone (te_test_cases.py; install makes them unless SHAPES=0)
+#   cp       check_te_cp.py over every folder, or the folders named in CP_FOLDERS (CP with W thread ranks on one
+#            GPU); results also kept in /tmp/results for attrib
+#   attrib   every CP fixture that failed or errored in an earlier cp phase, again with CUDA_LAUNCH_BLOCKING=1 (no
+#            overlap between kernels, copies and ranks), twice (bits compared), every fused-attention call traced
+#   repro    te_repro_zero_q.py (the standalone reproduction of the dK/dV finding, no cpgold)
 #   helpers  check_te_helpers.py (TE's THD helper kernels vs cpgold's CPU twins through `cpgold helpers-check`)
 # Environment: TE_FILES (default .te/files), TE_TARGET (/tmp/te), CPGOLD_PREFIX (header-only dependencies).
 set -u
-PHASE=${1:?usage: device_run.sh install|dpa|cp|helpers}
+PHASE=${1:?usage: device_run.sh install|shapes|dpa|cp|attrib|repro|helpers}
 TE_FILES=${TE_FILES:-.te/files}; TE_TARGET=${TE_TARGET:-/tmp/te}; B=/tmp/cpgold-build; FX=/tmp/fx
 export PYTHONPATH=$TE_TARGET:$PWD/python:$PWD/python/examples${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0
@@ -30,20 +35,43 @@ install)
   $B/bin/cpgold gen --force --suite random --count ${RANDOM_COUNT:-100} --seed ${RANDOM_SEED:-26} -o $FX/random \
     > /tmp/gen_random.log 2>&1 || tail -3 /tmp/gen_random.log
   stamp "suites generated"
+  [ "${SHAPES:-1}" = 0 ] || bash $0 shapes
+  for d in $(folders); do echo "$(basename $d): $(ls $d/*.h5 | wc -l) fixtures"; done
+  stamp "install done" ;;
+shapes)
   mkdir -p $FX/te_shapes
   python3 $HERE/te_test_cases.py | while read -r name json; do
     $B/bin/cpgold gen --force --case "$json" -o $FX/te_shapes/$name.h5 > /tmp/gen_shape.log 2>&1 || tail -2 /tmp/gen_shape.log
   done
-  for d in $(folders); do echo "$(basename $d): $(ls $d/*.h5 | wc -l) fixtures"; done
-  stamp "install done" ;;
+  echo "te_shapes: $(ls $FX/te_shapes/*.h5 | wc -l) fixtures"; stamp shapes ;;
 dpa)
   timeout ${TIMEOUT:-540} python3 $HERE/check_te_dpa.py --cpgold $B/bin/cpgold --summary $OUT/te_dpa.json $(folders) \
     > $OUT/te_dpa.log 2>&1; echo "check_te_dpa rc=$?"
   grep -vE " pass$" $OUT/te_dpa.log | head -150; stamp dpa ;;
 cp)
-  timeout ${TIMEOUT:-540} python3 $HERE/check_te_cp.py --cpgold $B/bin/cpgold --summary $OUT/te_cp.json ${CP_ARGS:-} $(folders) \
-    > $OUT/te_cp.log 2>&1; echo "check_te_cp rc=$?"
-  grep -vE " pass worst" $OUT/te_cp.log | head -150; grep -c " pass worst" $OUT/te_cp.log; stamp cp ;;
+  sel=$(for d in $(folders); do [ -z "${CP_FOLDERS:-}" ] || [[ " $CP_FOLDERS " == *" $(basename $d) "* ]] && echo $d; done)
+  tag=${CP_TAG:-all}
+  timeout ${TIMEOUT:-540} python3 $HERE/check_te_cp.py --cpgold $B/bin/cpgold --summary $OUT/te_cp_$tag.json ${CP_ARGS:-} \
+    $sel > $OUT/te_cp_$tag.log 2>&1; echo "check_te_cp rc=$?"
+  mkdir -p /tmp/results; cp $OUT/te_cp_$tag.json* $OUT/te_cp_$tag.log /tmp/results/ 2>/dev/null
+  grep -vE " pass worst" $OUT/te_cp_$tag.log | head -150; grep -c " pass worst" $OUT/te_cp_$tag.log; stamp cp ;;
+attrib)
+  only=$(python3 -c '
+import glob, json
+names = set()
+for f in glob.glob("/tmp/results/te_cp_*.json.jsonl"):
+    for line in open(f):
+        e = json.loads(line)
+        if e["status"] in ("fail", "error"):
+            names.add(e["suite"] + "/" + e["fixture"])
+print(",".join(sorted(names)))')
+  echo "rerunning: $only"
+  CUDA_LAUNCH_BLOCKING=1 timeout ${TIMEOUT:-540} python3 $HERE/check_te_cp.py --cpgold $B/bin/cpgold \
+    --summary $OUT/te_cp_attrib.json --trace --repeat 2 --only "$only" ${CP_ARGS:-} $(folders) > $OUT/te_cp_attrib.log 2>&1
+  echo "check_te_cp rc=$?"; grep -vE "^    " $OUT/te_cp_attrib.log | head -80; stamp attrib ;;
+repro)
+  timeout ${TIMEOUT:-300} python3 $HERE/te_repro_zero_q.py 2>&1 | grep -v -i warn | tee $OUT/te_repro_zero_q.log | tail -60
+  stamp repro ;;
 helpers)
   timeout ${TIMEOUT:-300} python3 $HERE/check_te_helpers.py --dump $OUT/te_helpers.h5 > $OUT/te_helpers_gen.log 2>&1
   echo "check_te_helpers rc=$?"; tail -5 $OUT/te_helpers_gen.log

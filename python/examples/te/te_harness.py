@@ -133,6 +133,143 @@ class StatsSpy:
             return self.calls.pop(threading.get_ident(), [])
 
 
+class RowIndex:
+    """Where a row of a tensor TE hands its kernel comes from: every (row, head) vector of the fixture's global q
+    and k is keyed by its bytes (in float32, where bf16/fp16 values are exact) and mapped to its global row, the
+    rank owning that row (the partition) and whether the row holds a token or is padding. All-zero vectors and
+    vectors that occur more than once are left out (ambiguous)."""
+
+    def __init__(self, fx, limit=400_000):
+        self.ok = True
+        g = fx.inputs()
+        self.maps, self.owner, self.valid = {}, {}, {}
+        for side, name in (("q", "q"), ("kv", "k")):
+            x = np.ascontiguousarray(np.asarray(g[name], dtype=np.float32))
+            t, h = x.shape[0], x.shape[1]
+            if t * h > limit:
+                self.ok = False
+                return
+            owner = np.full(t, -1, dtype=np.int64)
+            for r in range(fx.cp_size):
+                owner[fx.partitioned_indices(r, side)] = r
+            self.owner[side], self.valid[side] = owner, fx.valid_rows(side)
+            seen = {}
+            for row in range(t):
+                for head in range(h):
+                    v = x[row, head]
+                    if not np.any(v):
+                        continue
+                    key = v.tobytes()
+                    seen[key] = -1 if key in seen else row
+            self.maps[side] = seen
+
+    def describe(self, tensor, side, offsets, counts):
+        """Per sequence slot b: the global rows the kernel reads as tokens (offsets[b], counts[b] rows): how many
+        come from each rank, how many are padding rows, how many match no input row, and the global row range."""
+        x = tensor.detach().float().cpu().numpy()
+        m, owner, valid = self.maps[side], self.owner[side], self.valid[side]
+        out = {"from_rank": {}, "pad_rows": 0, "unknown": 0, "zero": 0, "slots": []}
+        for b, (off, n) in enumerate(zip(offsets, counts)):
+            rows = []
+            for row in range(int(off), int(off) + int(n)):
+                if row >= x.shape[0]:
+                    out["unknown"] += 1
+                    continue
+                hits = set()
+                for head in range(x.shape[1]):
+                    v = x[row, head]
+                    if not np.any(v):
+                        out["zero"] += 1
+                        continue
+                    g = m.get(v.tobytes())
+                    if g is None or g < 0:
+                        out["unknown"] += 1
+                        continue
+                    hits.add(g)
+                for g in hits:
+                    rows.append(g)
+                    key = str(int(owner[g]))
+                    out["from_rank"][key] = out["from_rank"].get(key, 0) + 1
+                    if not valid[g]:
+                        out["pad_rows"] += 1
+            out["slots"].append([min(rows), max(rows), len(rows)] if rows else None)
+        return out
+
+
+def _values(x):
+    if isinstance(x, torch.Tensor):
+        return x.detach().cpu().tolist() if x.numel() <= 4096 else f"tensor{tuple(x.shape)}"
+    if isinstance(x, (int, float, str, bool)) or x is None:
+        return x
+    if isinstance(x, (tuple, list)) and all(isinstance(v, (int, float, bool)) or v is None for v in x):
+        return list(x)
+    return type(x).__name__
+
+
+class CallSpy:
+    """Wraps fused_attn_fwd and fused_attn_bwd where TE's attention backends and CP code call them and records,
+    per thread and in call order, the arguments each kernel call receives: max_seqlen_q/kv, cu_seqlens_q/kv, the
+    padded offsets, attn_mask_type, window_size, bottom_right_diagonal, the shapes of q, k, v, and (with a
+    RowIndex) where the q and k rows it reads as tokens come from. These are what cpgold's replay of TE
+    (`cpgold explain --te-audit --format json`) predicts per rank and step."""
+
+    FWD = ("is_training", "max_seqlen_q", "max_seqlen_kv", "cu_seqlens_q", "cu_seqlens_kv", "q", "k", "v")
+    BWD = ("max_seqlen_q", "max_seqlen_kv", "cu_seqlens_q", "cu_seqlens_kv", "q", "k", "v")
+    KEEP = ("cu_seqlens_q_padded", "cu_seqlens_kv_padded", "attn_mask_type", "window_size", "bottom_right_diagonal",
+            "qkv_layout", "attn_scale")
+
+    def __init__(self, index=None):
+        self.index = index
+        self.calls = {}
+        self.lock = threading.Lock()
+        self.saved = []
+
+    def _wrap(self, original, names, kind):
+        def spy(*args, **kwargs):
+            named = dict(zip(names, args))
+            rec = {"pass": kind}
+            for k in ("max_seqlen_q", "max_seqlen_kv", "cu_seqlens_q", "cu_seqlens_kv"):
+                rec[k] = _values(named.get(k))
+            for k in self.KEEP:
+                if k in kwargs:
+                    rec[k] = _values(kwargs[k])
+            for k in ("q", "k", "v"):
+                if isinstance(named.get(k), torch.Tensor):
+                    rec[f"{k}_shape"] = list(named[k].shape)
+            if self.index is not None and self.index.ok and named.get("q") is not None and named["q"].dim() == 3:
+                try:
+                    for side, name, cu, pad in (("q", "q", "cu_seqlens_q", "cu_seqlens_q_padded"),
+                                                ("kv", "k", "cu_seqlens_kv", "cu_seqlens_kv_padded")):
+                        c = np.asarray(rec[cu], dtype=np.int64)
+                        off = np.asarray(rec.get(pad) if isinstance(rec.get(pad), list) else c[:-1], dtype=np.int64)
+                        rec[f"{name}_rows"] = self.index.describe(named[name], side, off[:len(c) - 1], np.diff(c))
+                except Exception as e:  # noqa: BLE001 - recorded: the spy must not change what TE does
+                    rec["rows_error"] = f"{type(e).__name__}: {e}"
+            with self.lock:
+                self.calls.setdefault(threading.get_ident(), []).append(rec)
+            return original(*args, **kwargs)
+        return spy
+
+    def __enter__(self):
+        for mod in (te_backends, te_cp):
+            for name, names, kind in (("fused_attn_fwd", self.FWD, "forward"), ("fused_attn_bwd", self.BWD,
+                                                                                 "backward")):
+                if hasattr(mod, name):
+                    orig = getattr(mod, name)
+                    self.saved.append((mod, name, orig))
+                    setattr(mod, name, self._wrap(orig, names, kind))
+        return self
+
+    def __exit__(self, *exc):
+        for mod, name, orig in reversed(self.saved):
+            setattr(mod, name, orig)
+        self.saved.clear()
+
+    def take(self):
+        with self.lock:
+            return self.calls.pop(threading.get_ident(), [])
+
+
 def stats_to_lse(stats, fx, t, heads):
     """TE's softmax statistics -> LSE [h, t] over the padded Q rows. THD with cuDNN on sm90 keeps them packed,
     [t, h, 1] at the physical row (the ragged offset of the stats is cu_seqlens_q_padded); [B, h, S, 1] otherwise,
