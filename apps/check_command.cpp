@@ -21,6 +21,7 @@ struct CheckArgs {
   std::string ranks;
   bool allow_same_file = false;
   std::string empty_row_lse = "neg-inf";
+  bool no_diagnosis = false;
 };
 
 int run_check(const CheckArgs& args) {
@@ -44,6 +45,7 @@ int run_check(const CheckArgs& args) {
   const auto convention = fx::parse_empty_row_lse(args.empty_row_lse);
   if (!convention) fail_input("--empty-row-lse", "expected neg-inf or pos-inf, got \"", args.empty_row_lse, "\"");
   options.empty_row_lse = *convention;
+  options.diagnose = !args.no_diagnosis;
   if (!args.tensors.empty()) {
     // "o,lse": every item a tensor name, none empty ("o," and "o,,lse" alike), none twice.
     size_t begin = 0;
@@ -112,6 +114,8 @@ const RegisterCommand registered("check", [](CLI::App& app) -> std::function<int
                   "comma-separated ranks whose per-rank outputs are checked (default: every rank of the fixture)");
   sub->add_flag("--allow-same-file", args->allow_same_file,
                 "accept the golden file as a candidate: checks its stored simulator outputs (/peer), on purpose");
+  sub->add_flag("--no-diagnosis", args->no_diagnosis,
+                "skip the diagnosis of a failed check (what kind of CP bug the failures fit; docs/diagnosis.md)");
   // With --format json, main prints every error as one JSON object ({"error": ...}) on stdout as well.
   return [=] { return run_check(*args); };
 });

@@ -251,7 +251,8 @@ def describe(location, has_dim=True):
 
 def failures(report):
     """What failed, in lines: per failed result its errors and limits, the exact rule broken and where, the worst
-    element and the first divergence; lines on inputs computed from another fixture."""
+    element and the first divergence; lines on inputs computed from another fixture; then one line per finding of the
+    report's diagnosis, "diagnosis: <kind>: <evidence>" (docs/diagnosis.md)."""
     lines = []
     for claim in report.get("inputs", {}).get("candidates", []):
         if not claim["matches"]:
@@ -278,6 +279,7 @@ def failures(report):
             lines.append(f"  first divergence: {describe(r['first_divergence'], r['tensor'] != 'lse')}")
     if report.get("results") and not report.get("compared"):
         lines.append("nothing was compared (every selected row is padding)")
+    lines += [f"diagnosis: {d['kind']}: {d['evidence']}" for d in report.get("diagnosis", [])]
     return lines
 
 
