@@ -5,7 +5,8 @@ who have the binary and not the extension.
 
 A report is a dict: the JSON report of `cpgold check --format json` (docs/cli.md), with numbers that JSON cannot
 hold (inf, NaN) given back as floats, plus `exit_code` (0 pass, 1 fail); `report.text` is the command's text report
-(in process only).
+(in process only). A failed check's report carries its diagnosis (`report["diagnosis"]`: what kind of CP bug the
+failures fit, docs/diagnosis.md) unless `diagnosis=False` asks to skip it (`cpgold check --no-diagnosis`).
 """
 import json
 import os
@@ -98,12 +99,13 @@ def _source(golden):
 
 
 def check(golden, *candidates, tensors=None, empty_row_lse=None, ranks=None, allow_same_file=False, cpgold=None,
-          timeout=None):
+          timeout=None, diagnosis=True):
     """Checks candidate file(s) against a golden fixture (a path or a Fixture) as `cpgold check` does.
     tensors: e.g. ("o", "lse") or "o,lse" for a forward-only candidate. empty_row_lse: "pos-inf" accepts
     FlashAttention-2's LSE +inf on rows with no visible key (the contract, and the default, is "neg-inf").
     ranks: check the per-rank outputs of these ranks only. allow_same_file: accept the golden itself as candidate (its
-    stored simulator outputs are then checked). Raises CheckInputError (an InputError) on unusable input.
+    stored simulator outputs are then checked). diagnosis: False skips the diagnosis of a failure (report["diagnosis"]
+    stays empty). Raises CheckInputError (an InputError) on unusable input.
     cpgold: a cpgold binary to run instead of the in-process engine (also used when the extension is missing)."""
     if not candidates:
         raise InputError("check: give at least one candidate file", "candidates")
@@ -115,9 +117,10 @@ def check(golden, *candidates, tensors=None, empty_row_lse=None, ranks=None, all
         if isinstance(golden, Fixture) and not isinstance(golden.source, str):
             raise InputError("check: a fixture in memory needs the in-process engine (pip install ./python)", "golden")
         return _check_with_binary(_source(golden), files, names, convention, rank_list, allow_same_file, cpgold,
-                                  timeout)
+                                  timeout, diagnosis)
     try:
-        result = core().check_files(_source(golden), files, list(names or ()), convention, rank_list, allow_same_file)
+        result = core().check_files(_source(golden), files, list(names or ()), convention, rank_list, allow_same_file,
+                                    bool(diagnosis))
     except InputError as e:
         raise CheckInputError(str(e), e.field) from None
     return _report(result)
@@ -146,7 +149,8 @@ def _arrays_of(fixture, outputs, rank, lse_layout):
     return out
 
 
-def check_outputs(fixture, outputs, rank=None, scope="global", tensors=None, empty_row_lse=None, lse_layout=None):
+def check_outputs(fixture, outputs, rank=None, scope="global", tensors=None, empty_row_lse=None, lse_layout=None,
+                  diagnosis=True):
     """Checks outputs held in memory (numpy arrays or torch tensors on any device; float32, bf16, fp16) against the
     fixture, in process, with the engine of `cpgold check`. No candidate file is written.
 
@@ -154,10 +158,12 @@ def check_outputs(fixture, outputs, rank=None, scope="global", tensors=None, emp
     in the rank-local layout (rank=r, that rank alone is checked); or a list of every rank's dicts (rank None).
     LSE may be [h, t], [t, h] or [t, h, 1] (lse_layout "ht"/"th" where t can equal h).
     scope (global outputs): "global" for a non-CP implementation (the larger of the CP and non-CP budgets decides),
-    "cp_gathered" for CP outputs gathered to the global layout (the CP budget decides)."""
+    "cp_gathered" for CP outputs gathered to the global layout (the CP budget decides).
+    A failure's report carries its diagnosis (report["diagnosis"], the "diagnosis:" lines of report.text); diagnosis=False
+    skips it."""
     if not isinstance(fixture, Fixture):
         with Fixture(fixture) as opened:
-            return check_outputs(opened, outputs, rank, scope, tensors, empty_row_lse, lse_layout)
+            return check_outputs(opened, outputs, rank, scope, tensors, empty_row_lse, lse_layout, diagnosis)
     if scope not in SCOPES:
         raise InputError(f"scope: expected one of {SCOPES}, got {scope!r}", "scope")
     names = tensor_names(tensors)
@@ -180,24 +186,25 @@ def check_outputs(fixture, outputs, rank=None, scope="global", tensors=None, emp
         arrays = _arrays_of(fixture, outputs, -1, lse_layout)
         ranks, source = [], f"arrays ({scope})"
     try:
-        result = core().check_arrays(fixture.source, arrays, scope, source, "", list(names or ()), convention, ranks)
+        result = core().check_arrays(fixture.source, arrays, scope, source, "", list(names or ()), convention, ranks,
+                                     bool(diagnosis))
     except InputError as e:
         raise CheckInputError(str(e), e.field) from None
     return _report(result)
 
 
-def self_check(golden, tensors=None, empty_row_lse=None):
+def self_check(golden, tensors=None, empty_row_lse=None, diagnosis=True):
     """`cpgold check --self`: an independent CPU path (the CP simulator with another order of operations) checked
     against the fixture."""
     names = tensor_names(tensors)
     try:
-        result = core().self_check(_source(golden), list(names or ()), _empty_row_lse(empty_row_lse))
+        result = core().self_check(_source(golden), list(names or ()), _empty_row_lse(empty_row_lse), bool(diagnosis))
     except InputError as e:
         raise CheckInputError(str(e), e.field) from None
     return _report(result)
 
 
-def _check_with_binary(golden, files, names, convention, ranks, allow_same_file, cpgold, timeout):
+def _check_with_binary(golden, files, names, convention, ranks, allow_same_file, cpgold, timeout, diagnosis=True):
     cmd = [find_cpgold(cpgold), "check", golden, *files, "--format", "json", "--empty-row-lse", convention]
     if names:
         cmd += ["--tensors", ",".join(names)]
@@ -205,6 +212,8 @@ def _check_with_binary(golden, files, names, convention, ranks, allow_same_file,
         cmd += ["--ranks", ",".join(str(r) for r in ranks)]
     if allow_same_file:
         cmd += ["--allow-same-file"]
+    if not diagnosis:
+        cmd += ["--no-diagnosis"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     if proc.returncode not in (0, 1):
         raise CheckInputError(f"{' '.join(cmd)}: exit {proc.returncode}: {proc.stderr.strip() or proc.stdout.strip()}")

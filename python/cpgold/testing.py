@@ -8,7 +8,8 @@ The check is `cpgold check`'s engine run in process on the arrays (numpy, or tor
 AssertionError carries the text report of `cpgold check`: the per-tensor table (error, limit and their ratio against
 the deciding and the other budget), every broken exact rule with the first elements that break it, the worst element
 and the first divergence in the terms of CP (rank, step, sequence, row in the sequence or pad row, head, dim,
-candidate / oracle / peer), and the `cpgold gen --case ...` line that reproduces the fixture.
+candidate / oracle / peer), the diagnosis (one line `diagnosis: <kind>: <evidence>` per kind of CP bug the failures
+fit, docs/diagnosis.md) and the `cpgold gen --case ...` line that reproduces the fixture.
 """
 from .check import check_outputs
 from .fixture import Fixture
@@ -17,7 +18,7 @@ __all__ = ["assert_close"]
 
 
 def assert_close(fixture, outputs, rank=None, tensors=None, empty_row_lse="neg-inf", scope="global",
-                 lse_layout=None, msg=None):
+                 lse_layout=None, msg=None, diagnosis=True):
     """Raises AssertionError unless `outputs` pass the fixture's check; returns the report (a dict) when they do.
 
     fixture: a cpgold.Fixture or a fixture's path. outputs: a dict of some of o, lse, dq, dk, dv in the global layout;
@@ -25,12 +26,13 @@ def assert_close(fixture, outputs, rank=None, tensors=None, empty_row_lse="neg-i
     dicts. tensors: the outputs checked, e.g. ("o", "lse") or "o,lse" (default: all five; a missing one fails).
     empty_row_lse: "pos-inf" accepts FlashAttention-2's LSE +inf on rows with no visible key. scope: "cp_gathered" for
     CP outputs gathered to the global layout. lse_layout: "ht" or "th" where an LSE of t rows and h heads is ambiguous.
+    diagnosis: False leaves the diagnosis of a failure out of the message (and its cost out of the check).
     Unusable input (a tensor of the wrong shape, an unknown name) raises cpgold.InputError, not AssertionError."""
     if not isinstance(fixture, Fixture):
         with Fixture(fixture) as opened:
-            return assert_close(opened, outputs, rank, tensors, empty_row_lse, scope, lse_layout, msg)
+            return assert_close(opened, outputs, rank, tensors, empty_row_lse, scope, lse_layout, msg, diagnosis)
     report = check_outputs(fixture, outputs, rank=rank, scope=scope, tensors=tensors, empty_row_lse=empty_row_lse,
-                           lse_layout=lse_layout)
+                           lse_layout=lse_layout, diagnosis=diagnosis)
     if not report["pass"]:
         header = f"cpgold: the outputs do not pass the fixture {fixture.path}"
         if rank is not None:

@@ -53,7 +53,7 @@ void open_golden(const FixtureSource& source, OpenGolden& out) {
 sim::CaseSpec parse_case(const std::string& json_text) { return sim::parse_case_text(json_text); }
 
 fx::CheckOptions check_options(const std::vector<std::string>& tensors, const std::string& empty_row_lse,
-                               const std::vector<int>& ranks, bool allow_same_file) {
+                               const std::vector<int>& ranks, bool allow_same_file, bool diagnose) {
   fx::CheckOptions options;
   for (const std::string& name : tensors) {
     const auto quantity = fx::parse_quantity(name);
@@ -65,6 +65,7 @@ fx::CheckOptions check_options(const std::vector<std::string>& tensors, const st
   options.empty_row_lse = *convention;
   options.ranks = ranks;
   options.allow_same_file = allow_same_file;
+  options.diagnose = diagnose;
   return options;
 }
 
@@ -184,8 +185,8 @@ PYBIND11_MODULE(_core, m) {
       "check_files",
       [](const FixtureSource& golden_source, const std::vector<std::string>& candidates,
          const std::vector<std::string>& tensors, const std::string& empty_row_lse, const std::vector<int>& ranks,
-         bool allow_same_file) {
-        const fx::CheckOptions options = check_options(tensors, empty_row_lse, ranks, allow_same_file);
+         bool allow_same_file, bool diagnose) {
+        const fx::CheckOptions options = check_options(tensors, empty_row_lse, ranks, allow_same_file, diagnose);
         OpenGolden golden;
         open_golden(golden_source, golden);
         const fx::FixtureFile fixture = fx::open_fixture(*golden.reader, fx::OpenOptions{false});
@@ -193,7 +194,7 @@ PYBIND11_MODULE(_core, m) {
         return fx::check(*golden.reader, fixture, candidates, options);
       },
       py::arg("golden"), py::arg("candidates"), py::arg("tensors"), py::arg("empty_row_lse"), py::arg("ranks"),
-      py::arg("allow_same_file"));
+      py::arg("allow_same_file"), py::arg("diagnose") = true);
 
   // tensors: (rank or -1, name, float32 C-contiguous array, lse_row_major); LSE [h, t] unless lse_row_major.
   m.def(
@@ -201,8 +202,9 @@ PYBIND11_MODULE(_core, m) {
       [](const FixtureSource& golden_source,
          const std::vector<std::tuple<int, std::string, py::array_t<float, py::array::c_style>, bool>>& arrays,
          const std::string& scope, const std::string& source, const std::string& inputs_sha256,
-         const std::vector<std::string>& tensors, const std::string& empty_row_lse, const std::vector<int>& ranks) {
-        const fx::CheckOptions options = check_options(tensors, empty_row_lse, ranks, false);
+         const std::vector<std::string>& tensors, const std::string& empty_row_lse, const std::vector<int>& ranks,
+         bool diagnose) {
+        const fx::CheckOptions options = check_options(tensors, empty_row_lse, ranks, false, diagnose);
         fx::CandidateSet cands;
         cands.sources = {source};
         if (scope == "cp_gathered") cands.global_scope = fx::CandidateScope::cp_output;
@@ -225,16 +227,17 @@ PYBIND11_MODULE(_core, m) {
         return fx::check(*golden.reader, fixture, cands, options);
       },
       py::arg("golden"), py::arg("arrays"), py::arg("scope"), py::arg("source"), py::arg("inputs_sha256"),
-      py::arg("tensors"), py::arg("empty_row_lse"), py::arg("ranks"));
+      py::arg("tensors"), py::arg("empty_row_lse"), py::arg("ranks"), py::arg("diagnose") = true);
 
   m.def(
       "self_check",
-      [](const std::string& golden, const std::vector<std::string>& tensors, const std::string& empty_row_lse) {
-        const fx::CheckOptions options = check_options(tensors, empty_row_lse, {}, false);
+      [](const std::string& golden, const std::vector<std::string>& tensors, const std::string& empty_row_lse,
+         bool diagnose) {
+        const fx::CheckOptions options = check_options(tensors, empty_row_lse, {}, false, diagnose);
         py::gil_scoped_release release;
         return fx::self_check(golden, options);
       },
-      py::arg("golden"), py::arg("tensors"), py::arg("empty_row_lse"));
+      py::arg("golden"), py::arg("tensors"), py::arg("empty_row_lse"), py::arg("diagnose") = true);
 
   // Reports cross into Python as (JSON text, the text report of `cpgold check`).
   py::class_<fx::CheckReport>(m, "CheckReport")

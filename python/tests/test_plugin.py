@@ -56,7 +56,8 @@ def test_quick_suite_ids_name_the_cases_and_failures_show_the_report(run):
     result.stdout.fnmatch_lines(["*test_top_left?nocp_cross_window_bf16? FAILED*"])
     text = result.stdout.str()
     assert "AssertionError: cpgold: the outputs do not pass the fixture" in text
-    for needed in ("max/lim", "first divergence:", "sequence ", "reproduce: cpgold gen --case '", "verdict: FAIL"):
+    for needed in ("max/lim", "first divergence:", "sequence ", "diagnosis: mask_edge: ", "reproduce: cpgold gen --case '",
+                   "verdict: FAIL"):
         assert needed in text, needed
     assert len(os.listdir(run.cache)) == len(names)
 
