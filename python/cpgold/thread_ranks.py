@@ -421,8 +421,12 @@ class ThreadRanks:
                 t.start()
             for t in threads:
                 t.join()
+        sync_error = None
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+            try:
+                torch.cuda.synchronize(self.device)
+            except Exception as e:  # noqa: BLE001 - a rank's own error, if any, is the one to report
+                sync_error = e
         first = next((r for r in range(self.world_size) if errors[r] is not None
                       and not isinstance(errors[r], ThreadRankError)), None)
         if first is None:
@@ -430,6 +434,9 @@ class ThreadRanks:
         if first is not None:
             raise ThreadRankError(f"rank {first} of {self.world_size} failed: {type(errors[first]).__name__}: "
                                   f"{errors[first]}") from errors[first]
+        if sync_error is not None:
+            raise ThreadRankError(f"every rank returned, then the device reported {type(sync_error).__name__}: "
+                                  f"{sync_error}") from sync_error
         return results
 
 

@@ -75,12 +75,14 @@ def gather(fx, rank_outputs):
     return result
 
 
-def run_ranks(fx, cu, timeout, spy):
+def run_ranks(fx, cu, timeout, spy, poison=False):
+    if poison:
+        th.poison_cuda_cache()
     return ThreadRanks(fx.cp_size, device="cuda", timeout=timeout).run(
         lambda r, ranks: run_rank(r, ranks, fx, cu, spy))
 
 
-def run_fixture(path, suite, workdir, cpgold_bin, timeout, trace=False, repeat=1):
+def run_fixture(path, suite, workdir, cpgold_bin, timeout, trace=False, repeat=1, poison=False):
     entry = {"fixture": os.path.basename(path), "suite": suite}
     with cpgold.Fixture(path) as fx:
         entry["case"] = fx.case
@@ -94,16 +96,21 @@ def run_fixture(path, suite, workdir, cpgold_bin, timeout, trace=False, repeat=1
         try:
             if spy is not None:
                 with spy:
-                    results = run_ranks(fx, cu, timeout, spy)
+                    results = run_ranks(fx, cu, timeout, spy, poison)
             else:
-                results = run_ranks(fx, cu, timeout, None)
+                results = run_ranks(fx, cu, timeout, None, poison)
             # reruns of the same fixture: identical bits say the result does not depend on timing between ranks
             differing = []
             for k in range(1, repeat):
-                again = run_ranks(fx, cu, timeout, None)
+                again = run_ranks(fx, cu, timeout, None, poison)
                 for r, (a, b) in enumerate(zip(results, again)):
-                    differing += [f"run {k + 1} rank {r} {n}" for n in TENSORS
-                                  if not np.array_equal(a[0][n], b[0][n], equal_nan=True)]
+                    for n in TENSORS:
+                        if not np.array_equal(a[0][n], b[0][n], equal_nan=True):
+                            d = np.abs(a[0][n].astype(np.float64) - b[0][n])
+                            differing.append(f"run {k + 1} rank {r} {n}: max |difference| "
+                                             f"{np.nanmax(d) if np.isfinite(d).any() else float('nan'):.3g}, "
+                                             f"NaN in run 1 {int(np.isnan(a[0][n]).sum())} run {k + 1} "
+                                             f"{int(np.isnan(b[0][n]).sum())}")
         except ThreadRankError as e:
             cause = e.__cause__
             if isinstance(cause, (th.Refused, AssertionError)):
@@ -155,7 +162,9 @@ def worker(args, items):
     with open(args.results, "a") as out:
         for suite, path in items[args.skip:]:
             t1 = time.time()
-            e = run_fixture(path, suite, "/tmp", args.cpgold, args.timeout, args.trace, args.repeat)
+            e = run_fixture(path, suite, "/tmp", args.cpgold, args.timeout, args.trace, args.repeat, args.poison)
+            if args.poison:
+                e["poisoned"] = True
             e["seconds"] = round(time.time() - t1, 2)
             out.write(json.dumps(e, default=str) + "\n")
             out.flush()
@@ -186,6 +195,8 @@ def main():
     ap.add_argument("--trace", action="store_true",
                     help="record every fused-attention call per rank (arguments, where its q and k rows come from)")
     ap.add_argument("--repeat", type=int, default=1, help="run each fixture this many times and compare the bits")
+    ap.add_argument("--poison", action="store_true",
+                    help="fill the CUDA cache's free memory with NaN bytes before every run (unwritten memory shows)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--skip", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--results", default=None, help=argparse.SUPPRESS)
@@ -202,6 +213,7 @@ def main():
         cmd = [sys.executable, os.path.abspath(__file__), *args.folders, "--cpgold", args.cpgold, "--summary",
                args.summary, "--timeout", str(args.timeout), "--worker", "--skip", str(done), "--results", results,
                "--repeat", str(args.repeat)] + (["--trace"] if args.trace else []) + \
+              (["--poison"] if args.poison else []) + \
               (["--only", ",".join(args.only)] if args.only else [])
         proc = subprocess.run(cmd, capture_output=True, text=True)
         with open(results) as f:

@@ -41,6 +41,7 @@ install)
 shapes)
   mkdir -p $FX/te_shapes
   python3 $HERE/te_test_cases.py | while read -r name json; do
+    [ -f $FX/te_shapes/$name.h5 ] && continue   # gen writes a temporary file and renames it when complete
     $B/bin/cpgold gen --force --case "$json" -o $FX/te_shapes/$name.h5 > /tmp/gen_shape.log 2>&1 || tail -2 /tmp/gen_shape.log
   done
   echo "te_shapes: $(ls $FX/te_shapes/*.h5 | wc -l) fixtures"; stamp shapes ;;
@@ -65,12 +66,14 @@ for f in glob.glob("/tmp/results/te_cp_*.json.jsonl"):
         if e["status"] in ("fail", "error"):
             names.add(e["suite"] + "/" + e["fixture"])
 print(",".join(sorted(names)))')
-  echo "rerunning: $only"
+  only=${ATTRIB_ONLY:-$only}; echo "rerunning: $only"
   CUDA_LAUNCH_BLOCKING=1 timeout ${TIMEOUT:-540} python3 $HERE/check_te_cp.py --cpgold $B/bin/cpgold \
     --summary $OUT/te_cp_attrib.json --trace --repeat 2 --only "$only" ${CP_ARGS:-} $(folders) > $OUT/te_cp_attrib.log 2>&1
   echo "check_te_cp rc=$?"; grep -vE "^    " $OUT/te_cp_attrib.log | head -80; stamp attrib ;;
 repro)
-  timeout ${TIMEOUT:-300} python3 $HERE/te_repro_zero_q.py 2>&1 | grep -v -i warn | tee $OUT/te_repro_zero_q.log | tail -60
+  for mode in "" --deterministic; do
+    timeout ${TIMEOUT:-300} python3 $HERE/te_repro_zero_q.py $mode 2>&1 | grep -v -i warn | tee -a $OUT/te_repro_zero_q.log | tail -40
+  done
   stamp repro ;;
 helpers)
   timeout ${TIMEOUT:-300} python3 $HERE/check_te_helpers.py --dump $OUT/te_helpers.h5 > $OUT/te_helpers_gen.log 2>&1

@@ -133,6 +133,14 @@ class StatsSpy:
             return self.calls.pop(threading.get_ident(), [])
 
 
+def poison_cuda_cache():
+    """Fills the CUDA caching allocator's free memory with 0xFF bytes (NaN in fp16, bf16 and fp32), small and large
+    blocks: a kernel that later reads memory nobody wrote then reads NaN, not whatever an earlier call left."""
+    keep = [torch.empty(n, dtype=torch.uint8, device="cuda").fill_(0xFF) for n in [1 << 16] * 256 + [1 << 24] * 16]
+    torch.cuda.synchronize()
+    del keep
+
+
 class RowIndex:
     """Where a row of a tensor TE hands its kernel comes from: every (row, head) vector of the fixture's global q
     and k is keyed by its bytes (in float32, where bf16/fp16 values are exact) and mapped to its global row, the
