@@ -10,11 +10,12 @@
 #            GPU); results also kept in /tmp/results for attrib
 #   attrib   every CP fixture that failed or errored in an earlier cp phase, again with CUDA_LAUNCH_BLOCKING=1 (no
 #            overlap between kernels, copies and ranks), twice (bits compared), every fused-attention call traced
+#   minimal  the smallest case of every finding (te_minimal_cases.py), non-CP and CP
 #   repro    te_repro_zero_q.py (the standalone reproduction of the dK/dV finding, no cpgold)
 #   helpers  check_te_helpers.py (TE's THD helper kernels vs cpgold's CPU twins through `cpgold helpers-check`)
 # Environment: TE_FILES (default .te/files), TE_TARGET (/tmp/te), CPGOLD_PREFIX (header-only dependencies).
 set -u
-PHASE=${1:?usage: device_run.sh install|shapes|dpa|cp|attrib|repro|helpers}
+PHASE=${1:?usage: device_run.sh install|shapes|dpa|cp|attrib|minimal|repro|helpers}
 TE_FILES=${TE_FILES:-.te/files}; TE_TARGET=${TE_TARGET:-/tmp/te}; B=/tmp/cpgold-build; FX=/tmp/fx
 export PYTHONPATH=$TE_TARGET:$PWD/python:$PWD/python/examples${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0
@@ -70,6 +71,15 @@ print(",".join(sorted(names)))')
   CUDA_LAUNCH_BLOCKING=1 timeout ${TIMEOUT:-540} python3 $HERE/check_te_cp.py --cpgold $B/bin/cpgold \
     --summary $OUT/te_cp_attrib.json --trace --repeat 2 --only "$only" ${CP_ARGS:-} $(folders) > $OUT/te_cp_attrib.log 2>&1
   echo "check_te_cp rc=$?"; grep -vE "^    " $OUT/te_cp_attrib.log | head -80; stamp attrib ;;
+minimal)
+  mkdir -p $FX/minimal
+  python3 $HERE/te_minimal_cases.py | while read -r name json; do
+    $B/bin/cpgold gen --force --case "$json" -o $FX/minimal/$name.h5 > /tmp/gen_min.log 2>&1 || tail -2 /tmp/gen_min.log
+  done
+  timeout 120 python3 $HERE/check_te_dpa.py --cpgold $B/bin/cpgold --summary $OUT/te_min_dpa.json $FX/minimal \
+    > $OUT/te_min_dpa.log 2>&1; echo "check_te_dpa rc=$?"; grep -E "^te_dpa|fail|pass" $OUT/te_min_dpa.log | head -20
+  timeout 240 python3 $HERE/check_te_cp.py --cpgold $B/bin/cpgold --summary $OUT/te_min_cp.json --repeat 2 $FX/minimal \
+    > $OUT/te_min_cp.log 2>&1; echo "check_te_cp rc=$?"; cat $OUT/te_min_cp.log | cut -c1-220 | head -60; stamp minimal ;;
 repro)
   for mode in "" --deterministic; do
     timeout ${TIMEOUT:-300} python3 $HERE/te_repro_zero_q.py $mode 2>&1 | grep -v -i warn | tee -a $OUT/te_repro_zero_q.log | tail -40
