@@ -25,6 +25,8 @@ int run_inspect(const std::string& path, bool verify) {
   std::printf("fixture   %s\n", path.c_str());
   std::printf("schema    %lld (%s)\n", static_cast<long long>(fixture.schema_version), fixture.generator.c_str());
   std::printf("case      %s\n", fixture.case_json.c_str());
+  std::printf("isa level %s\n", fixture.isa_level.empty() ? "not stored (written before the attribute existed)"
+                                                           : (fixture.isa_level + " (the generating build's instruction set)").c_str());
   std::printf("traced    %s\n", fixture.traced ? "yes" : "no");
   if (fixture.inputs_sha256.empty())
     std::printf("inputs    sha256 %s (computed: the file predates the inputs_sha256 attribute)\n",

@@ -15,6 +15,7 @@
 #include "apps/json_output.hpp"
 #include "apps/machine_resources.hpp"
 #include "reference/input_error.hpp"
+#include "reference/isa_level.hpp"
 
 namespace cpgold::app {
 std::vector<Command>& command_registry() {
@@ -109,7 +110,7 @@ int main(int argc, char** argv) {
   using namespace cpgold::app;
   const bool json = wants_json(argc, argv);
   CLI::App app{"cpgold " CPGOLD_VERSION ": golden data and checks for context-parallel (CP) attention on THD layouts"};
-  app.set_version_flag("--version", std::string(CPGOLD_VERSION));
+  app.set_version_flag("--version", std::string(CPGOLD_VERSION) + " (instruction set " + cpgold::isa_level() + ")");
   app.require_subcommand(1);
   auto& commands = command_registry();
   std::sort(commands.begin(), commands.end(), [](const Command& a, const Command& b) { return a.name < b.name; });

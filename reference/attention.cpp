@@ -20,12 +20,16 @@
 #include <vector>
 
 #include "reference/input_error.hpp"
+#include "reference/isa_level.hpp"
 
 namespace cpgold {
 
 void pin_eigen_blocking() {
   static std::once_flag once;
   std::call_once(once, [] {
+    // The results' bits depend on the instruction-set level too; naming it here links its CPU check
+    // (reference/isa_level.cpp) into every program that computes attention.
+    (void)isa_level();
     // Fixed cache sizes make Eigen's GEMM blocking (and so its summation order) independent of the host.
     Eigen::setCpuCacheSizes(32 * 1024, 256 * 1024, 2 * 1024 * 1024);
     Eigen::setNbThreads(1);
