@@ -2,6 +2,7 @@
 // estimates against what the machine has. Size and time estimate before each long case, progress during its compute
 // (a bar on a terminal, a line every 10 s otherwise), a summary table at the end.
 #include <sys/stat.h>
+#include <omp.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -48,48 +49,65 @@ std::string seconds_text(double s) {
   return buffer;
 }
 
-// Progress of one case: score-tile elements reported by the kernels (any thread) against the expected count; a bar
-// on a terminal (at most 10 updates a second), otherwise a line every 10 seconds.
-class CaseProgress final : public ProgressSink {
+// Progress of one phase of a case (compute: score-tile elements the kernels report from any thread; write: raw bytes
+// from the writing thread) against its expected total, always with the time left: a bar on a terminal (at most 10
+// updates a second), otherwise a line every 5 seconds, so that no phase of a long case is silent for long.
+class PhaseProgress {
  public:
-  CaseProgress(std::string label, double expected, bool terminal)
-      : label_(std::move(label)), expected_(std::max(expected, 1.0)), terminal_(terminal),
-        start_(std::chrono::steady_clock::now()), last_(start_) {}
-  void advance(int64_t score_elements) override {
-    const int64_t done = done_.fetch_add(score_elements) + score_elements;
+  PhaseProgress(std::string label, std::string done_word, double expected, bool terminal)
+      : label_(std::move(label)), done_word_(std::move(done_word)), expected_(std::max(expected, 1.0)),
+        terminal_(terminal), start_(std::chrono::steady_clock::now()), last_(start_) {}
+  void add(double amount) { report(done_.fetch_add(amount) + amount); }
+  void set(double done) {
+    done_.store(done);
+    report(done);
+  }
+  void finish() {
+    if (terminal_) std::fprintf(stderr, "\r%-110s\r", "");
+  }
+  double seconds() const { return std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count(); }
+
+ private:
+  void report(double done) {
     const auto now = std::chrono::steady_clock::now();
     const double since = std::chrono::duration<double>(now - last_.load()).count();
-    if (since < (terminal_ ? 0.1 : 10.0)) return;
+    if (since < (terminal_ ? 0.1 : 5.0)) return;
     std::unique_lock<std::mutex> lock(print_, std::try_to_lock);
     if (!lock.owns_lock()) return;
     last_ = now;
-    const double fraction = std::min(0.99, double(done) / expected_);
+    const double fraction = std::min(0.99, done / expected_);
     const double elapsed = std::chrono::duration<double>(now - start_).count();
     const double left = fraction > 0.02 ? elapsed * (1 - fraction) / fraction : -1;
+    const std::string left_text = left >= 0 ? ", about " + seconds_text(left) + " left" : "";
     if (terminal_) {
       const int width = 30, filled = static_cast<int>(width * fraction);
-      std::fprintf(stderr, "\r  %s [%s%s] %3.0f%% %s elapsed%s%s   ", label_.c_str(), std::string(filled, '#').c_str(),
-                   std::string(width - filled, '.').c_str(), 100 * fraction, seconds_text(elapsed).c_str(),
-                   left >= 0 ? ", about " : "", left >= 0 ? (seconds_text(left) + " left").c_str() : "");
+      std::fprintf(stderr, "\r  %s [%s%s] %3.0f%% %s, %s elapsed%s   ", label_.c_str(), std::string(filled, '#').c_str(),
+                   std::string(width - filled, '.').c_str(), 100 * fraction, done_word_.c_str(),
+                   seconds_text(elapsed).c_str(), left_text.c_str());
     } else {
-      std::fprintf(stderr, "  %s: %.0f%% computed after %s%s%s\n", label_.c_str(), 100 * fraction,
-                   seconds_text(elapsed).c_str(), left >= 0 ? ", about " : "",
-                   left >= 0 ? (seconds_text(left) + " left").c_str() : "");
+      std::fprintf(stderr, "  %s: %.0f%% %s after %s%s\n", label_.c_str(), 100 * fraction, done_word_.c_str(),
+                   seconds_text(elapsed).c_str(), left_text.c_str());
     }
     std::fflush(stderr);
   }
-  void finish() {
-    if (terminal_) std::fprintf(stderr, "\r%-100s\r", "");
-  }
 
- private:
-  std::string label_;
+  std::string label_, done_word_;
   double expected_;
   bool terminal_;
   std::chrono::steady_clock::time_point start_;
   std::atomic<std::chrono::steady_clock::time_point> last_;
-  std::atomic<int64_t> done_{0};
+  std::atomic<double> done_{0};
   std::mutex print_;
+};
+
+// The compute phase as the kernels see it.
+class ComputeProgress final : public ProgressSink {
+ public:
+  explicit ComputeProgress(PhaseProgress& phase) : phase_(phase) {}
+  void advance(int64_t score_elements) override { phase_.add(static_cast<double>(score_elements)); }
+
+ private:
+  PhaseProgress& phase_;
 };
 
 struct Job {
@@ -163,8 +181,9 @@ int run_gen(CaseFlags flags, const std::string& suite, const std::string& output
   const std::string manifest_path = (fs::path(output) / fx::kManifestName).string();
   if (manifest) fx::check_destination(manifest_path, force);
 
-  // Refuse before any work when the estimates exceed what the machine has (unless --yes). Memory first, from
-  // sim::case_cost (tensors, the Plan, step partials), before any Plan is built: a Plan can be larger than the machine.
+  // Refuse before any work when the estimates exceed what the machine has (unless --yes). First what any run of the
+  // case certainly holds (sim::case_cost: the inputs, the float64 oracle, the Plan, the step partials), before any
+  // Plan is built: a Plan can be larger than the machine. Then, from each Plan, the peak (fx::generate_memory).
   double disk_needed = 0, memory_needed = 0;
   sim::CaseCost largest_cost;
   std::string largest;
@@ -177,20 +196,42 @@ int run_gen(CaseFlags flags, const std::string& suite, const std::string& output
   if (!yes && memory_needed > double(machine.memory_available)) {
     const auto job = std::find_if(jobs.begin(), jobs.end(), [&](const Job& j) { return j.name == largest; });
     fail_input(jobs.size() == 1 ? std::string("case") : largest,
-               "needs about ", human_bytes(memory_needed), " of memory (estimate: ", sim::kMemoryPerByte, " x ",
-               human_bytes(largest_cost.tensor_bytes), " of tensors + ", human_bytes(sim::kMemoryBase), " + ",
+               "needs at least ", human_bytes(memory_needed), " of memory (the inputs, the float64 oracle and ",
                human_bytes(largest_cost.plan_bytes), " for the Plan: ", largest_cost.tiles, " tiles per pass x ",
-               job->spec.seqlens_q.size(), " sequences",
-               largest_cost.trace_bytes > 0 ? " + the step partials" : "", ") but ",
-               human_bytes(double(machine.memory_available)), " are available (", machine.memory_source,
+               job->spec.seqlens_q.size(), " sequences", largest_cost.trace_bytes > 0 ? ", the step partials" : "",
+               ") but ", human_bytes(double(machine.memory_available)), " are available (", machine.memory_source,
                "); make the case smaller or pass --yes to try anyway");
   }
-  // Disk: each fixture's size bound (fx::fixture_size_bound over every dataset and group, step groups included), from
-  // its Plan, which fits now.
+  // Disk: each fixture's size bound (fx::fixture_size_bound over every dataset and group, step groups included), and
+  // memory: each case's peak, from its Plan, which fits now.
+  auto out_of_memory = [&](const Job& job, double needed) {
+    const ThdLayout layout = sim::layout(job.spec);
+    fail_input(job.name, "out of memory: total_tokens_q = ", layout.q.total_rows, ", total_tokens_kv = ",
+               layout.kv.total_rows, ", heads_q = ", job.spec.heads_q, ", dim_qk = ", job.spec.dim_qk,
+               ", cp_size = ", job.spec.cp_size, " need about ", human_bytes(needed), ", ",
+               human_bytes(double(machine_resources(folder).memory_available)), " are available");
+  };
   std::vector<double> disk_bounds;
+  std::vector<fx::GenerateMemory> memories;
+  const int threads = omp_get_max_threads();
   for (const Job& job : jobs) {
-    disk_bounds.push_back(double(fx::fixture_size_bound(job.spec, sim::make_plan(job.spec), trace || job.trace)));
-    disk_needed += disk_bounds.back();
+    try {
+      const sim::Plan plan = sim::make_plan(job.spec);
+      disk_bounds.push_back(double(fx::fixture_size_bound(job.spec, plan, trace || job.trace)));
+      disk_needed += disk_bounds.back();
+      memories.push_back(fx::generate_memory(job.spec, plan, trace || job.trace, threads));
+    } catch (const std::bad_alloc&) {  // with --yes: the Plan, or the row maps of the estimate's dry run
+      out_of_memory(job, sim::case_cost(job.spec, trace || job.trace).memory_bytes);
+    }
+  }
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    const fx::GenerateMemory& m = memories[i];
+    if (yes || m.peak() <= double(machine.memory_available)) continue;
+    fail_input(jobs.size() == 1 ? std::string("case") : jobs[i].name, "needs about ", human_bytes(m.peak()),
+               " of memory at its peak (", m.peak_phase(), ": ", human_bytes(m.inputs), " of inputs, ",
+               human_bytes(m.oracle), " of float64 oracle and the rest of that phase; ", m.threads, " threads) but ",
+               human_bytes(double(machine.memory_available)), " are available (", machine.memory_source,
+               "); make the case smaller or pass --yes to try anyway");
   }
   if (!yes && disk_needed > double(machine.disk_free))
     fail_input(jobs.size() == 1 ? jobs.front().path : folder, "needs up to ", human_bytes(disk_needed),
@@ -211,13 +252,14 @@ int run_gen(CaseFlags flags, const std::string& suite, const std::string& output
     const double estimate = cost.seconds;
     const double eta = (total_estimate - estimated_done) * correction;
     if (estimate * correction > 2.0 || !terminal)
-      std::fprintf(stderr, "[%zu/%zu] %s: at most %s on disk, about %s of memory, %s (ETA %s)\n", i + 1, jobs.size(),
-                   job.name.c_str(), human_bytes(disk_bounds[i]).c_str(),
-                   human_bytes(cost.memory_bytes).c_str(), seconds_text(estimate * correction).c_str(),
-                   seconds_text(eta).c_str());
+      std::fprintf(stderr, "[%zu/%zu] %s: at most %s on disk, about %s of memory (peak: %s), %s (ETA %s)\n", i + 1,
+                   jobs.size(), job.name.c_str(), human_bytes(disk_bounds[i]).c_str(),
+                   human_bytes(memories[i].peak()).c_str(), memories[i].peak_phase().c_str(),
+                   seconds_text(estimate * correction).c_str(), seconds_text(eta).c_str());
     const auto t0 = std::chrono::steady_clock::now();
-    CaseProgress progress("[" + std::to_string(i + 1) + "/" + std::to_string(jobs.size()) + "] " + job.name,
-                          cost.pairs * sim::kernel_passes(job_trace), terminal);
+    const std::string label = "[" + std::to_string(i + 1) + "/" + std::to_string(jobs.size()) + "] " + job.name;
+    PhaseProgress compute_phase(label, "computed", cost.pairs * sim::kernel_passes(job_trace), terminal);
+    ComputeProgress progress(compute_phase);
     fx::GenerateOptions options;
     options.trace = job_trace;
     options.progress = &progress;
@@ -225,25 +267,32 @@ int run_gen(CaseFlags flags, const std::string& suite, const std::string& output
       try {
         return fx::generate(job.spec, options);
       } catch (const std::bad_alloc&) {  // with --yes, or when the estimate was too low
-        const ThdLayout layout = sim::layout(job.spec);
-        fail_input(job.name, "out of memory: total_tokens_q = ", layout.q.total_rows, ", total_tokens_kv = ",
-                   layout.kv.total_rows, ", heads_q = ", job.spec.heads_q, ", dim_qk = ", job.spec.dim_qk,
-                   ", cp_size = ", job.spec.cp_size, " need about ", human_bytes(cost.memory_bytes), ", ",
-                   human_bytes(double(machine_resources(folder).memory_available)), " are available");
+        out_of_memory(job, memories[i].peak());
       }
     }();
-    progress.finish();
+    compute_phase.finish();
+    const double compute_seconds = compute_phase.seconds();
+    const double raw_bytes = static_cast<double>(fx::payload_bytes(run));
+    const bool long_case = estimate * correction > 2.0 || !terminal;
+    if (long_case)
+      std::fprintf(stderr, "%s: computed in %s; writing %s of data (shuffle + deflate + Fletcher32 on %d threads)\n",
+                   label.c_str(), seconds_text(compute_seconds).c_str(), human_bytes(raw_bytes).c_str(),
+                   omp_get_max_threads());
+    PhaseProgress write_phase(label, "written", raw_bytes, terminal);
     fx::WriteOptions write_options;
     write_options.force = force;
+    write_options.progress = [&](int64_t written, int64_t) { write_phase.set(static_cast<double>(written)); };
     const fx::WriteSummary summary = fx::write_fixture(run, job.path, write_options);
+    write_phase.finish();
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     estimated_done += estimate;
     const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     if (elapsed > 0.5 && estimated_done > 0) correction = elapsed / estimated_done;  // cumulative: overheads included
     done.push_back({job.name, "written", job.cpu_only, summary.bytes, summary.datasets, seconds});
-    if (!terminal || estimate > 2.0)
-      std::fprintf(stderr, "[%zu/%zu] %s: wrote %s in %s (estimated %s)\n", i + 1, jobs.size(), summary.path.c_str(),
-                   human_bytes(double(summary.bytes)).c_str(), seconds_text(seconds).c_str(),
+    if (long_case)
+      std::fprintf(stderr, "[%zu/%zu] %s: wrote %s in %s (compute %s, write %s; estimated %s)\n", i + 1, jobs.size(),
+                   summary.path.c_str(), human_bytes(double(summary.bytes)).c_str(), seconds_text(seconds).c_str(),
+                   seconds_text(compute_seconds).c_str(), seconds_text(write_phase.seconds()).c_str(),
                    seconds_text(estimate).c_str());
   }
   const double total = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();

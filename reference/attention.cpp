@@ -54,7 +54,8 @@ struct OracleRounding {
 };
 struct PeerRounding {
   DType dtype;
-  float operator()(float x) const { return round_to(dtype, x); }
+  float operator()(float x) const { return dtype == DType::bf16 ? round_to_bf16(x) : round_to(dtype, x); }
+  void in_place(float* values, int64_t n) const { round_in_place(dtype, values, n); }
 };
 
 template <class Acc, class Round>
@@ -222,7 +223,7 @@ ForwardResult<Acc> forward_impl(const AttentionCall& call, const Tensor3<Acc>& q
       fill_masked(s, i, visible, key_runs, Acc(0));  // masked scores may have overflowed: overwrite, never scale
       row_sum[i] = s.row(i).sum();
       if constexpr (!std::is_same_v<Round, OracleRounding>)
-        s.row(i) = s.row(i).unaryExpr(arith.round);  // P rounded to the dtype before P.V
+        arith.round.in_place(s.row(i).data(), s.cols());  // P rounded to the dtype before P.V
     }
     Matrix<Acc> o_acc = Matrix<Acc>::Zero(task.rows.count, v.dim);
     int64_t col = 0;
@@ -310,7 +311,7 @@ BackwardResult<Acc> backward_impl(const AttentionCall& call, const Tensor3<Acc>&
       d[i] = row_delta(o, dout, task.rows.first_row + i, task.head);
     }
     softmax_gradient_tile(s, dp, row_lse, d, call.window, seq.delta(), task.rows.position, key_runs);
-    if constexpr (!std::is_same_v<Round, OracleRounding>) dp = dp.unaryExpr(arith.round);  // dS rounded before dS.K
+    if constexpr (!std::is_same_v<Round, OracleRounding>) arith.round.in_place(dp.data(), dp.size());  // dS before dS.K
     Matrix<Acc> dq_acc = Matrix<Acc>::Zero(task.rows.count, q.dim);
     col = 0;
     for (const RowRun& r : key_runs) {
@@ -357,8 +358,8 @@ BackwardResult<Acc> backward_impl(const AttentionCall& call, const Tensor3<Acc>&
           }
           softmax_gradient_tile(s, dp, row_lse, d, call.window, seq.delta(), rows.position, key_runs);
           if constexpr (!std::is_same_v<Round, OracleRounding>) {
-            s = s.unaryExpr(arith.round);    // P rounded before P^T.dO
-            dp = dp.unaryExpr(arith.round);  // dS rounded before dS^T.Q
+            arith.round.in_place(s.data(), s.size());    // P rounded before P^T.dO
+            arith.round.in_place(dp.data(), dp.size());  // dS rounded before dS^T.Q
           }
           dv_acc.noalias() += s.transpose() * do_rows;
           dk_acc.noalias() += dp.transpose() * head_rows(q, rows.first_row, rows.count, q_head);
@@ -376,6 +377,15 @@ BackwardResult<Acc> backward_impl(const AttentionCall& call, const Tensor3<Acc>&
 }
 
 }  // namespace
+
+double attention_workspace_bytes(int64_t max_keys, int64_t dim_qk, int64_t dim_v, int element_bytes,
+                                 const KernelOptions& options) {
+  // The dQ task holds the largest tiles: s and dp [rows x keys], with dq_acc [rows x d_qk]; the forward's s and
+  // o_acc are smaller. Eigen's products pack blocks of at most the pinned cache sizes (2 MiB L3) for each operand.
+  const double rows = options.row_block;
+  const double tiles = 2 * rows * static_cast<double>(max_keys) + rows * static_cast<double>(std::max(dim_qk, dim_v));
+  return tiles * element_bytes + 2 * 2 * 1024 * 1024;
+}
 
 ForwardResult<double> attention_forward(const AttentionCall& call, const Tensor3<double>& q, const Tensor3<double>& k,
                                         const Tensor3<double>& v, const KernelOptions& options) {

@@ -52,6 +52,12 @@ BackwardResult<float> attention_backward(const AttentionCall& call, const Tensor
                                          const LseTensor<float>& lse, const Tensor3<float>& dout, DType dtype,
                                          const KernelOptions& options = {});
 
+// Bytes one thread's tasks hold while they run (score and gradient tiles, accumulators, Eigen's packing blocks) for
+// tiles of `options.row_block` rows over at most `max_keys` keys, in the accumulation type (8 bytes for the oracle, 4
+// for the peer): what the kernels need beside their inputs and outputs.
+double attention_workspace_bytes(int64_t max_keys, int64_t dim_qk, int64_t dim_v, int element_bytes,
+                                 const KernelOptions& options = {});
+
 // Pins Eigen's cache-size assumptions (its GEMM blocking) and disables Eigen's own threading so that results do not
 // depend on the host. Called by every entry point above; idempotent.
 void pin_eigen_blocking();

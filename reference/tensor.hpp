@@ -41,7 +41,9 @@ struct LseTensor {
 template <class To, class From>
 Tensor3<To> tensor_cast(const Tensor3<From>& x) {
   Tensor3<To> y(x.rows, x.heads, x.dim);
-  for (std::size_t i = 0; i < x.values.size(); ++i) y.values[i] = static_cast<To>(x.values[i]);
+  const std::int64_t n = static_cast<std::int64_t>(x.values.size());
+#pragma omp parallel for schedule(static)
+  for (std::int64_t i = 0; i < n; ++i) y.values[static_cast<std::size_t>(i)] = static_cast<To>(x.values[static_cast<std::size_t>(i)]);
   return y;
 }
 

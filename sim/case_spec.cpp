@@ -1,5 +1,7 @@
 #include "sim/case_spec.hpp"
 
+#include <omp.h>
+
 #include <algorithm>
 #include <cmath>
 #include <set>
@@ -364,19 +366,20 @@ double case_pairs(const CaseSpec& spec) {
   return pairs * spec.heads_q;
 }
 
-// Calibration (docs/PERF.md, "gen estimates"): 11.4e9 score-tile pair-dims/s over the kernel passes, 31 MB/s of
-// payload through HDF5 (deflate + Fletcher32); per step group 0.7 ms and 0.6 us per sequence (the Plan's tile, four
-// datasets and ~20 attributes); a Plan 80 bytes per tile and sequence,
-// 160 more for a sequence with rows (its row segments); the step partials of a traced run 8 bytes of memory per
-// stored byte.
-constexpr double kPairDimsPerSecond = 11.4e9, kBytesPerSecond = 31e6;
+// Calibration (docs/PERF.md, "gen estimates"): per thread, 1.0e10 score-tile pair-dims/s over the kernel passes
+// (x86-64-v3 build) and 45 MB/s of payload through the chunk filters (shuffle + deflate(1) + Fletcher32); per step
+// group 0.7 ms and 0.6 us per sequence (the Plan's tile, four datasets and ~20 attributes, written by one thread); a
+// Plan 80 bytes per tile and sequence, 160 more for a sequence with rows (its row segments); the step partials of a
+// traced run 8 bytes of memory per stored byte.
+constexpr double kPairDimsPerSecondPerThread = 1.0e10, kBytesPerSecondPerThread = 45e6;
 constexpr double kStepGroupSeconds = 0.7e-3, kStepSequenceSeconds = 0.6e-6;
 constexpr double kPlanBytesPerSequence = 80, kPlanBytesPerRows = 160, kPlanBytesPerTile = 2048;
 constexpr double kTraceMemoryPerByte = 8;
 }  // namespace
 
-CaseCost case_cost(const CaseSpec& spec, bool trace) {
+CaseCost case_cost(const CaseSpec& spec, bool trace, int threads) {
   CaseCost cost;
+  const double thread_count = threads > 0 ? threads : std::max(1, omp_get_max_threads());
   const ThdLayout l = layout(spec);
   const double W = spec.cp_size, B = static_cast<double>(spec.seqlens_q.size());
   const double tq = double(l.q.total_rows), tkv = double(l.kv.total_rows);
@@ -414,9 +417,11 @@ CaseCost case_cost(const CaseSpec& spec, bool trace) {
   for (size_t b = 0; b < spec.seqlens_q.size(); ++b) with_rows += spec.seqlens_q[b] > 0 || kv[b] > 0;
   cost.plan_bytes = double(cost.step_groups) * (kPlanBytesPerSequence * B + kPlanBytesPerRows * with_rows + kPlanBytesPerTile);
   cost.datasets = 10 + 4 + 5 + 5 + 9 * int64_t{spec.cp_size} + 4 * cost.step_groups;
-  cost.memory_bytes = kMemoryPerByte * cost.tensor_bytes + kMemoryBase + cost.plan_bytes + kTraceMemoryPerByte * cost.trace_bytes;
-  cost.seconds = cost.pairs * (dqk + dv) * kernel_passes(trace) / kPairDimsPerSecond +
-                 (cost.tensor_bytes + cost.trace_bytes) / kBytesPerSecond +
+  const double inputs_float = (tq * hq * (dqk + dv) + tkv * hkv * (dqk + dv)) * 4;
+  const double oracle_float64 = (tq * hq * (dv + dqk + 1) + tkv * hkv * (dqk + dv)) * 8;
+  cost.memory_bytes = inputs_float + oracle_float64 + cost.plan_bytes + kTraceMemoryPerByte * cost.trace_bytes;
+  cost.seconds = cost.pairs * (dqk + dv) * kernel_passes(trace) / (kPairDimsPerSecondPerThread * thread_count) +
+                 (cost.tensor_bytes + cost.trace_bytes) / (kBytesPerSecondPerThread * thread_count) +
                  double(cost.step_groups) * (kStepGroupSeconds + kStepSequenceSeconds * B);
   return cost;
 }

@@ -95,9 +95,9 @@ Window mask_window(const CaseSpec& spec);  // normalised (causal -> right = 0); 
 ThdLayout layout(const CaseSpec& spec);    // validated global THD layout
 
 // What a case costs, before anything is built (docs/PERF.md, "gen estimates"): gen checks memory against it before any
-// Plan is built (its disk bound, fx::fixture_size_bound, needs the Plan), and the fixture reader refuses a fixture
-// whose case would not fit in memory before it builds the case's Plan. Measured on a 2-core x86-64 box (HDF5 1.10);
-// the memory is an upper bound, the time is for an idle machine.
+// Plan is built (its disk bound, fx::fixture_size_bound, and its peak memory, fx::generate_memory, need the Plan),
+// and the fixture reader refuses a fixture whose case would not fit in memory before it builds the case's Plan. The
+// time is for an idle machine, from rates per thread measured on a 2-core x86-64-v3 box (HDF5 1.10).
 struct CaseCost {
   int64_t tiles = 0;               // tiles of one pass: W^2 (p2p), W (a2a), 2W (all_gather), W^2 / a2a_size (a2a+p2p)
   int64_t step_groups = 0;         // forward and backward step groups of a fixture (2 x tiles)
@@ -106,14 +106,15 @@ struct CaseCost {
   double tensor_bytes = 0;         // uncompressed inputs, goldens, peer and rank shards
   double trace_bytes = 0;          // uncompressed step partials (with trace; an upper bound)
   double plan_bytes = 0;           // memory of the Plan: per tile, metadata per sequence
-  double memory_bytes = 0;         // peak memory of gen
-  double seconds = 0;              // gen on an idle 2-core machine
+  double memory_bytes = 0;         // what gen certainly holds: the inputs (float), the float64 oracle, the Plan and
+                                   // the step partials (a lower bound; fx::generate_memory gives the peak from the Plan)
+  double seconds = 0;              // gen on an idle machine with `threads` threads (rates per thread measured on one)
 };
-CaseCost case_cost(const CaseSpec& spec, bool trace);
+// threads: the OpenMP threads gen runs with (0: omp_get_max_threads()).
+CaseCost case_cost(const CaseSpec& spec, bool trace, int threads = 0);
 // Runs over the tiles: forward, dQ and dK/dV passes of the oracle, the non-CP peer and the CP peer; with trace also
 // of the float64 CP oracle.
 int kernel_passes(bool trace);
-inline constexpr double kMemoryPerByte = 5.6, kMemoryBase = 64e6;  // gen's peak memory per tensor byte, and base
 // Every dataset takes at least this many bytes of a file (its object header and the link to it): a file smaller
 // than datasets x this cannot hold the fixture its case_json describes.
 inline constexpr double kMinBytesPerDataset = 64;

@@ -132,18 +132,27 @@ struct RankShards {
   std::vector<Tensor3<T>> q, k, v, dout;
 };
 
+// out: [rows.size(), h, d] of type T; out[i] = x[rows[i]] converted (no global copy of x in T).
+template <class T>
+Tensor3<T> take_rows_as(const Tensor3<float>& x, const std::vector<int64_t>& rows) {
+  Tensor3<T> out(static_cast<int64_t>(rows.size()), x.heads, x.dim);
+  const int64_t s = x.row_stride();
+  for (size_t i = 0; i < rows.size(); ++i)
+    if (rows[i] >= 0) std::copy_n(x.values.begin() + rows[i] * s, s, out.values.begin() + static_cast<int64_t>(i) * s);
+  return out;
+}
+
 template <class T>
 RankShards<T> shard_inputs(const Plan& plan, const CaseInputs& inputs) {
   const SidePartition& qs = plan.partition.q;
   const SidePartition& ks = plan.partition.kv;
-  const Tensor3<T> q_g = tensor_cast<T>(inputs.q), k_g = tensor_cast<T>(inputs.k), v_g = tensor_cast<T>(inputs.v),
-                   dout_g = tensor_cast<T>(inputs.dout);
   RankShards<T> shards;
   for (int r = 0; r < plan.cp_size; ++r) {
-    shards.q.push_back(shard_rows(qs, r, q_g));
-    shards.k.push_back(shard_rows(ks, r, k_g));
-    shards.v.push_back(shard_rows(ks, r, v_g));
-    shards.dout.push_back(shard_rows(qs, r, dout_g));
+    const std::vector<int64_t> rows_q = qs.gather_indices(r), rows_kv = ks.gather_indices(r);
+    shards.q.push_back(take_rows_as<T>(inputs.q, rows_q));
+    shards.k.push_back(take_rows_as<T>(inputs.k, rows_kv));
+    shards.v.push_back(take_rows_as<T>(inputs.v, rows_kv));
+    shards.dout.push_back(take_rows_as<T>(inputs.dout, rows_q));
   }
   return shards;
 }
@@ -358,6 +367,47 @@ CpRun<float> run_cp_peer(const Plan& plan, const CaseInputs& inputs, DType dtype
   return run_cp(plan, inputs, PeerArith{dtype, options.kernel}, options);
 }
 
+namespace {
+// Copies rank r's outputs into their global rows.
+template <class T>
+void gather_rank(const Plan& plan, int r, const RankOutputs<T>& x, GlobalOutputs<T>& out) {
+  const std::vector<int64_t> qi = plan.partition.q.gather_indices(r), ki = plan.partition.kv.gather_indices(r);
+  for (size_t i = 0; i < qi.size(); ++i) {
+    std::copy_n(x.o.at(static_cast<int64_t>(i), 0), x.o.row_stride(), out.o.at(qi[i], 0));
+    if (!x.dq.values.empty()) std::copy_n(x.dq.at(static_cast<int64_t>(i), 0), x.dq.row_stride(), out.dq.at(qi[i], 0));
+    for (int64_t h = 0; h < x.lse.heads; ++h) out.lse(h, qi[i]) = x.lse(h, static_cast<int64_t>(i));
+  }
+  if (!x.dk.values.empty())
+    for (size_t i = 0; i < ki.size(); ++i) {
+      std::copy_n(x.dk.at(static_cast<int64_t>(i), 0), x.dk.row_stride(), out.dk.at(ki[i], 0));
+      std::copy_n(x.dv.at(static_cast<int64_t>(i), 0), x.dv.row_stride(), out.dv.at(ki[i], 0));
+    }
+}
+template <class T>
+GlobalOutputs<T> global_like(const Plan& plan, const RankOutputs<T>& r0) {
+  const SidePartition& qs = plan.partition.q;
+  const SidePartition& ks = plan.partition.kv;
+  GlobalOutputs<T> out;
+  out.o = Tensor3<T>(qs.global().total_rows, r0.o.heads, r0.o.dim);
+  out.dq = Tensor3<T>(qs.global().total_rows, r0.dq.heads, r0.dq.dim);
+  out.dk = Tensor3<T>(ks.global().total_rows, r0.dk.heads, r0.dk.dim);
+  out.dv = Tensor3<T>(ks.global().total_rows, r0.dv.heads, r0.dv.dim);
+  out.lse = LseTensor<T>(r0.lse.heads, qs.global().total_rows, neg_inf<T>());
+  return out;
+}
+}  // namespace
+
+template <class T>
+GlobalOutputs<T> gather_outputs(const Plan& plan, std::vector<RankOutputs<T>>&& ranks) {
+  GlobalOutputs<T> out = global_like(plan, ranks.at(0));
+  for (int r = 0; r < plan.cp_size; ++r) {
+    gather_rank(plan, r, ranks[static_cast<size_t>(r)], out);
+    ranks[static_cast<size_t>(r)] = RankOutputs<T>{};  // each rank freed once copied: one tensor set at a time
+  }
+  ranks.clear();
+  return out;
+}
+
 template <class T>
 GlobalOutputs<T> gather_outputs(const Plan& plan, const std::vector<RankOutputs<T>>& ranks) {
   const SidePartition& qs = plan.partition.q;
@@ -390,5 +440,7 @@ template Tensor3<double> shard_rows(const SidePartition&, int, const Tensor3<dou
 template Tensor3<float> shard_rows(const SidePartition&, int, const Tensor3<float>&);
 template GlobalOutputs<double> gather_outputs(const Plan&, const std::vector<RankOutputs<double>>&);
 template GlobalOutputs<float> gather_outputs(const Plan&, const std::vector<RankOutputs<float>>&);
+template GlobalOutputs<double> gather_outputs(const Plan&, std::vector<RankOutputs<double>>&&);
+template GlobalOutputs<float> gather_outputs(const Plan&, std::vector<RankOutputs<float>>&&);
 
 }  // namespace cpgold::sim

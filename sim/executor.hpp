@@ -56,6 +56,9 @@ struct GlobalOutputs {
 };
 template <class T>
 GlobalOutputs<T> gather_outputs(const Plan& plan, const std::vector<RankOutputs<T>>& ranks);
+// The same, freeing each rank's outputs once copied (memory: the global tensors plus one rank's, not all of them).
+template <class T>
+GlobalOutputs<T> gather_outputs(const Plan& plan, std::vector<RankOutputs<T>>&& ranks);
 
 // local: [local_rows, h, d] of rank `rank` from a global [total_rows, h, d] (thd_get_partitioned_indices).
 template <class T>

@@ -1,8 +1,11 @@
 // Rounding to bf16/fp16, window normalisation and visibility, LSE merge.
 #include <doctest/doctest.h>
 
+#include <Eigen/Core>
 #include <cmath>
+#include <cstring>
 #include <limits>
+#include <vector>
 
 #include "reference/dtype.hpp"
 #include "reference/input_error.hpp"
@@ -36,6 +39,74 @@ TEST_CASE("fp16 rounding covers subnormals and overflow") {
   for (float x : {0.1f, -3.7f, 1234.5f, 1e-6f, 7.25e-5f}) {
     CHECK(round_to(DType::fp16, static_cast<double>(x)) == round_to(DType::fp16, x));
     CHECK(round_to(DType::bf16, static_cast<double>(x)) == round_to(DType::bf16, x));
+  }
+}
+
+namespace {
+// The textbook formulation the bit-level rounding must equal: frexp, scale, nearbyint (ties to even), scale back.
+double round_to_format_reference(double x, int precision, int min_exponent, double max_finite) {
+  if (!std::isfinite(x) || x == 0.0) return x;
+  int exponent = 0;
+  std::frexp(x, &exponent);
+  const int unit_exponent = std::max(exponent - 1, min_exponent) - (precision - 1);
+  const double rounded = std::ldexp(std::nearbyint(std::ldexp(x, -unit_exponent)), unit_exponent);
+  if (std::fabs(rounded) > max_finite) return std::copysign(INFINITY, x);
+  return rounded;
+}
+bool same_bits(float a, float b) { return std::memcmp(&a, &b, 4) == 0; }
+}  // namespace
+
+TEST_CASE("bit-level rounding equals the reference formulation and Eigen's conversions, value for value") {
+  uint64_t state = 2026;
+  auto next = [&] {
+    state = state * 6364136223846793005ull + 1442695040888963407ull;
+    return state;
+  };
+  std::vector<double> doubles = {0x1p-1074, -0x1p-1074, 0x1p-1022, 0x1p-149, 0x1p-150, 0x1.8p-150, 0x1p-133,
+                                 0x1p-134, 0x1.8p-134, 0x1p-25, 0x1.0000001p-25, 65519.99, 65520.0, 0x1.FFp127,
+                                 0x1.FF8p127, 1e300, -1e300, 1.0 + 0x1p-8, 1.0 + 3 * 0x1p-8, 0.3, -0.3, 1.3};
+  for (int i = 0; i < 200000; ++i) {
+    const uint64_t bits = next();
+    double x;
+    if (i % 3 == 0) {  // any double
+      std::memcpy(&x, &bits, 8);
+    } else {  // around the formats' ranges, ties included (few low bits)
+      const int exponent = static_cast<int>(bits % 330) - 170;
+      const double m = 1.0 + static_cast<double>((bits >> 20) & 0xffff) * 0x1p-16;
+      x = std::ldexp((bits >> 63) ? -m : m, exponent);
+    }
+    doubles.push_back(x);
+  }
+  for (double x : doubles) {
+    CAPTURE(x);
+    const float bf = round_to(DType::bf16, x), hf = round_to(DType::fp16, x);
+    const float bf_ref = static_cast<float>(round_to_format_reference(x, 8, -126, 0x1.FEp127));
+    const float hf_ref = static_cast<float>(round_to_format_reference(x, 11, -14, 65504.0));
+    if (std::isnan(x)) {
+      CHECK((std::isnan(bf) && std::isnan(hf)));
+      continue;
+    }
+    CHECK(same_bits(bf, bf_ref));
+    CHECK(same_bits(hf, hf_ref));
+  }
+  // Float rounding: Eigen's conversions, NaN payloads included; and round_in_place gives the same values.
+  std::vector<float> floats = {std::numeric_limits<float>::quiet_NaN(), -std::numeric_limits<float>::quiet_NaN(),
+                               std::numeric_limits<float>::infinity(), 0x1.FFFFFEp127f, 0x1p-149f, -0.0f};
+  for (int i = 0; i < 200000; ++i) {
+    const uint32_t bits = static_cast<uint32_t>(next() >> 32);
+    float x;
+    std::memcpy(&x, &bits, 4);
+    floats.push_back(x);
+  }
+  std::vector<float> bf_in_place = floats, hf_in_place = floats;
+  round_in_place(DType::bf16, bf_in_place.data(), static_cast<int64_t>(floats.size()));
+  round_in_place(DType::fp16, hf_in_place.data(), static_cast<int64_t>(floats.size()));
+  for (size_t i = 0; i < floats.size(); ++i) {
+    const float x = floats[i];
+    CAPTURE(x);
+    CHECK(same_bits(round_to(DType::bf16, x), static_cast<float>(Eigen::bfloat16(x))));
+    CHECK(same_bits(bf_in_place[i], round_to(DType::bf16, x)));
+    CHECK(same_bits(hf_in_place[i], round_to(DType::fp16, x)));
   }
 }
 
