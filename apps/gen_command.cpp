@@ -7,12 +7,14 @@
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdio>
 #include <filesystem>
 #include <iostream>
 #include <map>
 #include <mutex>
 #include <new>
+#include <thread>
 #include <nlohmann/json.hpp>
 
 #include "apps/case_options.hpp"
@@ -56,13 +58,30 @@ class PhaseProgress {
  public:
   PhaseProgress(std::string label, std::string done_word, double expected, bool terminal)
       : label_(std::move(label)), done_word_(std::move(done_word)), expected_(std::max(expected, 1.0)),
-        terminal_(terminal), start_(std::chrono::steady_clock::now()), last_(start_) {}
+        terminal_(terminal), start_(std::chrono::steady_clock::now()), last_(start_) {
+    // Between the kernels' reports (the budgets, gathers and copies between passes) a ticker keeps the line alive.
+    ticker_ = std::thread([this] {
+      std::unique_lock<std::mutex> lock(ticker_mutex_);
+      while (!finished_) {
+        ticker_wake_.wait_for(lock, std::chrono::milliseconds(terminal_ ? 500 : 5000));
+        if (!finished_) report(done_.load());
+      }
+    });
+  }
+  ~PhaseProgress() { finish(); }
   void add(double amount) { report(done_.fetch_add(amount) + amount); }
   void set(double done) {
     done_.store(done);
     report(done);
   }
   void finish() {
+    {
+      std::lock_guard<std::mutex> lock(ticker_mutex_);
+      if (finished_) return;
+      finished_ = true;
+    }
+    ticker_wake_.notify_all();
+    if (ticker_.joinable()) ticker_.join();
     if (terminal_) std::fprintf(stderr, "\r%-110s\r", "");
   }
   double seconds() const { return std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count(); }
@@ -71,7 +90,7 @@ class PhaseProgress {
   void report(double done) {
     const auto now = std::chrono::steady_clock::now();
     const double since = std::chrono::duration<double>(now - last_.load()).count();
-    if (since < (terminal_ ? 0.1 : 5.0)) return;
+    if (since < (terminal_ ? 0.1 : 4.9)) return;
     std::unique_lock<std::mutex> lock(print_, std::try_to_lock);
     if (!lock.owns_lock()) return;
     last_ = now;
@@ -98,6 +117,10 @@ class PhaseProgress {
   std::atomic<std::chrono::steady_clock::time_point> last_;
   std::atomic<double> done_{0};
   std::mutex print_;
+  std::mutex ticker_mutex_;
+  std::condition_variable ticker_wake_;
+  bool finished_ = false;
+  std::thread ticker_;
 };
 
 // The compute phase as the kernels see it.

@@ -42,7 +42,7 @@ template <class To, class From>
 Tensor3<To> tensor_cast(const Tensor3<From>& x) {
   Tensor3<To> y(x.rows, x.heads, x.dim);
   const std::int64_t n = static_cast<std::int64_t>(x.values.size());
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (n > (std::int64_t{1} << 18))
   for (std::int64_t i = 0; i < n; ++i) y.values[static_cast<std::size_t>(i)] = static_cast<To>(x.values[static_cast<std::size_t>(i)]);
   return y;
 }

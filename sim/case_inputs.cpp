@@ -13,7 +13,7 @@ Tensor3<float> make_tensor(const CaseSpec& spec, InputTensor which, const Packed
   Tensor3<float> t(side.total_rows, heads, dim);
   const int64_t row_elems = static_cast<int64_t>(heads) * dim;
   // Every element is a pure function of its index: rows on every thread give the same values.
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (t.rows * row_elems > (int64_t{1} << 18))
   for (int64_t row = 0; row < t.rows; ++row) {
     const bool valid = side.is_valid_row(row);
     float* out = t.values.data() + row * row_elems;

@@ -32,9 +32,12 @@ constexpr T neg_inf() {
 template <class T>
 Tensor3<T> take_rows(const Tensor3<T>& x, const std::vector<int64_t>& rows) {
   Tensor3<T> out(static_cast<int64_t>(rows.size()), x.heads, x.dim);
-  const int64_t s = x.row_stride();
-  for (size_t i = 0; i < rows.size(); ++i)
-    if (rows[i] >= 0) std::copy_n(x.values.begin() + rows[i] * s, s, out.values.begin() + static_cast<int64_t>(i) * s);
+  const int64_t s = x.row_stride(), n = static_cast<int64_t>(rows.size());
+#pragma omp parallel for schedule(static) if (n * s > (int64_t{1} << 18))
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t from = rows[static_cast<size_t>(i)];
+    if (from >= 0) std::copy_n(x.values.begin() + from * s, s, out.values.begin() + i * s);
+  }
   return out;
 }
 
@@ -372,16 +375,19 @@ namespace {
 template <class T>
 void gather_rank(const Plan& plan, int r, const RankOutputs<T>& x, GlobalOutputs<T>& out) {
   const std::vector<int64_t> qi = plan.partition.q.gather_indices(r), ki = plan.partition.kv.gather_indices(r);
+#pragma omp parallel for schedule(static) if (x.o.values.size() > (size_t{1} << 18))
   for (size_t i = 0; i < qi.size(); ++i) {
     std::copy_n(x.o.at(static_cast<int64_t>(i), 0), x.o.row_stride(), out.o.at(qi[i], 0));
     if (!x.dq.values.empty()) std::copy_n(x.dq.at(static_cast<int64_t>(i), 0), x.dq.row_stride(), out.dq.at(qi[i], 0));
     for (int64_t h = 0; h < x.lse.heads; ++h) out.lse(h, qi[i]) = x.lse(h, static_cast<int64_t>(i));
   }
-  if (!x.dk.values.empty())
+  if (!x.dk.values.empty()) {
+#pragma omp parallel for schedule(static) if (x.dk.values.size() > (size_t{1} << 18))
     for (size_t i = 0; i < ki.size(); ++i) {
       std::copy_n(x.dk.at(static_cast<int64_t>(i), 0), x.dk.row_stride(), out.dk.at(ki[i], 0));
       std::copy_n(x.dv.at(static_cast<int64_t>(i), 0), x.dv.row_stride(), out.dv.at(ki[i], 0));
     }
+  }
 }
 template <class T>
 GlobalOutputs<T> global_like(const Plan& plan, const RankOutputs<T>& r0) {

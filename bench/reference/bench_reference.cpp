@@ -5,6 +5,7 @@
 // backward 2.5x the forward (the FlashAttention convention: five products where the forward has two).
 //
 // usage: bench_reference [--lengths 8192,4096,2048,1024,1024] [--heads 8] [--dim 128] [--threads 1,2]
+//        bench_reference --gemm-only [threads]   (the GEMM rates alone: one thread and all threads at once)
 #include <omp.h>
 
 #include <Eigen/Core>
@@ -16,6 +17,7 @@
 
 #include "bench/bench_clock.hpp"
 #include "reference/attention.hpp"
+#include "reference/isa_level.hpp"
 
 using namespace cpgold;
 
@@ -52,12 +54,48 @@ double eigen_gemm_rate(int m, int k, int n) {
   return 2.0 * m * k * n / best / 1e9;
 }
 
+// The same product run by `threads` threads at once, each on its own matrices: the machine's aggregate float64 rate
+// for that shape (GFLOP/s summed over the threads, best of three rounds).
+double eigen_gemm_rate_all(int m, int k, int n, int threads) {
+  using M = Eigen::Matrix<double, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  const int reps = std::max(1, static_cast<int>(4e9 / (2.0 * m * k * n)));
+  double best = 1e30;
+  for (int trial = 0; trial < 3; ++trial) {
+    double slowest = 0;
+#pragma omp parallel num_threads(threads) reduction(max : slowest)
+    {
+      const M a = M::Random(m, k), b = M::Random(k, n);
+      M c(m, n);
+      c.noalias() = a * b;  // warm
+#pragma omp barrier
+      const auto t0 = std::chrono::steady_clock::now();
+      for (int r = 0; r < reps; ++r) c.noalias() = a * b;
+      slowest = std::max(slowest, seconds_since(t0));
+    }
+    best = std::min(best, slowest);
+  }
+  return 2.0 * m * k * n * reps * threads / best / 1e9;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   std::vector<int> lengths{8192, 4096, 2048, 1024, 1024};
   std::vector<int> thread_counts{1, 2};
   int heads = 8, dim = 128;
+  if (argc >= 2 && !std::strcmp(argv[1], "--gemm-only")) {
+    // The machine's float64 matrix-product rate: one thread, and every thread at once (usage: --gemm-only [threads]).
+    pin_eigen_blocking();
+    const int threads = argc >= 3 ? std::stoi(argv[2]) : omp_get_max_threads();
+    const int block = KernelOptions{}.row_block;
+    std::printf("Eigen GEMM (double, %s) rates, GFLOP/s:\n", isa_level());
+    std::printf("| shape | 1 thread | %d threads at once |\n|---|---|---|\n", threads);
+    const int shapes[3][3] = {{block, 128, 2048}, {block, 2048, 128}, {2048, 128, 2048}};
+    for (const auto& s : shapes)
+      std::printf("| [%d x %d] x [%d x %d] | %.2f | %.1f |\n", s[0], s[1], s[1], s[2], eigen_gemm_rate(s[0], s[1], s[2]),
+                  eigen_gemm_rate_all(s[0], s[1], s[2], threads));
+    return 0;
+  }
   for (int i = 1; i + 1 < argc; i += 2) {
     if (!std::strcmp(argv[i], "--lengths")) lengths = parse_list(argv[i + 1]);
     else if (!std::strcmp(argv[i], "--heads")) heads = std::stoi(argv[i + 1]);
