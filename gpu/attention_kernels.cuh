@@ -634,12 +634,19 @@ __device__ __forceinline__ float lse_log2_or_inf(const float* lse, int64_t index
   return x == -INFINITY ? INFINITY : x * kLog2e;
 }
 
-// KV-stationary backward: one CTA per (64-key tile, kv head). dK, dV accumulate in registers over the query heads
-// of the group and every Q tile the mask lets through; dQ goes to dq_accum with float32 atomics when ATOMIC_DQ.
-template <class T, int D, int DV, bool ATOMIC_DQ>
+// KV-stationary backward: one CTA per (64-key tile, kv head, column slice). dK, dV accumulate in registers over the
+// query heads of the group and every Q tile the mask lets through; dQ goes to dq_accum with float32 atomics when
+// ATOMIC_DQ. With SLICES > 1 (head dim 256: 2 x 128 columns), CTA z computes the columns [z * D / SLICES, (z + 1) *
+// D / SLICES) of dK and of dV: the scores and dP (which need every column) are computed by each slice, so the
+// accumulators stay at 128 floats per thread instead of 256 (which would not fit in registers); only slice 0 adds dQ
+// and writes the rows outside every segment.
+template <class T, int D, int DV, bool ATOMIC_DQ, int SLICES = 1>
 __global__ void __launch_bounds__(128) attention_backward_dkdv_kernel(AttentionParams p) {
   using Cfg = BackwardConfig<T, D, DV>;
+  static_assert(D % (32 * SLICES) == 0 && DV % (32 * SLICES) == 0, "whole 32-column slices");
+  constexpr int kDS = D / SLICES, kDVS = DV / SLICES;  // this CTA's columns of dK and dV
   constexpr int kNT = Cfg::kBlockN / 8;
+  const int slice = SLICES == 1 ? 0 : static_cast<int>(blockIdx.z);
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* sK = reinterpret_cast<T*>(smem_raw);
   T* sV = sK + Cfg::kBlockN * Cfg::kLdK;
@@ -666,6 +673,7 @@ __global__ void __launch_bounds__(128) attention_backward_dkdv_kernel(AttentionP
   T* dv_tile =
       summing ? nullptr : static_cast<T*>(p.dv) + kv_tile.first_row * v_stride + static_cast<int64_t>(kv_head) * DV;
   if (kv_tile.sequence < 0) {  // K/V rows outside every segment: dK = dV = 0
+    if (slice != 0) return;
     if (summing) {
       sum_tile<Cfg::kBlockN, D, Cfg::kThreads, T>(p.dk_sum, sum_map, k_stride, int64_t{kv_head} * D, nullptr,
                                                   kv_tile.rows, p.dk_sum_assign != 0, static_cast<T*>(p.dk_result));
@@ -693,7 +701,7 @@ __global__ void __launch_bounds__(128) attention_backward_dkdv_kernel(AttentionP
                                                    v_stride, kv_tile.rows, v_base);
   cp_async_commit();
 
-  float acc_dk[D / 8][4], acc_dv[DV / 8][4];
+  float acc_dk[kDS / 8][4], acc_dv[kDVS / 8][4];
   zero_acc(acc_dk);
   zero_acc(acc_dv);
   const float sl2 = p.scale_log2;
@@ -761,10 +769,10 @@ __global__ void __launch_bounds__(128) attention_backward_dkdv_kernel(AttentionP
         __syncthreads();
 
         // dV += P^T dO and dK += dS^T Q for this warp's 16 keys.
-        warp_gemm_at_b<Cfg::kBlockM, DV / 8>(acc_dv, sP + warp * 16, Cfg::kLdP, sdO, Cfg::kLdO);
-        warp_gemm_at_b<Cfg::kBlockM, D / 8>(acc_dk, sdS + warp * 16, Cfg::kLdP, sQ, Cfg::kLdQ);
+        warp_gemm_at_b<Cfg::kBlockM, kDVS / 8>(acc_dv, sP + warp * 16, Cfg::kLdP, sdO + slice * kDVS, Cfg::kLdO);
+        warp_gemm_at_b<Cfg::kBlockM, kDS / 8>(acc_dk, sdS + warp * 16, Cfg::kLdP, sQ + slice * kDS, Cfg::kLdQ);
 
-        if constexpr (ATOMIC_DQ) {
+        if (ATOMIC_DQ && slice == 0) {
           // dQ (unscaled) += dS K for this warp's 16 query rows, 32 columns at a time.
           // Each 16 x 32 chunk is staged in shared memory and added with 16-byte float4 atomics (sm_90), a
           // quarter of the scalar atomics and coalesced along the row.
@@ -797,18 +805,22 @@ __global__ void __launch_bounds__(128) attention_backward_dkdv_kernel(AttentionP
   }
   cp_async_wait<0>();
   __syncthreads();
-  // dK = scale * dS^T Q, dV = P^T dO, staged through sQ / sdO (free now) for 16-byte stores.
-  acc_to_smem<T, D / 8>(sQ + warp * 16 * Cfg::kLdQ, Cfg::kLdQ, acc_dk, p.softmax_scale);
-  acc_to_smem<T, DV / 8>(sdO + warp * 16 * Cfg::kLdO, Cfg::kLdO, acc_dv, 1.f);
+  // dK = scale * dS^T Q, dV = P^T dO (this slice's columns), staged through sQ / sdO (free now; pitch of the slice's
+  // width) for 16-byte stores.
+  constexpr int kLdDk = Pitch<kDS>::value, kLdDv = Pitch<kDVS>::value;
+  static_assert(kLdDk <= Cfg::kLdQ && kLdDv <= Cfg::kLdO, "staging inside sQ / sdO");
+  acc_to_smem<T, kDS / 8>(sQ + warp * 16 * kLdDk, kLdDk, acc_dk, p.softmax_scale);
+  acc_to_smem<T, kDVS / 8>(sdO + warp * 16 * kLdDv, kLdDv, acc_dv, 1.f);
   __syncthreads();
   if (summing) {
-    sum_tile<Cfg::kBlockN, D, Cfg::kThreads>(p.dk_sum, sum_map, k_stride, int64_t{kv_head} * D, sQ, kv_tile.rows,
-                                             p.dk_sum_assign != 0, static_cast<T*>(p.dk_result));
-    sum_tile<Cfg::kBlockN, DV, Cfg::kThreads>(p.dv_sum, sum_map, v_stride, int64_t{kv_head} * DV, sdO, kv_tile.rows,
-                                              p.dv_sum_assign != 0, static_cast<T*>(p.dv_result));
+    sum_tile<Cfg::kBlockN, kDS, Cfg::kThreads>(p.dk_sum, sum_map, k_stride, int64_t{kv_head} * D + slice * kDS, sQ,
+                                               kv_tile.rows, p.dk_sum_assign != 0, static_cast<T*>(p.dk_result));
+    sum_tile<Cfg::kBlockN, kDVS, Cfg::kThreads>(p.dv_sum, sum_map, v_stride, int64_t{kv_head} * DV + slice * kDVS,
+                                                sdO, kv_tile.rows, p.dv_sum_assign != 0,
+                                                static_cast<T*>(p.dv_result));
   } else {
-    store_tile<Cfg::kBlockN, D, Cfg::kThreads>(dk_tile, k_stride, sQ, kv_tile.rows);
-    store_tile<Cfg::kBlockN, DV, Cfg::kThreads>(dv_tile, v_stride, sdO, kv_tile.rows);
+    store_tile<Cfg::kBlockN, kDS, Cfg::kThreads>(dk_tile + slice * kDS, k_stride, sQ, kv_tile.rows);
+    store_tile<Cfg::kBlockN, kDVS, Cfg::kThreads>(dv_tile + slice * kDVS, v_stride, sdO, kv_tile.rows);
   }
 }
 

@@ -48,10 +48,13 @@ Outcome forward_typed(const AttentionPlan::Impl& plan, const ForwardBuffers& b, 
   p.o = b.o;
   p.lse = b.lse;
   const int d = plan.shape.dim_qk, dv = plan.shape.dim_v;
+  if (d == 32 && dv == 32) return forward_dims<T, 32, 32>(p, stream, plan);
   if (d == 64 && dv == 64) return forward_dims<T, 64, 64>(p, stream, plan);
+  if (d == 96 && dv == 96) return forward_dims<T, 96, 96>(p, stream, plan);
   if (d == 128 && dv == 128) return forward_dims<T, 128, 128>(p, stream, plan);
   if (d == 128 && dv == 64) return forward_dims<T, 128, 64>(p, stream, plan);
   if (d == 192 && dv == 128) return forward_dims<T, 192, 128>(p, stream, plan);
+  if (d == 256 && dv == 256) return forward_dims<T, 256, 256>(p, stream, plan);
   return {Status::unsupported, "head dims outside the capability table"};
 }
 
@@ -81,12 +84,15 @@ Outcome backward_dims(AttentionParams p, BackwardMode mode, cudaStream_t stream,
     step(launch(attention_backward_delta_kernel<T, DV>, dim3(p.q_tile_count, p.heads_q), 128, 0, stream, p,
                 "attention_backward_delta_kernel"));
   using Cfg = BackwardConfig<T, D, DV>;
+  // Column slices of the dK/dV kernel: two for head dim 256 (see attention_backward_dkdv_kernel).
+  constexpr int kSlices = D > 192 ? 2 : 1;
+  const dim3 dkdv_grid(p.kv_tile_count, p.heads_kv, kSlices);
   if (atomic) {
     if (accum_elems > 0 && out.ok())
       if (cudaError_t e = cudaMemsetAsync(p.dq_accum, 0, accum_elems * sizeof(float), stream); e != cudaSuccess)
         step(cuda_failure("cudaMemsetAsync of dq_accum", e));
     if (out.ok())
-      step(launch(attention_backward_dkdv_kernel<T, D, DV, true>, dim3(p.kv_tile_count, p.heads_kv), Cfg::kThreads,
+      step(launch(attention_backward_dkdv_kernel<T, D, DV, true, kSlices>, dkdv_grid, Cfg::kThreads,
                   Cfg::kSmemBytes, stream, p, "attention_backward_dkdv_kernel"));
     const int64_t elems = static_cast<int64_t>(accum_elems);
     const int blocks = static_cast<int>(std::min<int64_t>((elems + 255) / 256, 132 * 16));
@@ -106,8 +112,8 @@ Outcome backward_dims(AttentionParams p, BackwardMode mode, cudaStream_t stream,
     }
   } else {
     if (out.ok())
-      step(launch(attention_backward_dkdv_kernel<T, D, DV, false>, dim3(p.kv_tile_count, p.heads_kv),
-                  Cfg::kThreads, Cfg::kSmemBytes, stream, p, "attention_backward_dkdv_kernel"));
+      step(launch(attention_backward_dkdv_kernel<T, D, DV, false, kSlices>, dkdv_grid, Cfg::kThreads,
+                  Cfg::kSmemBytes, stream, p, "attention_backward_dkdv_kernel"));
     using Dq = DqConfig<T, D, DV>;
     if (out.ok())
       step(launch(attention_backward_dq_kernel<T, D, DV>, dim3(p.q_tile_count, p.heads_q), Dq::kThreads,
@@ -146,10 +152,13 @@ Outcome backward_typed(const AttentionPlan::Impl& plan, const BackwardBuffers& b
   p.dv_result = b.dv_sum.result;
   p.delta = const_cast<float*>(b.delta);
   const int d = plan.shape.dim_qk, dv = plan.shape.dim_v;
+  if (d == 32 && dv == 32) return backward_dims<T, 32, 32>(p, mode, stream, plan);
   if (d == 64 && dv == 64) return backward_dims<T, 64, 64>(p, mode, stream, plan);
+  if (d == 96 && dv == 96) return backward_dims<T, 96, 96>(p, mode, stream, plan);
   if (d == 128 && dv == 128) return backward_dims<T, 128, 128>(p, mode, stream, plan);
   if (d == 128 && dv == 64) return backward_dims<T, 128, 64>(p, mode, stream, plan);
   if (d == 192 && dv == 128) return backward_dims<T, 192, 128>(p, mode, stream, plan);
+  if (d == 256 && dv == 256) return backward_dims<T, 256, 256>(p, mode, stream, plan);
   return {Status::unsupported, "head dims outside the capability table"};
 }
 
@@ -167,8 +176,14 @@ Outcome row_delta_dims(const AttentionShape& shape, const void* o, const void* d
 template <class T>
 Outcome row_delta_typed(const AttentionShape& shape, const void* o, const void* dout, int64_t rows, float* delta,
                         cudaStream_t stream) {
-  if (shape.dim_v == 64) return row_delta_dims<T, 64>(shape, o, dout, rows, delta, stream);
-  if (shape.dim_v == 128) return row_delta_dims<T, 128>(shape, o, dout, rows, delta, stream);
+  switch (shape.dim_v) {
+    case 32: return row_delta_dims<T, 32>(shape, o, dout, rows, delta, stream);
+    case 64: return row_delta_dims<T, 64>(shape, o, dout, rows, delta, stream);
+    case 96: return row_delta_dims<T, 96>(shape, o, dout, rows, delta, stream);
+    case 128: return row_delta_dims<T, 128>(shape, o, dout, rows, delta, stream);
+    case 256: return row_delta_dims<T, 256>(shape, o, dout, rows, delta, stream);
+    default: break;
+  }
   return {Status::unsupported, "head dims outside the capability table"};
 }
 

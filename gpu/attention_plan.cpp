@@ -7,6 +7,7 @@
 #include <string>
 #include <utility>
 
+#include "fixtures/gpu_table.hpp"
 #include "gpu/attention_plan_impl.hpp"
 
 namespace cpgold::gpu {
@@ -25,12 +26,10 @@ Outcome check_capability(const AttentionShape& shape) {
   if (shape.dtype != DType::bf16 && shape.dtype != DType::fp16)
     return {Status::unsupported, "dtype " + std::string(dtype_name(shape.dtype)) +
                                      " is outside the GPU capability table (bf16, fp16)"};
-  const bool dims_ok = (shape.dim_qk == 64 && shape.dim_v == 64) || (shape.dim_qk == 128 && shape.dim_v == 128) ||
-                       (shape.dim_qk == 128 && shape.dim_v == 64) || (shape.dim_qk == 192 && shape.dim_v == 128);
-  if (!dims_ok)
+  if (!fx::head_dims_in_gpu_table(shape.dim_qk, shape.dim_v))
     return {Status::unsupported, "head dims d_qk=" + std::to_string(shape.dim_qk) + ", d_v=" +
-                                     std::to_string(shape.dim_v) +
-                                     " are outside the GPU capability table (64/64, 128/128, 128/64, 192/128)"};
+                                     std::to_string(shape.dim_v) + " are outside the GPU capability table (" +
+                                     fx::kGpuHeadDimText + ")"};
   if (shape.heads_q <= 0 || shape.heads_kv <= 0 || shape.heads_q % shape.heads_kv != 0)
     return {Status::invalid_argument, "heads: h_q=" + std::to_string(shape.heads_q) + " is not a multiple of h_kv=" +
                                           std::to_string(shape.heads_kv)};

@@ -209,6 +209,16 @@ TEST_CASE("gpu attention: MLA 192/128 and 128/64, sliding causal window, GQA") {
   run_case(make_case("MLA 128/64 causal", DType::bf16, 4, 2, 128, 64, {-1, 0}, {64, 1, 500, 0, 77}, {64, 1, 500, 0, 77}, 7));
 }
 
+TEST_CASE("gpu attention: head dims 96 and 256 (two column slices of dK/dV) and 32 on tile-edge lengths, GQA") {
+  CPGOLD_REQUIRE_DEVICE();
+  run_case(make_case("d256 causal GQA", DType::bf16, 4, 2, 256, 256, {-1, 0}, kTileEdgeLengths, kTileEdgeLengths, 21));
+  run_case(make_case("d256 full fp16", DType::fp16, 2, 1, 256, 256, {-1, -1}, {65, 1, 300, 0, 128}, {65, 1, 300, 0, 128},
+                     22));
+  run_case(make_case("d96 window(50,3)", DType::bf16, 6, 2, 96, 96, {50, 3}, kTileEdgeLengths, kTileEdgeLengths, 23));
+  run_case(make_case("d96 causal fp16", DType::fp16, 3, 3, 96, 96, {-1, 0}, {64, 1, 500, 0, 77}, {64, 1, 500, 0, 77}, 24));
+  run_case(make_case("d32 causal MQA", DType::bf16, 4, 1, 32, 32, {-1, 0}, kTileEdgeLengths, kTileEdgeLengths, 25));
+}
+
 TEST_CASE("gpu attention: rows with no visible key give O = 0 and LSE = -inf") {
   CPGOLD_REQUIRE_DEVICE();
   // Bottom-right causal with L_q > L_kv hides the first L_q - L_kv rows; L_kv = 0 hides every row.
@@ -235,7 +245,7 @@ TEST_CASE("gpu attention: rows with no visible key give O = 0 and LSE = -inf") {
 TEST_CASE("gpu attention: every mask kind x dtype x head dims on random layouts with zero-length sequences") {
   CPGOLD_REQUIRE_DEVICE();
   const Window masks[] = {{-1, -1}, {-1, 0}, {45, 13}, {0, 0}, {-1, 70}};
-  const int dims[][2] = {{64, 64}, {128, 128}, {128, 64}, {192, 128}};
+  const int dims[][2] = {{32, 32}, {64, 64}, {96, 96}, {128, 128}, {128, 64}, {192, 128}, {256, 256}};
   uint64_t seed = 100;
   for (DType dtype : {DType::bf16, DType::fp16})
     for (const auto& d : dims)

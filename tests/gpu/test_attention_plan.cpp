@@ -18,9 +18,14 @@ TEST_CASE("capability table: supported shapes pass, others are unsupported with 
   const Outcome fp32 = check_capability({DType::fp32, 4, 4, 128, 128});
   CHECK(fp32.status == Status::unsupported);
   CHECK(fp32.message.find("fp32") != std::string::npos);
-  const Outcome d96 = check_capability({DType::bf16, 4, 4, 96, 96});
-  CHECK(d96.status == Status::unsupported);
-  CHECK(d96.message.find("d_qk=96") != std::string::npos);
+  CHECK(check_capability({DType::bf16, 4, 4, 32, 32}).ok());
+  CHECK(check_capability({DType::fp16, 4, 4, 96, 96}).ok());
+  CHECK(check_capability({DType::bf16, 4, 2, 256, 256}).ok());
+  const Outcome d80 = check_capability({DType::bf16, 4, 4, 80, 80});
+  CHECK(d80.status == Status::unsupported);
+  CHECK(d80.message.find("d_qk=80") != std::string::npos);
+  CHECK(check_capability({DType::bf16, 4, 4, 256, 128}).status == Status::unsupported);
+  CHECK(check_capability({DType::bf16, 4, 4, 16, 16}).status == Status::unsupported);
   CHECK(check_capability({DType::bf16, 4, 4, 128, 64}).ok());  // TransformerEngine's fused CP MLA configuration
   CHECK(check_capability({DType::bf16, 4, 4, 64, 128}).status == Status::unsupported);
   CHECK(check_capability({DType::bf16, 6, 4, 128, 128}).status == Status::invalid_argument);
