@@ -497,13 +497,15 @@ TEST_CASE("gpu attention: the summing backward adds the rounded outputs at the m
 }
 
 // Small enough for compute-sanitizer (memcheck, racecheck): every kernel of the forward and both backward modes,
-// with pad rows, a zero-length sequence, a partial tile and GQA, and the summing backward (both modes, added into
-// zero sums at reversed rows) on the same shapes.
+// with pad rows, a zero-length sequence, a partial tile and GQA, head dim 256 (dK/dV in two column slices), and the
+// summing backward (both modes, added into zero sums at reversed rows) on the same shapes, whose dK and dV must be
+// the plain backward's values bit for bit (0 + x = x; dK/dV do not depend on the mode or the run).
 TEST_CASE("gpu attention: small case for the sanitizers") {
   CPGOLD_REQUIRE_DEVICE();
   const Case a = make_case("sanitizer case", DType::bf16, 2, 1, 64, 64, {-1, 0}, {1, 70, 0, 130}, {1, 70, 0, 130}, 12);
   const Case b = make_case("sanitizer case", DType::fp16, 2, 2, 192, 128, {30, 0}, {65, 3}, {65, 3}, 13);
-  for (const Case* cp : {&a, &b}) {
+  const Case d = make_case("sanitizer case", DType::bf16, 2, 1, 256, 256, {-1, 0}, {65, 0, 3}, {65, 0, 3}, 14);
+  for (const Case* cp : {&a, &b, &d}) {
     const Case& c = *cp;
     run_case(c);
     gpu::HostForward fwd;
@@ -520,6 +522,18 @@ TEST_CASE("gpu attention: small case for the sanitizers") {
       for (const Tensor3<float>* x : {&sums.dq, &sums.dk, &sums.dv})
         for (float v : x->values) finite = finite && std::isfinite(v);
       CHECK(finite);
+      gpu::HostBackward plain;
+      REQUIRE(gpu::backward_on_device(c.call, c.dtype, c.q, c.k, c.v, fwd.o, fwd.lse, c.dout, mode, plain).ok());
+      int64_t differ = 0;
+      for (int64_t r = 0; r < c.k.rows; ++r)
+        for (int64_t h = 0; h < c.k.heads; ++h) {
+          for (int64_t x = 0; x < c.k.dim; ++x)
+            differ += sums.dk(sums.kv_map[static_cast<size_t>(r)], h, x) != plain.dk(r, h, x) ? 1 : 0;
+          for (int64_t x = 0; x < c.v.dim; ++x)
+            differ += sums.dv(sums.kv_map[static_cast<size_t>(r)], h, x) != plain.dv(r, h, x) ? 1 : 0;
+        }
+      INFO(c.dim_qk, "/", c.dim_v, " summing vs plain dK/dV elements that differ");
+      CHECK(differ == 0);
     }
   }
 }
