@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """PyTorch baselines for bench_gpu_attention on the same device in the same run (bench/gpu/varlen_batches.md):
 varlen_attn (FlashAttention-2 inside) on the same varlen batches, and cuDNN SDPA on equal-length batches
-(seqlen 2048) of the same token count, plus the machine's bf16 matrix rate (8192^3 matmul)."""
+(seqlen 2048) of the same token count, plus the machine's bf16 matrix rate (8192^3 matmul).
+
+usage: bench_torch.py [--dims 128,64] [--tokens 16384,32768,65536]   (head dims d = d_v; heads = 2048 / d)"""
 import inspect
 import math
 import sys
@@ -49,7 +51,18 @@ def matmul_rate():
     return 2 * 8192**3 / ms * 1e-9
 
 
+def int_list(flag, default):
+    if flag in sys.argv:
+        i = sys.argv.index(flag)
+        if i + 1 >= len(sys.argv):
+            sys.exit(f"{flag} needs a comma-separated list of integers")
+        return [int(x) for x in sys.argv[i + 1].split(",")]
+    return default
+
+
 def main():
+    dims = int_list("--dims", [128, 64])
+    totals = int_list("--tokens", [16384, 32768, 65536])
     dev = torch.cuda.get_device_name(0)
     print(f"device: {dev}, torch {torch.__version__}")
     print(f"bf16 matmul 8192^3: {matmul_rate():.1f} TFLOP/s")
@@ -59,9 +72,9 @@ def main():
     params = inspect.signature(varlen_attn).parameters
     print("varlen_attn signature:", inspect.signature(varlen_attn))
     print(f"{'impl':8} {'mask':5} {'d':7} {'tokens':6} {'fwd_ms':>10} {'fwd_TF':>10} {'bwd_ms':>10} {'bwd_TF':>10}")
-    for d in (128, 64):
+    for d in dims:
         for causal in (True, False):
-            for total in (16384, 32768, 65536):
+            for total in totals:
                 heads = 2048 // d
                 lens = varlen_lengths(total)
                 cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0).tolist()), dtype=torch.int32, device="cuda")
