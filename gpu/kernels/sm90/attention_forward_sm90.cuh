@@ -1,0 +1,506 @@
+#pragma once
+// Varlen attention forward (O, LSE) for Hopper (sm_90a) with warpgroup MMA, on AttentionParams
+// (gpu/kernel_params.hpp: THD rows, positions as segments, RowTile lists with pad tiles, windows, GQA).
+//
+// Version history (docs/hopper-kernels.md has the derivations and the measurements):
+//   v1  FlashAttention-3 structure without intra-warpgroup overlap. CTA = one producer warpgroup + kConsumers
+//       consumer warpgroups of 64 query rows each (Q tile kBlockM = 64 * kConsumers rows), K/V tiles of kBlockN
+//       keys in a 2-stage shared-memory ring guarded by mbarriers (full: loaded; empty: consumed by every consumer).
+//       S = Q K^T by wgmma m64n{kBlockN}k16 with Q and K in shared memory (SW128 tiles, K-major descriptors); online
+//       softmax in float32 (exp2) on the accumulators; O += P V by wgmma m64n{D}k16 with P from registers (the
+//       accumulators repacked as A fragments) and V in shared memory through an MN-major (transposed) descriptor.
+//       Loads: Loader::cp_async (the 128 producer threads, 16-byte cp.async into the swizzled layout, zero-fill past a
+//       segment, completion by cp.async.mbarrier.arrive) or Loader::tma (one producer thread, 3-D tensor maps
+//       (column, head, row) with SWIZZLE_128B, completion by transaction count; rows past a segment hold whatever
+//       the tensor has there: masked in S, and zeroed in the V tile by the consumers before P V, so that a NaN/Inf
+//       pad can never meet a zero of P). With two consumer warpgroups the producer gives registers to the consumers
+//       (setmaxnreg). Output: each warpgroup stages its O rows (dtype) in its own rows of the Q tile and writes them
+//       with 16-byte stores; LSE per valid row (-inf and O = 0 for a row with no visible key); pad tiles write O = 0
+//       and LSE = -inf.
+//
+// Conventions: tid = thread index in its warpgroup, warp = tid / 32, lane = 4 g + c. A consumer thread holds rows
+// 16 warp + g and 16 warp + g + 8 of its warpgroup's 64 rows; accumulator element 4 j + e is column 8 j + 2 c + e % 2
+// of row g + 8 (e / 2).
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <type_traits>
+
+#include "gpu/kernel_params.hpp"
+#include "gpu/kernels/sm90/ptx_sm90.cuh"
+#include "gpu/kernels/sm90/wgmma_ops.cuh"
+
+namespace cpgold::gpu::sm90 {
+
+inline constexpr float kLog2e = 1.4426950408889634f;
+
+enum class Loader : int { cp_async = 0, tma = 1 };
+
+template <class T_, int D_, int CONSUMERS, int BLOCK_N, Loader LOADER>
+struct ForwardSm90Config {
+  using T = T_;
+  static constexpr int D = D_;  // head dim of Q, K and V (d_qk == d_v)
+  static constexpr int kConsumers = CONSUMERS;
+  static constexpr int kBlockM = 64 * CONSUMERS;
+  static constexpr int kBlockN = BLOCK_N;
+  static constexpr Loader kLoader = LOADER;
+  static constexpr int kStages = 2;
+  static constexpr int kThreads = 128 * (CONSUMERS + 1);
+  static constexpr int kConsumerThreads = 128 * CONSUMERS;
+  static constexpr int kQBytes = kBlockM * D * 2;
+  static constexpr int kKVBytes = kBlockN * D * 2;  // one K or one V stage
+  static constexpr int kOffQ = 0;
+  static constexpr int kOffK = kOffQ + kQBytes;
+  static constexpr int kOffV = kOffK + kStages * kKVBytes;
+  static constexpr int kOffBarriers = kOffV + kStages * kKVBytes;
+  static constexpr int kBarriers = 1 + 3 * kStages;  // q_full, then the ring: full_k[S], full_v[S], empty[S]
+  static constexpr int kSmemBytes = kOffBarriers + kBarriers * 8 + 1024;  // + slack to align the base to 1024
+  // Register split with two consumer warpgroups (launch cap 65536 / 384 = 168 per thread):
+  // 128 * producer + 256 * consumer <= 168 * 384.
+  static constexpr bool kReallocate = CONSUMERS >= 2;
+  static constexpr int kProducerRegs = LOADER == Loader::tma ? 24 : 40;
+  static constexpr int kConsumerRegs = LOADER == Loader::tma ? 240 : 232;
+  static_assert(!kReallocate || 128 * kProducerRegs + 256 * kConsumerRegs <= 168 * 384, "register split");
+  static_assert(CONSUMERS == 1 || CONSUMERS == 2, "one or two consumer warpgroups");
+  static_assert(D == 64 || D == 128, "head dim 64 or 128 (wgmma wrappers of N = 64, 128)");
+  static_assert(BLOCK_N == 64 || BLOCK_N == 128, "key tile 64 or 128 (wgmma wrappers of N = 64, 128)");
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory per block");
+  static_assert(kQBytes % 1024 == 0 && kKVBytes % 1024 == 0, "1024-aligned tiles");
+};
+
+// Tensor maps of the TMA loader (unused by the cp.async loader): Q [q_rows, heads_q, D] with a box of kBlockM rows,
+// K and V [kv_rows, heads_kv, D] with boxes of kBlockN rows; 64 columns (128 bytes) per box, SWIZZLE_128B.
+struct ForwardTensorMaps {
+  CUtensorMap q;
+  CUtensorMap k;
+  CUtensorMap v;
+};
+
+namespace detail {
+
+// Key indices [lo, hi] of a KV segment (position kv_pos, kv_count rows) that some query position in
+// [qp_lo, qp_hi] may see: qp + delta - wl <= kp <= qp + delta + wr (a -1 side unbounded).
+__device__ __forceinline__ void visible_key_range(int wl, int wr, int64_t delta, int64_t qp_lo, int64_t qp_hi,
+                                                  int kv_pos, int kv_count, int& lo, int& hi) {
+  int64_t l = 0, h = kv_count - 1;
+  if (wl >= 0) l = max(l, qp_lo + delta - wl - kv_pos);
+  if (wr >= 0) h = min(h, qp_hi + delta + wr - kv_pos);
+  lo = static_cast<int>(l);
+  hi = static_cast<int>(max(h, l - 1));
+}
+
+__device__ __forceinline__ bool tile_fully_visible(int wl, int wr, int64_t delta, int64_t qp_lo, int64_t qp_hi,
+                                                   int64_t kp_lo, int64_t kp_hi) {
+  return (wr < 0 || kp_hi <= qp_lo + delta + wr) && (wl < 0 || kp_lo >= qp_hi + delta - wl);
+}
+
+// The key blocks a Q tile visits, segment 0 first: iteration i < count[0] is block first[0] + i of segment 0, the
+// rest blocks of segment 1. Producer and consumers derive the same list.
+template <int BLOCK_N>
+struct KeyBlocks {
+  int first[2];
+  int count[2];
+  int total;
+
+  __device__ __forceinline__ KeyBlocks(const AttentionParams& p, const SequenceDesc& seq, const RowTile& tile) {
+    const int64_t delta = static_cast<int64_t>(seq.length_kv) - seq.length_q;
+    const int64_t qp_lo = tile.position, qp_hi = static_cast<int64_t>(tile.position) + tile.rows - 1;
+#pragma unroll
+    for (int s = 0; s < 2; ++s) {
+      first[s] = 0;
+      count[s] = 0;
+      if (seq.kv_count[s] <= 0) continue;
+      int lo, hi;
+      visible_key_range(p.window_left, p.window_right, delta, qp_lo, qp_hi, seq.kv_position[s], seq.kv_count[s], lo,
+                        hi);
+      if (lo > hi) continue;
+      first[s] = lo / BLOCK_N;
+      count[s] = hi / BLOCK_N - lo / BLOCK_N + 1;
+    }
+    total = count[0] + count[1];
+  }
+  __device__ __forceinline__ int segment(int it) const { return it < count[0] ? 0 : 1; }
+  __device__ __forceinline__ int key0(int it) const {
+    return (it < count[0] ? first[0] + it : first[1] + it - count[0]) * BLOCK_N;
+  }
+};
+
+// Pad tile: O = 0 and LSE = -inf on its rows (all threads of the CTA).
+template <class T, int D, int THREADS>
+__device__ __forceinline__ void write_pad_tile(const AttentionParams& p, const RowTile& tile, int head) {
+  const int64_t o_stride = static_cast<int64_t>(p.heads_q) * D;
+  T* o = static_cast<T*>(p.o) + tile.first_row * o_stride + static_cast<int64_t>(head) * D;
+  constexpr int kChunks = D / 8;
+  for (int i = threadIdx.x; i < tile.rows * kChunks; i += THREADS)
+    *reinterpret_cast<uint4*>(o + (i / kChunks) * o_stride + (i % kChunks) * 8) = make_uint4(0, 0, 0, 0);
+  for (int r = threadIdx.x; r < tile.rows; r += THREADS)
+    p.lse[static_cast<int64_t>(head) * p.q_rows + tile.first_row + r] = -INFINITY;
+}
+
+template <class Cfg>
+struct Barriers {
+  uint32_t q_full;              // Q tile loaded (single phase)
+  Ring<Cfg::kStages> ring;      // K/V stages
+};
+
+// Producer warpgroup: Q once, then K and V of every key block into the ring.
+template <class Cfg>
+__device__ __forceinline__ void produce(const AttentionParams& p, const ForwardTensorMaps& maps, const Watchdog& dog,
+                                        const RowTile& tile, const SequenceDesc& seq,
+                                        const KeyBlocks<Cfg::kBlockN>& kb, uint32_t smem, Barriers<Cfg> bars,
+                                        int head) {
+  using T = typename Cfg::T;
+  constexpr int D = Cfg::D;
+  const int tid = threadIdx.x;  // the producer is warpgroup 0
+  const int kv_head = head / p.group;
+  if (kb.total == 0) return;
+  if constexpr (Cfg::kLoader == Loader::cp_async) {
+    const int64_t q_stride = static_cast<int64_t>(p.heads_q) * D;
+    const int64_t kv_stride = static_cast<int64_t>(p.heads_kv) * D;
+    const T* q = static_cast<const T*>(p.q);
+    const T* k = static_cast<const T*>(p.k);
+    const T* v = static_cast<const T*>(p.v);
+    load_tile_sw128_cp_async<Cfg::kBlockM, D, 128>(smem + Cfg::kOffQ, q + tile.first_row * q_stride + head * D,
+                                                   q_stride, tile.rows, q, tid);
+    mbar_arrive_on_cp_async(bars.q_full);
+#pragma unroll 1
+    for (int it = 0; it < kb.total; ++it) {
+      const int stage = bars.ring.stage(it);
+      bars.ring.producer_acquire(it, dog);
+      const int s = kb.segment(it);
+      const int key0 = kb.key0(it);
+      const int valid = min(Cfg::kBlockN, seq.kv_count[s] - key0);
+      const int64_t row0 = seq.kv_first_row[s] + key0;
+      load_tile_sw128_cp_async<Cfg::kBlockN, D, 128>(smem + Cfg::kOffK + stage * Cfg::kKVBytes,
+                                                     k + row0 * kv_stride + kv_head * D, kv_stride, valid, k, tid);
+      mbar_arrive_on_cp_async(bars.ring.full_k(it));
+      load_tile_sw128_cp_async<Cfg::kBlockN, D, 128>(smem + Cfg::kOffV + stage * Cfg::kKVBytes,
+                                                     v + row0 * kv_stride + kv_head * D, kv_stride, valid, v, tid);
+      mbar_arrive_on_cp_async(bars.ring.full_v(it));
+    }
+    cp_async_wait_all();
+  } else {
+    if (tid != 0) return;
+    tma_prefetch_descriptor(&maps.q);
+    tma_prefetch_descriptor(&maps.k);
+    tma_prefetch_descriptor(&maps.v);
+    mbar_arrive_expect_tx(bars.q_full, Cfg::kQBytes);
+#pragma unroll
+    for (int b = 0; b < D / 64; ++b)
+      tma_load_3d(smem + Cfg::kOffQ + b * Cfg::kBlockM * 128, &maps.q, 64 * b, head, static_cast<int>(tile.first_row),
+                  bars.q_full);
+#pragma unroll 1
+    for (int it = 0; it < kb.total; ++it) {
+      const int stage = bars.ring.stage(it);
+      bars.ring.producer_acquire(it, dog);
+      const int s = kb.segment(it);
+      const int row0 = static_cast<int>(seq.kv_first_row[s] + kb.key0(it));
+      mbar_arrive_expect_tx(bars.ring.full_k(it), Cfg::kKVBytes);
+#pragma unroll
+      for (int b = 0; b < D / 64; ++b)
+        tma_load_3d(smem + Cfg::kOffK + stage * Cfg::kKVBytes + b * Cfg::kBlockN * 128, &maps.k, 64 * b, kv_head,
+                    row0, bars.ring.full_k(it));
+      mbar_arrive_expect_tx(bars.ring.full_v(it), Cfg::kKVBytes);
+#pragma unroll
+      for (int b = 0; b < D / 64; ++b)
+        tma_load_3d(smem + Cfg::kOffV + stage * Cfg::kKVBytes + b * Cfg::kBlockN * 128, &maps.v, 64 * b, kv_head,
+                    row0, bars.ring.full_v(it));
+    }
+  }
+}
+
+// Sets masked scores of this thread's two rows (positions qp0 and qp0 + 8) to -inf. Column x of the tile is key
+// index key0 + x of a segment at position kv_pos with kv_count rows; a row sees the key indices in
+// [qp + delta - wl - kv_pos, qp + delta + wr - kv_pos] (a -1 side unbounded) below kv_count. Both bounds are taken
+// relative to key0 and clamped into int32 once per row, so each score costs two 32-bit compares.
+template <int N>
+__device__ __forceinline__ void apply_mask(float (&s)[N / 2], int wl, int wr, int64_t delta, int64_t qp0, int key0,
+                                           int kv_pos, int kv_count, int c) {
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int64_t base = qp0 + 8 * half + delta - kv_pos - key0;  // diagonal column of this row
+    int64_t lo = wl >= 0 ? base - wl : -1;
+    int64_t hi = static_cast<int64_t>(kv_count) - 1 - key0;
+    if (wr >= 0 && base + wr < hi) hi = base + wr;
+    // Clamped to [-1, N]: outside that range every column compares the same way.
+    const int lo32 = static_cast<int>(lo < -1 ? int64_t{-1} : (lo > N ? int64_t{N} : lo));
+    const int hi32 = static_cast<int>(hi < -1 ? int64_t{-1} : (hi > N ? int64_t{N} : hi));
+#pragma unroll
+    for (int j = 0; j < N / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int x = 8 * j + 2 * c + e;
+        if (x < lo32 || x > hi32) s[4 * j + 2 * half + e] = -INFINITY;
+      }
+    }
+  }
+}
+
+// Consumer warpgroup `cw` (0 .. kConsumers - 1): rows 64 cw .. 64 cw + 63 of the Q tile.
+template <class Cfg>
+__device__ __forceinline__ void consume(const AttentionParams& p, const Watchdog& dog, const RowTile& tile,
+                                        const SequenceDesc& seq, const KeyBlocks<Cfg::kBlockN>& kb, uint32_t smem,
+                                        uint8_t* smem_ptr, Barriers<Cfg> bars, int head, int cw) {
+  using T = typename Cfg::T;
+  constexpr int D = Cfg::D;
+  constexpr int BN = Cfg::kBlockN;
+  const int tid = threadIdx.x - 128 * (cw + 1);
+  const int warp = tid / 32, lane = tid % 32;
+  const int g = lane / 4, c = lane % 4;
+  const int64_t delta = static_cast<int64_t>(seq.length_kv) - seq.length_q;
+  const int64_t qp_lo = tile.position, qp_hi = static_cast<int64_t>(tile.position) + tile.rows - 1;
+  const int64_t qp0 = static_cast<int64_t>(tile.position) + 64 * cw + 16 * warp + g;
+  const float sl2 = p.scale_log2;
+
+  float o[D / 2];
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+  float row_max[2] = {-INFINITY, -INFINITY};
+  float row_sum[2] = {0.f, 0.f};
+
+  const uint32_t q_tile = smem + Cfg::kOffQ;
+  if (kb.total > 0) {
+    mbar_wait(bars.q_full, 0, dog, kWaitQ, -1);
+    if constexpr (Cfg::kLoader == Loader::cp_async) fence_proxy_async();
+  }
+#pragma unroll 1
+  for (int it = 0; it < kb.total; ++it) {
+    const int stage = bars.ring.stage(it);
+    const int s_idx = kb.segment(it);
+    const int key0 = kb.key0(it);
+    const int kv_count = seq.kv_count[s_idx];
+    const int kv_pos = seq.kv_position[s_idx];
+    const int valid = min(BN, kv_count - key0);
+    const uint32_t k_tile = smem + Cfg::kOffK + stage * Cfg::kKVBytes;
+    const uint32_t v_tile = smem + Cfg::kOffV + stage * Cfg::kKVBytes;
+
+    // S = Q K^T (64 x BN per warpgroup).
+    bars.ring.wait_k(it, dog);
+    if constexpr (Cfg::kLoader == Loader::cp_async) fence_proxy_async();
+    float s[BN / 2];
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) s[i] = 0.f;
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      const uint64_t a = desc_k_major(q_tile, Cfg::kBlockM, 64 * cw, 16 * kk);  // this warpgroup's 64 rows
+      const uint64_t b = desc_k_major(k_tile, BN, 0, 16 * kk);
+      Wgmma<BN, T, 0>::ss(s, a, b, kk > 0 ? 1 : 0);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_registers(s);
+
+    const bool full = valid == BN && tile_fully_visible(p.window_left, p.window_right, delta, qp_lo, qp_hi,
+                                                        kv_pos + key0, kv_pos + key0 + BN - 1);
+    if (!full) apply_mask<BN>(s, p.window_left, p.window_right, delta, qp0, key0, kv_pos, kv_count, c);
+
+    // Online softmax over rows g (half 0) and g + 8 (half 1), exp2 domain.
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      float m = -INFINITY;
+#pragma unroll
+      for (int j = 0; j < BN / 8; ++j) m = fmaxf(m, fmaxf(s[4 * j + 2 * half], s[4 * j + 2 * half + 1]));
+      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+      const float m_new = fmaxf(row_max[half], m);
+      const float m_use = m_new == -INFINITY ? 0.f : m_new;  // no visible key yet: avoid (-inf) - (-inf)
+      const float alpha = exp2f((row_max[half] - m_use) * sl2);
+      row_max[half] = m_new;
+      const float bias = -m_use * sl2;
+      float sum = 0.f;
+#pragma unroll
+      for (int j = 0; j < BN / 8; ++j) {
+        s[4 * j + 2 * half] = exp2f(fmaf(s[4 * j + 2 * half], sl2, bias));
+        s[4 * j + 2 * half + 1] = exp2f(fmaf(s[4 * j + 2 * half + 1], sl2, bias));
+        sum += s[4 * j + 2 * half] + s[4 * j + 2 * half + 1];
+      }
+      row_sum[half] = row_sum[half] * alpha + sum;
+#pragma unroll
+      for (int j = 0; j < D / 8; ++j) {
+        o[4 * j + 2 * half] *= alpha;
+        o[4 * j + 2 * half + 1] *= alpha;
+      }
+    }
+    uint32_t pa[BN / 16][4];
+    accumulators_to_a<T, BN / 16>(pa, s);
+
+    // O += P V.
+    bars.ring.wait_v(it, dog);
+    if constexpr (Cfg::kLoader == Loader::cp_async) {
+      fence_proxy_async();
+    } else if (valid < BN) {
+      // Rows past the segment came from the tensor as they are (pads may hold NaN/Inf): zero them, since P is 0
+      // there and 0 x NaN would not be. Every consumer warpgroup reads the whole V tile, so all of them zero a share
+      // and meet at a named barrier before any reads it.
+      uint8_t* v_ptr = smem_ptr + Cfg::kOffV + stage * Cfg::kKVBytes;
+      const int ctid = threadIdx.x - 128;
+      const int chunks = (BN - valid) * 8;  // 16-byte chunks per column block
+      for (int i = ctid; i < chunks * (D / 64); i += Cfg::kConsumerThreads) {
+        const int b = i / chunks, r = valid + (i % chunks) / 8, q = i % 8;
+        *reinterpret_cast<uint4*>(v_ptr + b * BN * 128 + r * 128 + q * 16) = make_uint4(0, 0, 0, 0);
+      }
+      fence_proxy_async();
+      named_barrier_sync(1, Cfg::kConsumerThreads);
+    }
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) {
+      Wgmma<D, T, 1>::rs(o, pa[kk], desc_mn_major(v_tile, BN, 16 * kk), 1);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_registers(o);
+    fence_registers(pa);
+    bars.ring.release(it);
+  }
+
+  // Finalize: O = acc / sum (0 for a row with no visible key), LSE = max * scale + ln(sum) (or -inf).
+  float inv[2];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    float l = row_sum[half];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    inv[half] = l > 0.f ? 1.f / l : 0.f;
+    const int r = 64 * cw + 16 * warp + g + 8 * half;
+    if (c == 0 && r < tile.rows)
+      p.lse[static_cast<int64_t>(head) * p.q_rows + tile.first_row + r] =
+          l > 0.f ? row_max[half] * p.softmax_scale + logf(l) : -INFINITY;
+  }
+  // Stage this warpgroup's O rows (dtype) in its own rows of the Q tile (SW128 layout: the 4-byte stores of a warp
+  // fall in 32 distinct banks), then 16-byte coalesced stores of the valid rows.
+  fence_proxy_async();  // the wgmma reads of these Q rows are complete (wait above); order the generic writes after
+  uint8_t* q_ptr = smem_ptr + Cfg::kOffQ;
+#pragma unroll
+  for (int j = 0; j < D / 8; ++j) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = 64 * cw + 16 * warp + g + 8 * half;
+      const uint32_t off = sw128_offset(Cfg::kBlockM, r, 8 * j + 2 * c);
+      *reinterpret_cast<uint32_t*>(q_ptr + off) =
+          pack2<T>(o[4 * j + 2 * half] * inv[half], o[4 * j + 2 * half + 1] * inv[half]);
+    }
+  }
+  named_barrier_sync(2 + cw, 128);
+  const int64_t o_stride = static_cast<int64_t>(p.heads_q) * D;
+  T* o_rows = static_cast<T*>(p.o) + (tile.first_row + 64 * cw) * o_stride + static_cast<int64_t>(head) * D;
+  const int rows = min(64, tile.rows - 64 * cw);
+  constexpr int kChunks = D / 8;
+#pragma unroll 4
+  for (int i = tid; i < 64 * kChunks; i += 128) {
+    const int r = i / kChunks, ch = i % kChunks;
+    if (r < rows)
+      *reinterpret_cast<uint4*>(o_rows + r * o_stride + ch * 8) =
+          *reinterpret_cast<const uint4*>(q_ptr + sw128_offset(Cfg::kBlockM, 64 * cw + r, ch * 8));
+  }
+}
+
+}  // namespace detail
+
+// One CTA per (Q tile of p.q_tiles with kBlockM rows, query head); grid (q_tile_count, heads_q).
+template <class Cfg>
+__global__ void __launch_bounds__(Cfg::kThreads, 1)
+    attention_forward_sm90_kernel(const AttentionParams p, const __grid_constant__ ForwardTensorMaps maps,
+                                  const Watchdog dog) {
+  using T = typename Cfg::T;
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t raw = smem_u32(smem_raw);
+  const uint32_t smem = (raw + 1023u) & ~1023u;
+  uint8_t* smem_ptr = smem_raw + (smem - raw);
+
+  const RowTile tile = p.q_tiles[blockIdx.x];
+  const int head = blockIdx.y;
+  if (tile.sequence < 0) {
+    detail::write_pad_tile<T, Cfg::D, Cfg::kThreads>(p, tile, head);
+    return;
+  }
+  const SequenceDesc& seq = p.sequences[tile.sequence];
+  const detail::KeyBlocks<Cfg::kBlockN> kb(p, seq, tile);
+  const detail::Barriers<Cfg> bars{smem + Cfg::kOffBarriers, {smem + Cfg::kOffBarriers + 8}};
+  if (threadIdx.x == 0) {
+    // Full barriers: one arrival with a transaction count (TMA), or one per producer thread (cp.async .noinc).
+    const uint32_t full_arrivals = Cfg::kLoader == Loader::tma ? 1 : 128;
+    mbar_init(bars.q_full, full_arrivals);
+    bars.ring.init(full_arrivals, Cfg::kConsumerThreads);
+    fence_mbarrier_init();
+  }
+  __syncthreads();
+
+  if (threadIdx.x < 128) {
+    if constexpr (Cfg::kReallocate) setmaxnreg_dec<Cfg::kProducerRegs>();
+    detail::produce<Cfg>(p, maps, dog, tile, seq, kb, smem, bars, head);
+  } else {
+    if constexpr (Cfg::kReallocate) setmaxnreg_inc<Cfg::kConsumerRegs>();
+    detail::consume<Cfg>(p, dog, tile, seq, kb, smem, smem_ptr, bars, head, threadIdx.x / 128 - 1);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Host side.
+
+// Encodes a 3-D tensor map over a THD tensor [rows, heads, d] of 16-bit elements (rows contiguous, row stride
+// heads * d), dims (column, head, row), box (64 columns, 1 head, box_rows rows), SWIZZLE_128B, zero fill out of
+// bounds, through the driver's cuTensorMapEncodeTiled reached by the runtime (no link against libcuda).
+// Returns "" or what failed.
+inline std::string encode_thd_tile_map(CUtensorMap& map, bool fp16, const void* base, int64_t rows, int heads, int d,
+                                       int box_rows) {
+  using EncodeFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+  static EncodeFn encode = nullptr;
+  if (encode == nullptr) {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    const cudaError_t e = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &q);
+    if (e != cudaSuccess || fn == nullptr || q != cudaDriverEntryPointSuccess)
+      return std::string("cudaGetDriverEntryPointByVersion(cuTensorMapEncodeTiled): ") + cudaGetErrorString(e) +
+             ", query result " + std::to_string(static_cast<int>(q));
+    encode = reinterpret_cast<EncodeFn>(fn);
+  }
+  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(d), static_cast<cuuint64_t>(heads),
+                              static_cast<cuuint64_t>(rows > 0 ? rows : 1)};  // an empty tensor is never read
+  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(d) * 2, static_cast<cuuint64_t>(heads) * d * 2};
+  const cuuint32_t box[3] = {64, 1, static_cast<cuuint32_t>(box_rows)};
+  const cuuint32_t elem_strides[3] = {1, 1, 1};
+  const CUresult r = encode(&map, fp16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3,
+                            const_cast<void*>(base), dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                            CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS ? std::string()
+                           : "cuTensorMapEncodeTiled failed with CUresult " + std::to_string(static_cast<int>(r)) +
+                                 " (rows " + std::to_string(rows) + ", heads " + std::to_string(heads) + ", d " +
+                                 std::to_string(d) + ", box rows " + std::to_string(box_rows) + ")";
+}
+
+// The three maps of the TMA loader for p. Returns "" or what failed.
+template <class Cfg>
+std::string encode_forward_maps(const AttentionParams& p, ForwardTensorMaps& maps) {
+  constexpr bool fp16 = std::is_same_v<typename Cfg::T, __half>;
+  std::string err = encode_thd_tile_map(maps.q, fp16, p.q, p.q_rows, p.heads_q, Cfg::D, Cfg::kBlockM);
+  if (err.empty()) err = encode_thd_tile_map(maps.k, fp16, p.k, p.kv_rows, p.heads_kv, Cfg::D, Cfg::kBlockN);
+  if (err.empty()) err = encode_thd_tile_map(maps.v, fp16, p.v, p.kv_rows, p.heads_kv, Cfg::D, Cfg::kBlockN);
+  return err.empty() ? err : "tensor maps: " + err;
+}
+
+// Launches the kernel on p (p.q_tiles: tiles of Cfg::kBlockM rows). Returns "" or the failed call.
+template <class Cfg>
+std::string launch_forward_sm90(const AttentionParams& p, const ForwardTensorMaps& maps, Watchdog dog,
+                                cudaStream_t stream) {
+  if (p.q_tile_count == 0 || p.heads_q == 0) return {};
+  auto kernel = attention_forward_sm90_kernel<Cfg>;
+  if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
+      e != cudaSuccess)
+    return std::string("cudaFuncSetAttribute: ") + cudaGetErrorString(e);
+  kernel<<<dim3(p.q_tile_count, p.heads_q), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p, maps, dog);
+  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess)
+    return std::string("attention_forward_sm90_kernel launch: ") + cudaGetErrorString(e);
+  return {};
+}
+
+}  // namespace cpgold::gpu::sm90
