@@ -60,12 +60,19 @@ struct ForwardSm90Config {
   static constexpr int kOffBarriers = kOffV + kStages * kKVBytes;
   static constexpr int kBarriers = 1 + 3 * kStages;  // q_full, then the ring: full_k[S], full_v[S], empty[S]
   static constexpr int kSmemBytes = kOffBarriers + kBarriers * 8 + 1024;  // + slack to align the base to 1024
-  // Register split with two consumer warpgroups (launch cap 65536 / 384 = 168 per thread):
-  // 128 * producer + 256 * consumer <= 168 * 384.
-  static constexpr bool kReallocate = CONSUMERS >= 2;
+  // Residency: one CTA of 3 warpgroups per SM, or two CTAs of 2 warpgroups (one consumer each) so that two
+  // consumer warpgroups share an SM either way. The launch cap R = 65536 / (threads * CTAs) registers per thread,
+  // rounded down to 8, is redistributed by setmaxnreg: 128 * producer + 128 * CONSUMERS * consumer <= R * threads.
+  static constexpr int kCtasPerSm = CONSUMERS == 1 ? 2 : 1;
+  static constexpr int kLaunchRegs = (65536 / (kThreads * kCtasPerSm)) / 8 * 8;
+  static constexpr bool kReallocate = true;
   static constexpr int kProducerRegs = LOADER == Loader::tma ? 24 : 40;
-  static constexpr int kConsumerRegs = LOADER == Loader::tma ? 240 : 232;
-  static_assert(!kReallocate || 128 * kProducerRegs + 256 * kConsumerRegs <= 168 * 384, "register split");
+  static constexpr int kConsumerRegs =
+      ((kLaunchRegs * (CONSUMERS + 1) - kProducerRegs) / CONSUMERS) / 8 * 8 > 240
+          ? 240
+          : ((kLaunchRegs * (CONSUMERS + 1) - kProducerRegs) / CONSUMERS) / 8 * 8;
+  static_assert(128 * kProducerRegs + 128 * CONSUMERS * kConsumerRegs <= kLaunchRegs * kThreads, "register split");
+  static_assert(kCtasPerSm * kSmemBytes <= 227 * 1024, "shared memory of the CTAs of one SM");
   static_assert(CONSUMERS == 1 || CONSUMERS == 2, "one or two consumer warpgroups");
   static_assert(D == 64 || D == 128, "head dim 64 or 128 (wgmma wrappers of N = 64, 128)");
   static_assert(BLOCK_N == 64 || BLOCK_N == 128, "key tile 64 or 128 (wgmma wrappers of N = 64, 128)");
@@ -405,7 +412,7 @@ __device__ __forceinline__ void consume(const AttentionParams& p, const Watchdog
 
 // One CTA per (Q tile of p.q_tiles with kBlockM rows, query head); grid (q_tile_count, heads_q).
 template <class Cfg>
-__global__ void __launch_bounds__(Cfg::kThreads, 1)
+__global__ void __launch_bounds__(Cfg::kThreads, Cfg::kCtasPerSm)
     attention_forward_sm90_kernel(const AttentionParams p, const __grid_constant__ ForwardTensorMaps maps,
                                   const Watchdog dog) {
   using T = typename Cfg::T;

@@ -1,0 +1,1425 @@
+// Self-checking program for the Hopper (sm_90a) wgmma attention forward (gpu/kernels/sm90/): unit tests of its
+// building blocks, the forward kernel variants against a float64 CPU reference on varlen THD batches, and timing
+// against the mma.sync forward kernel (gpu/attention_kernels.cuh) in the same run. Built and run by
+// bench/hopper_forward.sh (nvcc directly, -gencode=arch=compute_90a,code=sm_90a); docs/hopper-kernels.md.
+//
+// Stages (each result line reads "RESULT|stage|name|PASS or FAIL|detail"; the summary table comes last):
+//   unit     one warpgroup wgmma products (SS, RS, K-major and MN-major B, k-chains) against a CPU product, the
+//            swizzled copies (cp.async, TMA) read back through the inverse swizzle, the mbarrier ring with a
+//            producer and two consumer warpgroups (cp.async and TMA), the S -> P -> P V chain of the kernel.
+//   forward  every variant on varlen batches (lengths 0, 1, 17, 100, 128, 129, 1000, 4096, pads of NaN, q != kv
+//            lengths, GQA, windows, two segments per sequence, d 64, fp16), output poisoned with NaN first,
+//            against a float64 CPU reference: relative Frobenius error, max abs error, LSE error, pad rows exactly
+//            0, LSE -inf exactly where no key is visible, a rerun bitwise identical.
+//   timing   causal and full d = 128 bf16 batches of 16k and 64k tokens (lengths cycling 512..4096, 16 heads):
+//            CUDA events, 5 warm-ups, median of --reps (default 30); TFLOP/s count 4 d per visible (q, k) pair.
+//
+// Options: --reps N, --skip-timing, --exclude a,b (skip unit tests or variants by name: the script reruns with the
+// name of one that faulted the context, printed as "FAULTED <name>"), --seed S.
+// Exit status: 0 all passed, 1 a check failed, 4 a CUDA call failed (context lost), 5 a kernel hung.
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "gpu/kernels/sm90/attention_forward_sm90.cuh"
+#if __has_include("gpu/attention_kernels.cuh")
+#include "gpu/attention_kernels.cuh"
+#define HF_HAVE_MMA_SYNC_FORWARD 1
+#endif
+
+namespace hf {
+
+using cpgold::gpu::AttentionParams;
+using cpgold::gpu::RowTile;
+using cpgold::gpu::SequenceDesc;
+namespace sm90 = cpgold::gpu::sm90;
+using bf16 = __nv_bfloat16;
+
+// ---------------------------------------------------------------------------------------------------------------
+// Reporting.
+
+struct Result {
+  std::string stage, name;
+  bool pass;
+  std::string detail;
+};
+std::vector<Result> g_results;
+std::vector<std::string> g_timing_rows;
+std::vector<std::string> g_exclude;
+std::string g_current = "setup";  // what runs now, named on a fatal error
+
+bool excluded(const std::string& name) {
+  return std::find(g_exclude.begin(), g_exclude.end(), name) != g_exclude.end();
+}
+
+void record(const std::string& stage, const std::string& name, bool pass, const std::string& detail) {
+  g_results.push_back({stage, name, pass, detail});
+  std::printf("RESULT|%s|%s|%s|%s\n", stage.c_str(), name.c_str(), pass ? "PASS" : "FAIL", detail.c_str());
+  std::fflush(stdout);
+}
+
+bool passed(const std::string& stage, const std::string& name) {
+  for (const Result& r : g_results)
+    if (r.stage == stage && r.name == name) return r.pass;
+  return false;
+}
+
+void print_summary() {
+  std::printf("\n==== summary ====\n");
+  int pass = 0, fail = 0;
+  for (const Result& r : g_results) {
+    // Passing lines shortened (the full ones are the RESULT lines above); failing ones in full.
+    const std::string detail = r.pass && r.detail.size() > 96 ? r.detail.substr(0, 93) + "..." : r.detail;
+    std::printf("%-7s %-4s %-52s %s\n", r.stage.c_str(), r.pass ? "PASS" : "FAIL", r.name.c_str(), detail.c_str());
+    (r.pass ? pass : fail)++;
+  }
+  if (!g_timing_rows.empty()) {
+    std::printf("\n==== timing ====\n");
+    for (const std::string& s : g_timing_rows) std::printf("%s\n", s.c_str());
+  }
+  std::printf("\n%d passed, %d failed\n", pass, fail);
+  std::fflush(stdout);
+}
+
+[[noreturn]] void fatal(const std::string& what, int code) {
+  std::printf("FATAL while running %s: %s\n", g_current.c_str(), what.c_str());
+  std::printf("FAULTED %s\n", g_current.c_str());
+  print_summary();
+  std::exit(code);
+}
+
+void check(cudaError_t e, const char* call, int line) {
+  if (e != cudaSuccess) fatal(std::string(call) + " (line " + std::to_string(line) + "): " + cudaGetErrorString(e), 4);
+}
+#define CK(call) ::hf::check((call), #call, __LINE__)
+
+// Waits for all work on the device with a wall-clock limit: a kernel that never ends (a deadlock the mbarrier
+// watchdog cannot see) is reported by name instead of hanging the run.
+void sync_or_die(double seconds = 120.0) {
+  cudaEvent_t ev;
+  CK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+  CK(cudaEventRecord(ev, 0));
+  const auto t0 = std::chrono::steady_clock::now();
+  for (;;) {
+    const cudaError_t e = cudaEventQuery(ev);
+    if (e == cudaSuccess) break;
+    if (e != cudaErrorNotReady) check(e, "cudaEventQuery", __LINE__);
+    if (std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() > seconds) {
+      std::printf("HANG: the device did not finish within %.0f s\n", seconds);
+      std::printf("FAULTED %s\n", g_current.c_str());
+      print_summary();
+      std::fflush(stdout);
+      std::_Exit(5);
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+  CK(cudaEventDestroy(ev));
+  CK(cudaGetLastError());
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Host element types.
+
+uint16_t float_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+float bf16_to_float(uint16_t h) {
+  const uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+uint16_t float_to_half(float f) {
+  const __half h = __float2half_rn(f);
+  uint16_t b;
+  std::memcpy(&b, &h, 2);
+  return b;
+}
+float half_to_float(uint16_t b) {
+  __half h;
+  std::memcpy(&h, &b, 2);
+  return __half2float(h);
+}
+uint16_t to_bits(float f, bool fp16) { return fp16 ? float_to_half(f) : float_to_bf16(f); }
+float from_bits(uint16_t b, bool fp16) { return fp16 ? half_to_float(b) : bf16_to_float(b); }
+uint16_t nan_bits(bool fp16) { return fp16 ? 0x7e00 : 0x7fc0; }
+
+template <class T>
+struct DeviceBuffer {
+  T* ptr = nullptr;
+  size_t count = 0;
+  DeviceBuffer() = default;
+  explicit DeviceBuffer(size_t n) : count(n) {
+    if (n > 0) CK(cudaMalloc(&ptr, n * sizeof(T)));
+  }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  ~DeviceBuffer() {
+    if (ptr != nullptr) cudaFree(ptr);
+  }
+  void reset(size_t n) {
+    if (ptr != nullptr) CK(cudaFree(ptr));
+    ptr = nullptr;
+    count = n;
+    if (n > 0) CK(cudaMalloc(&ptr, n * sizeof(T)));
+  }
+  void upload(const std::vector<T>& h) {
+    if (!h.empty()) CK(cudaMemcpy(ptr, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
+  }
+  std::vector<T> download() const {
+    std::vector<T> h(count);
+    if (count > 0) CK(cudaMemcpy(h.data(), ptr, count * sizeof(T), cudaMemcpyDeviceToHost));
+    return h;
+  }
+};
+
+// Watchdog flag of the kernels' mbarrier waits (gpu/kernels/sm90/ptx_sm90.cuh).
+struct DeviceWatchdog {
+  DeviceBuffer<int> flag{8};
+  sm90::Watchdog arm() {
+    CK(cudaMemset(flag.ptr, 0, 8 * sizeof(int)));
+    return sm90::Watchdog{flag.ptr};
+  }
+  // "" or a description of the wait that timed out.
+  std::string report() const {
+    const std::vector<int> f = flag.download();
+    if (f[0] == 0) return {};
+    static const char* names[] = {"?", "Q full", "K full", "V full", "stage empty", "test barrier"};
+    const int code = f[0] >= 1 && f[0] <= 5 ? f[0] : 0;
+    return std::string("watchdog: a wait on '") + names[code] + "' timed out (block " + std::to_string(f[1]) + "," +
+           std::to_string(f[2]) + ", thread " + std::to_string(f[3]) + ", iteration " + std::to_string(f[4]) + ")";
+  }
+};
+
+std::string fmt(const char* f, double v) {
+  char b[64];
+  std::snprintf(b, sizeof b, f, v);
+  return b;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Unit tests: kernels.
+
+__device__ __forceinline__ uint8_t* aligned_smem(uint8_t* raw, uint32_t& addr) {
+  const uint32_t a = sm90::smem_u32(raw);
+  addr = (a + 1023u) & ~1023u;
+  return raw + (addr - a);
+}
+
+// Copies a ROWS x COLS tile (row stride `stride`, `valid` rows) into an SW128 tile by cp.async, then writes the tile
+// back row-major through the layout formula (out[r][c] = tile element (r, c)).
+template <int ROWS, int COLS>
+__global__ void __launch_bounds__(128) unit_copy_cp_async(const bf16* src, int64_t stride, int valid, uint16_t* out) {
+  extern __shared__ uint8_t raw[];
+  uint32_t smem;
+  uint8_t* p = aligned_smem(raw, smem);
+  sm90::load_tile_sw128_cp_async<ROWS, COLS, 128>(smem, src, stride, valid, src, threadIdx.x);
+  sm90::cp_async_wait_all();
+  __syncthreads();
+  for (int i = threadIdx.x; i < ROWS * COLS; i += 128)
+    out[i] = *reinterpret_cast<const uint16_t*>(p + sm90::sw128_offset(ROWS, i / COLS, i % COLS));
+}
+
+// The same through TMA: box (64 columns, 1 head, ROWS rows) per column block at (head, row0), one mbarrier with the
+// transaction count of the whole box.
+template <int ROWS, int COLS>
+__global__ void __launch_bounds__(128)
+    unit_copy_tma(const __grid_constant__ CUtensorMap map, int head, int row0, uint16_t* out, sm90::Watchdog dog) {
+  extern __shared__ uint8_t raw[];
+  uint32_t smem;
+  uint8_t* p = aligned_smem(raw, smem);
+  const uint32_t bar = smem + ROWS * COLS * 2;
+  if (threadIdx.x == 0) {
+    sm90::mbar_init(bar, 1);
+    sm90::fence_mbarrier_init();
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    sm90::mbar_arrive_expect_tx(bar, ROWS * COLS * 2);
+    for (int b = 0; b < COLS / 64; ++b) sm90::tma_load_3d(smem + b * ROWS * 128, &map, 64 * b, head, row0, bar);
+  }
+  sm90::mbar_wait(bar, 0, dog, sm90::kWaitTest, 0);
+  for (int i = threadIdx.x; i < ROWS * COLS; i += 128)
+    out[i] = *reinterpret_cast<const uint16_t*>(p + sm90::sw128_offset(ROWS, i / COLS, i % COLS));
+}
+
+// One warpgroup: D (64 x N, float) = A (rows a_row0 .. a_row0 + 63 of an A_ROWS x KTILE tile, row-major in `a`) times
+// B over KSTEPS k-steps of 16. TRANS_B = 0: b is B^T [N][KTILE] (K-major); 1: b is B [KTILE][N] (MN-major).
+// A_REGS: A from registers (fragments read straight from global memory by the documented layout), else from
+// shared memory. Descriptor offsets are run-time arguments so that the test can probe alternatives.
+template <int N, int KTILE, int KSTEPS, int A_ROWS, int TRANS_B, bool A_REGS>
+__global__ void __launch_bounds__(128)
+    unit_wgmma(const bf16* a, int a_row0, const bf16* b, float* d, uint32_t lbo_a, uint32_t sbo_a, uint32_t lbo_b,
+               uint32_t sbo_b) {
+  extern __shared__ uint8_t raw[];
+  uint32_t smem;
+  aligned_smem(raw, smem);
+  const uint32_t a_tile = smem;
+  const uint32_t b_tile = smem + A_ROWS * KTILE * 2;
+  const int tid = threadIdx.x;
+  if constexpr (!A_REGS) sm90::load_tile_sw128_cp_async<A_ROWS, KTILE, 128>(a_tile, a, KTILE, A_ROWS, a, tid);
+  if constexpr (TRANS_B == 0)
+    sm90::load_tile_sw128_cp_async<N, KTILE, 128>(b_tile, b, KTILE, N, b, tid);
+  else
+    sm90::load_tile_sw128_cp_async<KTILE, N, 128>(b_tile, b, N, KTILE, b, tid);
+  sm90::cp_async_wait_all();
+  sm90::fence_proxy_async();
+  __syncthreads();
+
+  const int warp = tid / 32, lane = tid % 32, g = lane / 4, c = lane % 4;
+  uint32_t af[KSTEPS][4];
+  if constexpr (A_REGS) {
+    const uint16_t* ab = reinterpret_cast<const uint16_t*>(a);
+    auto pair = [&](int row, int col) {
+      const int r = a_row0 + 16 * warp + row;
+      return static_cast<uint32_t>(ab[r * KTILE + col]) | (static_cast<uint32_t>(ab[r * KTILE + col + 1]) << 16);
+    };
+#pragma unroll
+    for (int k = 0; k < KSTEPS; ++k) {
+      af[k][0] = pair(g, 16 * k + 2 * c);
+      af[k][1] = pair(g + 8, 16 * k + 2 * c);
+      af[k][2] = pair(g, 16 * k + 8 + 2 * c);
+      af[k][3] = pair(g + 8, 16 * k + 8 + 2 * c);
+    }
+  }
+  float acc[N / 2];
+#pragma unroll
+  for (int i = 0; i < N / 2; ++i) acc[i] = 0.f;
+  sm90::wgmma_fence();
+#pragma unroll
+  for (int k = 0; k < KSTEPS; ++k) {
+    const uint64_t bd = TRANS_B ? sm90::desc_mn_major(b_tile, KTILE, 16 * k, lbo_b, sbo_b)
+                                : sm90::desc_k_major(b_tile, N, 0, 16 * k, lbo_b, sbo_b);
+    if constexpr (A_REGS)
+      sm90::Wgmma<N, bf16, TRANS_B>::rs(acc, af[k], bd, k > 0 ? 1 : 0);
+    else
+      sm90::Wgmma<N, bf16, TRANS_B>::ss(acc, sm90::desc_k_major(a_tile, A_ROWS, a_row0, 16 * k, lbo_a, sbo_a), bd,
+                                        k > 0 ? 1 : 0);
+  }
+  sm90::wgmma_commit();
+  sm90::wgmma_wait<0>();
+  sm90::fence_registers(acc);
+  if constexpr (A_REGS) sm90::fence_registers(af);
+#pragma unroll
+  for (int j = 0; j < N / 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) d[(16 * warp + g + 8 * (e / 2)) * N + 8 * j + 2 * c + (e % 2)] = acc[4 * j + e];
+}
+
+// The forward kernel's per-tile sequence for one warpgroup: S = Q K^T (SS, K-major), P = dtype(S) repacked by
+// accumulators_to_a, O = P V (RS, V MN-major); writes S and O (float).
+template <int BN, int D>
+__global__ void __launch_bounds__(128)
+    unit_chain(const bf16* q, const bf16* k, const bf16* v, float* s_out, float* o_out) {
+  extern __shared__ uint8_t raw[];
+  uint32_t smem;
+  aligned_smem(raw, smem);
+  const uint32_t q_tile = smem, k_tile = smem + 64 * D * 2, v_tile = k_tile + BN * D * 2;
+  const int tid = threadIdx.x;
+  sm90::load_tile_sw128_cp_async<64, D, 128>(q_tile, q, D, 64, q, tid);
+  sm90::load_tile_sw128_cp_async<BN, D, 128>(k_tile, k, D, BN, k, tid);
+  sm90::load_tile_sw128_cp_async<BN, D, 128>(v_tile, v, D, BN, v, tid);
+  sm90::cp_async_wait_all();
+  sm90::fence_proxy_async();
+  __syncthreads();
+  float s[BN / 2];
+#pragma unroll
+  for (int i = 0; i < BN / 2; ++i) s[i] = 0.f;
+  sm90::wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk)
+    sm90::Wgmma<BN, bf16, 0>::ss(s, sm90::desc_k_major(q_tile, 64, 0, 16 * kk), sm90::desc_k_major(k_tile, BN, 0, 16 * kk),
+                                 kk > 0 ? 1 : 0);
+  sm90::wgmma_commit();
+  sm90::wgmma_wait<0>();
+  sm90::fence_registers(s);
+  uint32_t pa[BN / 16][4];
+  sm90::accumulators_to_a<bf16, BN / 16>(pa, s);
+  float o[D / 2];
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+  sm90::wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < BN / 16; ++kk) sm90::Wgmma<D, bf16, 1>::rs(o, pa[kk], sm90::desc_mn_major(v_tile, BN, 16 * kk), 1);
+  sm90::wgmma_commit();
+  sm90::wgmma_wait<0>();
+  sm90::fence_registers(o);
+  sm90::fence_registers(pa);
+  const int warp = tid / 32, lane = tid % 32, g = lane / 4, c = lane % 4;
+#pragma unroll
+  for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s_out[(16 * warp + g + 8 * (e / 2)) * BN + 8 * j + 2 * c + (e % 2)] = s[4 * j + e];
+#pragma unroll
+  for (int j = 0; j < D / 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) o_out[(16 * warp + g + 8 * (e / 2)) * D + 8 * j + 2 * c + (e % 2)] = o[4 * j + e];
+}
+
+// The mbarrier ring of the kernel (sm90::Ring<2>) with a producer warpgroup and two consumer warpgroups over `tiles`
+// tiles of 64 rows x 64 columns of `src` ([rows][64], integers as bf16): every consumer warpgroup sums each tile it
+// sees (exact in int64) into sums[cw][it]. Consumers sleep at pseudo-random points so that the stages are taken
+// and released in varying orders.
+template <sm90::Loader LOADER>
+__global__ void __launch_bounds__(384)
+    unit_ring(const bf16* src, int rows, int tiles, const __grid_constant__ CUtensorMap map,
+              unsigned long long* sums, sm90::Watchdog dog) {
+  constexpr int kTileBytes = 64 * 64 * 2;
+  extern __shared__ uint8_t raw[];
+  uint32_t smem;
+  uint8_t* p = aligned_smem(raw, smem);
+  const sm90::Ring<2> ring{smem + 2 * kTileBytes};
+  if (threadIdx.x == 0) {
+    ring.init(LOADER == sm90::Loader::tma ? 1 : 128, 256);
+    sm90::fence_mbarrier_init();
+  }
+  __syncthreads();
+  const int wg = threadIdx.x / 128, tid = threadIdx.x % 128;
+  if (wg == 0) {
+    for (int it = 0; it < tiles; ++it) {
+      ring.producer_acquire(it, dog);
+      const uint32_t dst = smem + ring.stage(it) * kTileBytes;
+      if constexpr (LOADER == sm90::Loader::cp_async) {
+        const int valid = min(64, rows - 64 * it);
+        sm90::load_tile_sw128_cp_async<64, 64, 128>(dst, src + static_cast<int64_t>(64) * 64 * it, 64, valid, src, tid);
+        sm90::mbar_arrive_on_cp_async(ring.full_k(it));
+      } else if (tid == 0) {
+        sm90::mbar_arrive_expect_tx(ring.full_k(it), kTileBytes);
+        sm90::tma_load_3d(dst, &map, 0, 0, 64 * it, ring.full_k(it));
+      }
+    }
+    if constexpr (LOADER == sm90::Loader::cp_async) sm90::cp_async_wait_all();
+  } else {
+    const int cw = wg - 1;
+    for (int it = 0; it < tiles; ++it) {
+      ring.wait_k(it, dog);
+      const uint8_t* t = p + ring.stage(it) * kTileBytes;
+      long long sum = 0;
+      for (int i = tid; i < 64 * 64; i += 128) {
+        const uint16_t bits = *reinterpret_cast<const uint16_t*>(t + sm90::sw128_offset(64, i / 64, i % 64));
+        sum += static_cast<long long>(__bfloat162float(__ushort_as_bfloat16(bits)));
+      }
+      const unsigned h = (static_cast<unsigned>(it) * 2654435761u) ^ (static_cast<unsigned>(tid + 977 * cw) * 40503u);
+      if ((h >> 7) % 5 == 0) __nanosleep(200 + (h % 1500));
+#pragma unroll
+      for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+      if (tid % 32 == 0) atomicAdd(&sums[cw * tiles + it], static_cast<unsigned long long>(sum));
+      ring.release(it);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Unit tests: host side.
+
+std::vector<uint16_t> random_bf16(size_t n, std::mt19937_64& rng, float scale = 1.f) {
+  std::normal_distribution<float> nd(0.f, scale);
+  std::vector<uint16_t> v(n);
+  for (auto& x : v) x = float_to_bf16(nd(rng));
+  return v;
+}
+
+template <class Kernel>
+void set_smem(Kernel k, int bytes) {
+  CK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+}
+
+void unit_copies(std::mt19937_64& rng) {
+  constexpr int kRows = 128, kCols = 128, kHeads = 3;
+  // cp.async: rows 50.. of head 1 of a [300][3][128] tensor, 100 valid rows.
+  if (!excluded("copy-cp-async")) {
+    g_current = "copy-cp-async";
+    const int total_rows = 300, row0 = 50, head = 1, valid = 100;
+    std::vector<uint16_t> h = random_bf16(static_cast<size_t>(total_rows) * kHeads * kCols, rng);
+    DeviceBuffer<uint16_t> src(h.size()), out(kRows * kCols);
+    src.upload(h);
+    CK(cudaMemset(out.ptr, 0xff, out.count * 2));
+    auto kernel = unit_copy_cp_async<kRows, kCols>;
+    set_smem(kernel, kRows * kCols * 2 + 1024);
+    kernel<<<1, 128, kRows * kCols * 2 + 1024>>>(
+        reinterpret_cast<const bf16*>(src.ptr) + (static_cast<int64_t>(row0) * kHeads + head) * kCols, kHeads * kCols,
+        valid, out.ptr);
+    CK(cudaGetLastError());
+    sync_or_die();
+    const std::vector<uint16_t> o = out.download();
+    int bad = 0, first = -1;
+    for (int r = 0; r < kRows; ++r)
+      for (int c = 0; c < kCols; ++c) {
+        const uint16_t want = r < valid ? h[(static_cast<size_t>(row0 + r) * kHeads + head) * kCols + c] : 0;
+        if (o[r * kCols + c] != want) {
+          if (first < 0) first = r * kCols + c;
+          ++bad;
+        }
+      }
+    record("unit", "copy-cp-async", bad == 0,
+           "128x128 tile, 100 valid rows, row stride 384: " + std::to_string(bad) + " elements differ" +
+               (first >= 0 ? " (first at row " + std::to_string(first / kCols) + " col " +
+                                 std::to_string(first % kCols) + ")"
+                           : ", zero-filled rows exact"));
+  }
+  // TMA: head 2, rows 150..277 of a [200][3][128] tensor: 50 rows in bounds, the rest zero-filled.
+  if (!excluded("copy-tma")) {
+    g_current = "copy-tma";
+    const int total_rows = 200, row0 = 150, head = 2;
+    std::vector<uint16_t> h = random_bf16(static_cast<size_t>(total_rows) * kHeads * kCols, rng);
+    DeviceBuffer<uint16_t> src(h.size()), out(kRows * kCols);
+    src.upload(h);
+    CK(cudaMemset(out.ptr, 0xff, out.count * 2));
+    CUtensorMap map;
+    const std::string err = sm90::encode_thd_tile_map(map, false, src.ptr, total_rows, kHeads, kCols, kRows);
+    if (!err.empty()) {
+      record("unit", "copy-tma", false, err);
+    } else {
+      DeviceWatchdog dog;
+      auto kernel = unit_copy_tma<kRows, kCols>;
+      set_smem(kernel, kRows * kCols * 2 + 1024 + 64);
+      kernel<<<1, 128, kRows * kCols * 2 + 1024 + 64>>>(map, head, row0, out.ptr, dog.arm());
+      CK(cudaGetLastError());
+      sync_or_die();
+      const std::string w = dog.report();
+      const std::vector<uint16_t> o = out.download();
+      int bad = 0, first = -1;
+      for (int r = 0; r < kRows; ++r)
+        for (int c = 0; c < kCols; ++c) {
+          const int gr = row0 + r;
+          const uint16_t want = gr < total_rows ? h[(static_cast<size_t>(gr) * kHeads + head) * kCols + c] : 0;
+          if (o[r * kCols + c] != want) {
+            if (first < 0) first = r * kCols + c;
+            ++bad;
+          }
+        }
+      record("unit", "copy-tma", bad == 0 && w.empty(),
+             (w.empty() ? "" : w + " (the transaction count of a box that crosses the tensor end?); ") +
+                 "SWIZZLE_128B box vs the SW128 formula, 78 rows past the tensor end: " + std::to_string(bad) +
+                 " elements differ" +
+                 (first >= 0 ? " (first at row " + std::to_string(first / kCols) + " col " +
+                                   std::to_string(first % kCols) + ")"
+                             : ""));
+    }
+  }
+}
+
+struct GemmProbe {
+  uint32_t lbo_a, sbo_a, lbo_b, sbo_b;
+};
+
+// Runs unit_wgmma once; returns the max abs error against the CPU product (and the max |ref|).
+template <int N, int KTILE, int KSTEPS, int A_ROWS, int TRANS_B, bool A_REGS>
+double run_gemm(const std::vector<uint16_t>& a, const std::vector<uint16_t>& b, int a_row0, GemmProbe pr,
+                double& max_ref, int& first_bad) {
+  DeviceBuffer<uint16_t> da(a.size()), db(b.size());
+  DeviceBuffer<float> dd(64 * N);
+  da.upload(a);
+  db.upload(b);
+  CK(cudaMemset(dd.ptr, 0xff, dd.count * sizeof(float)));
+  auto kernel = unit_wgmma<N, KTILE, KSTEPS, A_ROWS, TRANS_B, A_REGS>;
+  const int smem = A_ROWS * KTILE * 2 + N * KTILE * 2 + 1024;
+  set_smem(kernel, smem);
+  kernel<<<1, 128, smem>>>(reinterpret_cast<const bf16*>(da.ptr), a_row0, reinterpret_cast<const bf16*>(db.ptr),
+                           dd.ptr, pr.lbo_a, pr.sbo_a, pr.lbo_b, pr.sbo_b);
+  CK(cudaGetLastError());
+  sync_or_die();
+  const std::vector<float> d = dd.download();
+  double worst = 0;
+  max_ref = 0;
+  first_bad = -1;
+  for (int m = 0; m < 64; ++m)
+    for (int n = 0; n < N; ++n) {
+      double ref = 0;
+      for (int k = 0; k < 16 * KSTEPS; ++k) {
+        const double av = bf16_to_float(a[(a_row0 + m) * KTILE + k]);
+        const double bv = bf16_to_float(TRANS_B ? b[k * N + n] : b[n * KTILE + k]);
+        ref += av * bv;
+      }
+      const double err = std::isfinite(d[m * N + n]) ? std::fabs(d[m * N + n] - ref) : 1e30;
+      if (err > 1e-3 && first_bad < 0) first_bad = m * N + n;
+      worst = std::max(worst, err);
+      max_ref = std::max(max_ref, std::fabs(ref));
+    }
+  return worst;
+}
+
+template <int N, int KTILE, int KSTEPS, int A_ROWS, int TRANS_B, bool A_REGS>
+void unit_gemm(const std::string& name, const std::string& what, int a_row0, std::mt19937_64& rng) {
+  if (excluded(name)) return;
+  g_current = name;
+  const std::vector<uint16_t> a = random_bf16(static_cast<size_t>(A_ROWS) * KTILE, rng);
+  const std::vector<uint16_t> b = random_bf16(static_cast<size_t>(N) * KTILE, rng);
+  const uint32_t mn_lbo = KTILE * 128;  // MN-major B: distance between 64-column blocks of the [KTILE][N] tile
+  const GemmProbe chosen{16, 1024, TRANS_B ? mn_lbo : 16u, 1024};
+  double max_ref;
+  int first_bad;
+  const double err = run_gemm<N, KTILE, KSTEPS, A_ROWS, TRANS_B, A_REGS>(a, b, a_row0, chosen, max_ref, first_bad);
+  const bool ok = err <= 1e-3;
+  std::string detail = what + ": max abs err " + fmt("%.3g", err) + " (max |ref| " + fmt("%.3g", max_ref) + ")";
+  if (!ok) {
+    detail += first_bad >= 0 ? ", first bad at row " + std::to_string(first_bad / N) + " col " +
+                                   std::to_string(first_bad % N)
+                             : "";
+    // Probe other descriptor offsets: which one would match names the field that is wrong.
+    std::vector<GemmProbe> probes;
+    for (uint32_t sbo : {512u, 1024u, 2048u, 128u, 256u})
+      for (uint32_t lbo : {16u, 128u, 1024u, mn_lbo, 2 * mn_lbo, 8192u}) {
+        probes.push_back({16, 1024, lbo, sbo});
+        if (!A_REGS) probes.push_back({lbo, sbo, TRANS_B ? mn_lbo : 16u, 1024});
+      }
+    std::string found;
+    for (const GemmProbe& pr : probes) {
+      double mr;
+      int fb;
+      if (run_gemm<N, KTILE, KSTEPS, A_ROWS, TRANS_B, A_REGS>(a, b, a_row0, pr, mr, fb) <= 1e-3)
+        found += " {A lbo " + std::to_string(pr.lbo_a) + " sbo " + std::to_string(pr.sbo_a) + ", B lbo " +
+                 std::to_string(pr.lbo_b) + " sbo " + std::to_string(pr.sbo_b) + "}";
+    }
+    detail += found.empty() ? "; no probed descriptor offsets match" : "; matching offsets:" + found;
+  }
+  record("unit", name, ok, detail);
+}
+
+void unit_chain_test(std::mt19937_64& rng) {
+  const std::string name = "chain-s-p-pv";
+  if (excluded(name)) return;
+  g_current = name;
+  constexpr int BN = 128, D = 128;
+  const std::vector<uint16_t> q = random_bf16(64 * D, rng), k = random_bf16(BN * D, rng),
+                              v = random_bf16(BN * D, rng);
+  DeviceBuffer<uint16_t> dq(q.size()), dk(k.size()), dv(v.size());
+  DeviceBuffer<float> ds(64 * BN), dout(64 * D);
+  dq.upload(q);
+  dk.upload(k);
+  dv.upload(v);
+  CK(cudaMemset(ds.ptr, 0xff, ds.count * 4));
+  CK(cudaMemset(dout.ptr, 0xff, dout.count * 4));
+  auto kernel = unit_chain<BN, D>;
+  const int smem = (64 * D + 2 * BN * D) * 2 + 1024;
+  set_smem(kernel, smem);
+  kernel<<<1, 128, smem>>>(reinterpret_cast<const bf16*>(dq.ptr), reinterpret_cast<const bf16*>(dk.ptr),
+                           reinterpret_cast<const bf16*>(dv.ptr), ds.ptr, dout.ptr);
+  CK(cudaGetLastError());
+  sync_or_die();
+  const std::vector<float> s = ds.download(), o = dout.download();
+  double s_err = 0, o_err2 = 0, o_ref2 = 0, o_max = 0;
+  for (int m = 0; m < 64; ++m)
+    for (int n = 0; n < BN; ++n) {
+      double ref = 0;
+      for (int x = 0; x < D; ++x) ref += double(bf16_to_float(q[m * D + x])) * bf16_to_float(k[n * D + x]);
+      s_err = std::max(s_err, std::isfinite(s[m * BN + n]) ? std::fabs(s[m * BN + n] - ref) : 1e30);
+    }
+  for (int m = 0; m < 64; ++m)
+    for (int x = 0; x < D; ++x) {
+      double ref = 0;  // P = dtype(S as the kernel computed it): the O check does not depend on S's rounding
+      for (int n = 0; n < BN; ++n) ref += double(bf16_to_float(float_to_bf16(s[m * BN + n]))) * bf16_to_float(v[n * D + x]);
+      const double e = std::isfinite(o[m * D + x]) ? o[m * D + x] - ref : 1e30;
+      o_err2 += e * e;
+      o_ref2 += ref * ref;
+      o_max = std::max(o_max, std::fabs(e));
+    }
+  const double rel = std::sqrt(o_err2 / std::max(o_ref2, 1e-300));
+  record("unit", name, s_err <= 1e-3 && rel <= 1e-5,
+         "S = Q K^T (64x128, d 128) max abs err " + fmt("%.3g", s_err) + "; O = bf16(S) V rel err " + fmt("%.3g", rel) +
+             " (max abs " + fmt("%.3g", o_max) + ")");
+}
+
+void unit_ring_test(sm90::Loader loader, std::mt19937_64& rng) {
+  const std::string name = loader == sm90::Loader::tma ? "ring-tma" : "ring-cp-async";
+  if (excluded(name)) return;
+  g_current = name;
+  const int tiles = 37, rows = tiles * 64 - 23;  // the last tile holds 41 rows: zero-fill / out-of-bounds fill
+  std::uniform_int_distribution<int> ud(-100, 100);
+  std::vector<uint16_t> h(static_cast<size_t>(rows) * 64);
+  for (auto& x : h) x = float_to_bf16(static_cast<float>(ud(rng)));
+  DeviceBuffer<uint16_t> src(h.size());
+  DeviceBuffer<unsigned long long> sums(2 * tiles);
+  src.upload(h);
+  CK(cudaMemset(sums.ptr, 0, sums.count * 8));
+  CUtensorMap map;
+  std::memset(&map, 0, sizeof map);
+  if (loader == sm90::Loader::tma) {
+    const std::string err = sm90::encode_thd_tile_map(map, false, src.ptr, rows, 1, 64, 64);
+    if (!err.empty()) {
+      record("unit", name, false, err);
+      return;
+    }
+  }
+  DeviceWatchdog dog;
+  const int smem = 2 * 64 * 64 * 2 + 1024 + 64;
+  if (loader == sm90::Loader::tma) {
+    set_smem(unit_ring<sm90::Loader::tma>, smem);
+    unit_ring<sm90::Loader::tma><<<1, 384, smem>>>(reinterpret_cast<const bf16*>(src.ptr), rows, tiles, map,
+                                                  sums.ptr, dog.arm());
+  } else {
+    set_smem(unit_ring<sm90::Loader::cp_async>, smem);
+    unit_ring<sm90::Loader::cp_async><<<1, 384, smem>>>(reinterpret_cast<const bf16*>(src.ptr), rows, tiles, map,
+                                                       sums.ptr, dog.arm());
+  }
+  CK(cudaGetLastError());
+  sync_or_die();
+  const std::string w = dog.report();
+  const std::vector<unsigned long long> got = sums.download();
+  int bad = 0;
+  for (int it = 0; it < tiles; ++it) {
+    long long want = 0;
+    for (int r = 64 * it; r < std::min(rows, 64 * it + 64); ++r)
+      for (int c = 0; c < 64; ++c) want += static_cast<long long>(bf16_to_float(h[static_cast<size_t>(r) * 64 + c]));
+    for (int cw = 0; cw < 2; ++cw)
+      if (static_cast<long long>(got[cw * tiles + it]) != want) ++bad;
+  }
+  record("unit", name, bad == 0 && w.empty(),
+         (w.empty() ? "" : w + "; ") + "2-stage ring, 37 tiles, 1 producer + 2 consumer warpgroups: " +
+             std::to_string(bad) + " of 74 tile sums wrong");
+}
+
+void run_unit_tests(std::mt19937_64& rng) {
+  std::printf("\n==== unit tests ====\n");
+  unit_copies(rng);
+  // SS, both operands K-major in SW128 tiles.
+  unit_gemm<64, 64, 1, 64, 0, false>("wgmma-ss-m64n64k16", "one m64n64k16 SS product", 0, rng);
+  unit_gemm<64, 64, 4, 64, 0, false>("wgmma-ss-m64n64-k64", "m64n64k16 x4 (k offsets 32/64/96 B in the atom)", 0, rng);
+  unit_gemm<64, 128, 8, 64, 0, false>("wgmma-ss-m64n64-k128", "m64n64k16 x8 (d 128: two column blocks; S of BN 64)", 0,
+                                      rng);
+  unit_gemm<128, 128, 8, 128, 0, false>("wgmma-ss-m64n128-k128-rows64",
+                                        "m64n128k16 x8, A = rows 64..127 of a 128-row tile (S of warpgroup 2)", 64, rng);
+  // B MN-major (the P V operand) from shared memory, and A from registers with a K-major B: each isolates one part.
+  unit_gemm<128, 128, 8, 64, 1, false>("wgmma-ss-bmn-m64n128-k128", "SS with B MN-major, N 128 (LBO between blocks)", 0,
+                                       rng);
+  unit_gemm<64, 64, 4, 64, 0, true>("wgmma-rs-m64n64-k64", "RS (A fragments from registers), B K-major", 0, rng);
+  // The P V shapes: RS with B MN-major.
+  unit_gemm<128, 128, 8, 64, 1, true>("wgmma-rs-bmn-m64n128-k128", "RS, B MN-major: P V of d 128, BN 128", 0, rng);
+  unit_gemm<128, 64, 4, 64, 1, true>("wgmma-rs-bmn-m64n128-k64", "RS, B MN-major: P V of d 128, BN 64", 0, rng);
+  unit_gemm<64, 128, 8, 64, 1, true>("wgmma-rs-bmn-m64n64-k128", "RS, B MN-major: P V of d 64, BN 128", 0, rng);
+  unit_chain_test(rng);
+  unit_ring_test(sm90::Loader::cp_async, rng);
+  unit_ring_test(sm90::Loader::tma, rng);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Forward: cases, CPU reference, variants.
+
+struct Case {
+  std::string name;
+  bool fp16 = false;
+  int d = 128;
+  int heads_q = 2, heads_kv = 2;
+  int wl = -1, wr = -1;  // window (wr = 0, wl = -1: causal)
+  std::vector<SequenceDesc> seqs;
+  int64_t q_rows = 0, kv_rows = 0;
+  uint64_t seed = 1;
+};
+
+SequenceDesc one_segment(int64_t q_row, int q_len, int64_t kv_row, int kv_len) {
+  SequenceDesc s{};
+  s.q_first_row[0] = q_row;
+  s.q_count[0] = q_len;
+  s.kv_first_row[0] = kv_row;
+  s.kv_count[0] = kv_len;
+  s.length_q = q_len;
+  s.length_kv = kv_len;
+  return s;
+}
+
+// Sequences (q length, kv length) laid out one after the other with `pad` rows after each (none after the last).
+Case make_case(std::string name, const std::vector<std::pair<int, int>>& lens, int pad, bool causal) {
+  Case c;
+  c.name = std::move(name);
+  if (causal) c.wr = 0;
+  for (size_t i = 0; i < lens.size(); ++i) {
+    c.seqs.push_back(one_segment(c.q_rows, lens[i].first, c.kv_rows, lens[i].second));
+    const int gap = i + 1 < lens.size() ? pad : 0;
+    c.q_rows += lens[i].first + gap;
+    c.kv_rows += lens[i].second + gap;
+  }
+  return c;
+}
+
+std::vector<Case> forward_cases() {
+  std::vector<Case> cases;
+  const std::vector<int> mixed = {1, 17, 100, 128, 129, 4096, 0, 1000};  // the last ends at the tensor end
+  std::vector<std::pair<int, int>> same;
+  for (int l : mixed) same.push_back({l, l});
+  cases.push_back(make_case("full-mixed", same, 5, false));
+  cases.push_back(make_case("causal-mixed", same, 5, true));
+  cases.push_back(make_case("causal-q-ne-kv", {{100, 40}, {17, 300}, {50, 0}, {129, 129}, {1000, 1000}, {3, 700}}, 7,
+                            true));
+  {
+    Case c = make_case("gqa4-2-window-96-0", {{300, 300}, {777, 777}, {64, 64}, {1, 1}}, 3, false);
+    c.heads_q = 4;
+    c.wl = 96;
+    c.wr = 0;
+    cases.push_back(c);
+  }
+  {
+    Case c = make_case("band-40-24-q-ne-kv", {{300, 500}, {200, 130}, {129, 257}}, 2, false);
+    c.wl = 40;
+    c.wr = 24;
+    cases.push_back(c);
+  }
+  {
+    // Two segments per sequence as a context-parallel rank holds them (length 1000, 4 chunks of 250: chunks 0 and 3
+    // of Q and KV, causal), and a sequence whose Q is chunk 2 alone against all 1000 keys in two KV segments.
+    Case c;
+    c.name = "causal-two-segments";
+    c.wr = 0;
+    SequenceDesc a{};
+    a.q_first_row[0] = 0, a.q_count[0] = 250, a.q_position[0] = 0;
+    a.q_first_row[1] = 250, a.q_count[1] = 250, a.q_position[1] = 750;
+    a.kv_first_row[0] = 0, a.kv_count[0] = 250, a.kv_position[0] = 0;
+    a.kv_first_row[1] = 250, a.kv_count[1] = 250, a.kv_position[1] = 750;
+    a.length_q = a.length_kv = 1000;
+    SequenceDesc b{};
+    b.q_first_row[0] = 503, b.q_count[0] = 250, b.q_position[0] = 500;
+    b.kv_first_row[0] = 503, b.kv_count[0] = 600, b.kv_position[0] = 0;
+    b.kv_first_row[1] = 1110, b.kv_count[1] = 400, b.kv_position[1] = 600;
+    b.length_q = b.length_kv = 1000;
+    c.seqs = {a, b};
+    c.q_rows = 753 + 4;
+    c.kv_rows = 1510;
+    cases.push_back(c);
+  }
+  {
+    std::vector<std::pair<int, int>> l64;
+    for (int l : {1, 17, 100, 128, 129, 2048, 0, 1000}) l64.push_back({l, l});
+    Case c = make_case("d64-causal-mixed", l64, 5, true);
+    c.d = 64;
+    cases.push_back(c);
+  }
+  {
+    Case c = make_case("fp16-full", {{1, 1}, {129, 129}, {1000, 1000}, {2048, 2048}}, 3, false);
+    c.fp16 = true;
+    cases.push_back(c);
+  }
+  for (size_t i = 0; i < cases.size(); ++i) cases[i].seed = 1000 + i;
+  return cases;
+}
+
+// Row tiles of `rows` rows over the Q segments, then pad tiles over the rows no segment covers.
+std::vector<RowTile> q_tiles(const Case& c, int rows) {
+  std::vector<RowTile> tiles;
+  std::vector<uint8_t> covered(c.q_rows, 0);
+  for (size_t s = 0; s < c.seqs.size(); ++s)
+    for (int g = 0; g < 2; ++g) {
+      const SequenceDesc& q = c.seqs[s];
+      for (int r0 = 0; r0 < q.q_count[g]; r0 += rows) {
+        tiles.push_back({q.q_first_row[g] + r0, std::min(rows, q.q_count[g] - r0), q.q_position[g] + r0,
+                         static_cast<int32_t>(s), g});
+      }
+      for (int r = 0; r < q.q_count[g]; ++r) covered[q.q_first_row[g] + r] = 1;
+    }
+  for (int64_t r = 0; r < c.q_rows;) {
+    if (covered[r]) {
+      ++r;
+      continue;
+    }
+    int64_t e = r;
+    while (e < c.q_rows && !covered[e] && e - r < rows) ++e;
+    tiles.push_back({r, static_cast<int32_t>(e - r), 0, -1, 0});
+    r = e;
+  }
+  return tiles;
+}
+
+bool visible(const Case& c, int64_t delta, int64_t qp, int64_t kp) {
+  return (c.wl < 0 || kp >= qp + delta - c.wl) && (c.wr < 0 || kp <= qp + delta + c.wr);
+}
+
+template <class F>
+void parallel_for(int64_t n, F f) {
+  const int threads = std::max(1u, std::min(64u, std::thread::hardware_concurrency()));
+  std::atomic<int64_t> next{0};
+  std::vector<std::thread> pool;
+  for (int t = 0; t < threads; ++t)
+    pool.emplace_back([&] {
+      for (int64_t i; (i = next.fetch_add(1)) < n;) f(i);
+    });
+  for (auto& t : pool) t.join();
+}
+
+struct HostData {
+  std::vector<uint16_t> q, k, v;  // dtype bits, NaN in pad rows
+  std::vector<double> o_ref;      // [q_rows][heads_q][d]
+  std::vector<double> lse_ref;    // [heads_q][q_rows]; -inf: no visible key
+  std::vector<uint8_t> valid;     // [q_rows]: inside a Q segment
+  double visible_pairs = 0;       // per head
+};
+
+HostData make_host_data(const Case& c) {
+  HostData h;
+  std::mt19937_64 rng(c.seed);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  // Every row starts as NaN: pad rows keep it, so a pad value that reaches an output shows.
+  h.q.assign(static_cast<size_t>(c.q_rows) * c.heads_q * c.d, nan_bits(c.fp16));
+  h.k.assign(static_cast<size_t>(c.kv_rows) * c.heads_kv * c.d, nan_bits(c.fp16));
+  h.v.assign(h.k.size(), nan_bits(c.fp16));
+  h.valid.assign(c.q_rows, 0);
+  std::vector<uint8_t> kv_valid(c.kv_rows, 0);
+  for (const SequenceDesc& s : c.seqs)
+    for (int g = 0; g < 2; ++g) {
+      for (int r = 0; r < s.q_count[g]; ++r) h.valid[s.q_first_row[g] + r] = 1;
+      for (int r = 0; r < s.kv_count[g]; ++r) kv_valid[s.kv_first_row[g] + r] = 1;
+    }
+  for (int64_t r = 0; r < c.q_rows; ++r)
+    if (h.valid[r])
+      for (int i = 0; i < c.heads_q * c.d; ++i) h.q[r * c.heads_q * c.d + i] = to_bits(nd(rng), c.fp16);
+  for (int64_t r = 0; r < c.kv_rows; ++r)
+    if (kv_valid[r])
+      for (int i = 0; i < c.heads_kv * c.d; ++i) {
+        h.k[r * c.heads_kv * c.d + i] = to_bits(nd(rng), c.fp16);
+        h.v[r * c.heads_kv * c.d + i] = to_bits(nd(rng), c.fp16);
+      }
+  // Reference in float64 on the dtype values.
+  std::vector<float> qf(h.q.size()), kf(h.k.size()), vf(h.v.size());
+  for (size_t i = 0; i < h.q.size(); ++i) qf[i] = from_bits(h.q[i], c.fp16);
+  for (size_t i = 0; i < h.k.size(); ++i) kf[i] = from_bits(h.k[i], c.fp16);
+  for (size_t i = 0; i < h.v.size(); ++i) vf[i] = from_bits(h.v[i], c.fp16);
+  h.o_ref.assign(static_cast<size_t>(c.q_rows) * c.heads_q * c.d, 0.0);
+  h.lse_ref.assign(static_cast<size_t>(c.heads_q) * c.q_rows, -INFINITY);
+  struct Item {
+    int s, g, i;
+  };
+  std::vector<Item> items;
+  for (size_t s = 0; s < c.seqs.size(); ++s)
+    for (int g = 0; g < 2; ++g)
+      for (int i = 0; i < c.seqs[s].q_count[g]; ++i) items.push_back({static_cast<int>(s), g, i});
+  const double scale = 1.0 / std::sqrt(static_cast<double>(c.d));
+  const int group = c.heads_q / c.heads_kv;
+  std::vector<double> pairs(items.size(), 0.0);
+  parallel_for(static_cast<int64_t>(items.size()), [&](int64_t idx) {
+    const Item it = items[idx];
+    const SequenceDesc& s = c.seqs[it.s];
+    const int64_t delta = static_cast<int64_t>(s.length_kv) - s.length_q;
+    const int64_t row = s.q_first_row[it.g] + it.i;
+    const int64_t qp = s.q_position[it.g] + it.i;
+    std::vector<double> sc;
+    std::vector<int64_t> kr;
+    for (int h_ = 0; h_ < c.heads_q; ++h_) {
+      const int kvh = h_ / group;
+      sc.clear();
+      kr.clear();
+      const float* qv = &qf[(row * c.heads_q + h_) * c.d];
+      for (int g = 0; g < 2; ++g)
+        for (int j = 0; j < s.kv_count[g]; ++j) {
+          if (!visible(c, delta, qp, static_cast<int64_t>(s.kv_position[g]) + j)) continue;
+          const int64_t r = s.kv_first_row[g] + j;
+          const float* kv = &kf[(r * c.heads_kv + kvh) * c.d];
+          double dot = 0;
+          for (int x = 0; x < c.d; ++x) dot += static_cast<double>(qv[x]) * kv[x];
+          sc.push_back(dot * scale);
+          kr.push_back(r);
+        }
+      if (h_ == 0) pairs[idx] = static_cast<double>(sc.size());
+      double* o = &h.o_ref[(row * c.heads_q + h_) * c.d];
+      if (sc.empty()) continue;  // O = 0, LSE = -inf
+      const double m = *std::max_element(sc.begin(), sc.end());
+      double sum = 0;
+      for (double& x : sc) sum += (x = std::exp(x - m));
+      for (size_t j = 0; j < sc.size(); ++j) {
+        const float* vv = &vf[(kr[j] * c.heads_kv + kvh) * c.d];
+        const double w = sc[j] / sum;
+        for (int x = 0; x < c.d; ++x) o[x] += w * vv[x];
+      }
+      h.lse_ref[static_cast<int64_t>(h_) * c.q_rows + row] = m + std::log(sum);
+    }
+  });
+  for (double p : pairs) h.visible_pairs += p;
+  return h;
+}
+
+struct Variant {
+  std::string name;
+  int d;
+  bool fp16;
+  int block_m;
+  bool tma = false;
+  bool mma_sync = false;  // the existing forward kernel (gpu/attention_kernels.cuh)
+  std::function<std::string(const AttentionParams&, sm90::ForwardTensorMaps&)> prepare;
+  std::function<std::string(const AttentionParams&, const sm90::ForwardTensorMaps&, sm90::Watchdog)> launch;
+  std::vector<std::string> depends;  // unit tests the variant relies on
+};
+
+template <class Cfg>
+Variant wgmma_variant(const std::string& name) {
+  Variant v;
+  v.name = name;
+  v.d = Cfg::D;
+  v.fp16 = std::is_same_v<typename Cfg::T, __half>;
+  v.block_m = Cfg::kBlockM;
+  v.tma = Cfg::kLoader == sm90::Loader::tma;
+  v.prepare = [](const AttentionParams& p, sm90::ForwardTensorMaps& maps) -> std::string {
+    if constexpr (Cfg::kLoader == sm90::Loader::tma) return sm90::encode_forward_maps<Cfg>(p, maps);
+    return {};
+  };
+  v.launch = [](const AttentionParams& p, const sm90::ForwardTensorMaps& maps, sm90::Watchdog dog) {
+    return sm90::launch_forward_sm90<Cfg>(p, maps, dog, 0);
+  };
+  v.depends = {"wgmma-ss-m64n128-k128-rows64", "wgmma-rs-bmn-m64n128-k128", "chain-s-p-pv",
+               v.tma ? "ring-tma" : "ring-cp-async", v.tma ? "copy-tma" : "copy-cp-async"};
+  return v;
+}
+
+#ifdef HF_HAVE_MMA_SYNC_FORWARD
+template <class T, int D>
+Variant mma_sync_variant(const std::string& name) {
+  Variant v;
+  v.name = name;
+  v.d = D;
+  v.fp16 = std::is_same_v<T, __half>;
+  v.block_m = 64;
+  v.mma_sync = true;
+  v.prepare = [](const AttentionParams&, sm90::ForwardTensorMaps&) { return std::string(); };
+  v.launch = [](const AttentionParams& p, const sm90::ForwardTensorMaps&, sm90::Watchdog) -> std::string {
+    using Cfg = cpgold::gpu::detail::ForwardConfig<T, D, D, 4>;
+    auto kernel = cpgold::gpu::detail::attention_forward_kernel<T, D, D, 4>;
+    if (p.q_tile_count == 0) return {};
+    if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
+        e != cudaSuccess)
+      return std::string("cudaFuncSetAttribute: ") + cudaGetErrorString(e);
+    kernel<<<dim3(p.q_tile_count, p.heads_q), Cfg::kThreads, Cfg::kSmemBytes>>>(p);
+    if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return std::string("launch: ") + cudaGetErrorString(e);
+    return {};
+  };
+  return v;
+}
+#endif
+
+std::vector<Variant> all_variants() {
+  using sm90::ForwardSm90Config;
+  using sm90::Loader;
+  std::vector<Variant> v;
+  v.push_back(wgmma_variant<ForwardSm90Config<bf16, 128, 1, 64, Loader::cp_async>>("wgmma-cpasync-m64n64"));
+  v.push_back(wgmma_variant<ForwardSm90Config<bf16, 128, 2, 128, Loader::cp_async>>("wgmma-cpasync-m128n128"));
+  v.push_back(wgmma_variant<ForwardSm90Config<bf16, 128, 1, 64, Loader::tma>>("wgmma-tma-m64n64"));
+  v.push_back(wgmma_variant<ForwardSm90Config<bf16, 128, 2, 128, Loader::tma>>("wgmma-tma-m128n128"));
+  v.push_back(wgmma_variant<ForwardSm90Config<bf16, 64, 1, 64, Loader::cp_async>>("wgmma-cpasync-m64n64-d64"));
+  v.push_back(wgmma_variant<ForwardSm90Config<bf16, 64, 2, 128, Loader::tma>>("wgmma-tma-m128n128-d64"));
+  v.push_back(wgmma_variant<ForwardSm90Config<__half, 128, 2, 128, Loader::tma>>("wgmma-tma-m128n128-fp16"));
+#ifdef HF_HAVE_MMA_SYNC_FORWARD
+  v.push_back(mma_sync_variant<bf16, 128>("mma-sync-v1"));
+  v.push_back(mma_sync_variant<bf16, 64>("mma-sync-v1-d64"));
+  v.push_back(mma_sync_variant<__half, 128>("mma-sync-v1-fp16"));
+#endif
+  return v;
+}
+
+// Device copy of one case: inputs, tile lists, outputs.
+struct DeviceCase {
+  DeviceBuffer<uint16_t> q, k, v, o;
+  DeviceBuffer<float> lse;
+  DeviceBuffer<SequenceDesc> seqs;
+  DeviceBuffer<RowTile> tiles64, tiles128;
+  int tiles64_count = 0, tiles128_count = 0;
+  AttentionParams base{};
+  DeviceCase(const Case& c, const HostData* h)
+      : q(static_cast<size_t>(c.q_rows) * c.heads_q * c.d),
+        k(static_cast<size_t>(c.kv_rows) * c.heads_kv * c.d),
+        v(static_cast<size_t>(c.kv_rows) * c.heads_kv * c.d),
+        o(static_cast<size_t>(c.q_rows) * c.heads_q * c.d),
+        lse(static_cast<size_t>(c.heads_q) * c.q_rows),
+        seqs(c.seqs.size()) {
+    if (h != nullptr) {
+      q.upload(h->q);
+      k.upload(h->k);
+      v.upload(h->v);
+    }
+    seqs.upload(c.seqs);
+    const std::vector<RowTile> t64 = q_tiles(c, 64), t128 = q_tiles(c, 128);
+    tiles64_count = static_cast<int>(t64.size());
+    tiles128_count = static_cast<int>(t128.size());
+    tiles64.reset(t64.size());
+    tiles128.reset(t128.size());
+    tiles64.upload(t64);
+    tiles128.upload(t128);
+    base.q = q.ptr;
+    base.k = k.ptr;
+    base.v = v.ptr;
+    base.o = o.ptr;
+    base.lse = lse.ptr;
+    base.q_rows = c.q_rows;
+    base.kv_rows = c.kv_rows;
+    base.heads_q = c.heads_q;
+    base.heads_kv = c.heads_kv;
+    base.group = c.heads_q / c.heads_kv;
+    base.window_left = c.wl;
+    base.window_right = c.wr;
+    base.softmax_scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(c.d)));
+    base.scale_log2 = base.softmax_scale * 1.4426950408889634f;
+    base.sequences = seqs.ptr;
+  }
+  AttentionParams params(int block_m) const {
+    AttentionParams p = base;
+    p.q_tiles = block_m == 64 ? tiles64.ptr : tiles128.ptr;
+    p.q_tile_count = block_m == 64 ? tiles64_count : tiles128_count;
+    return p;
+  }
+  void poison() {
+    CK(cudaMemset(o.ptr, 0xff, o.count * 2));  // NaN in bf16 and fp16
+    CK(cudaMemset(lse.ptr, 0xff, lse.count * 4));
+  }
+};
+
+// Runs variant `v` on the device case once (output poisoned first); "" or the failure.
+std::string run_once(const Variant& v, DeviceCase& dc, DeviceWatchdog& dog) {
+  dc.poison();
+  const AttentionParams p = dc.params(v.block_m);
+  sm90::ForwardTensorMaps maps;
+  std::memset(&maps, 0, sizeof maps);
+  if (std::string e = v.prepare(p, maps); !e.empty()) return e;
+  if (std::string e = v.launch(p, maps, dog.arm()); !e.empty()) return e;
+  sync_or_die();
+  return dog.report();
+}
+
+struct Check {
+  bool pass = true;
+  std::string detail;
+  double rel = 0, max_abs = 0, lse_err = 0;
+};
+
+Check compare(const Case& c, const HostData& h, const std::vector<uint16_t>& o, const std::vector<float>& lse) {
+  Check r;
+  double e2 = 0, r2 = 0;
+  int64_t nonfinite = 0, pad_bad = 0, empty_bad = 0, lse_set_bad = 0, empty_rows = 0;
+  for (int64_t row = 0; row < c.q_rows; ++row)
+    for (int hq = 0; hq < c.heads_q; ++hq) {
+      const uint16_t* orow = &o[(row * c.heads_q + hq) * c.d];
+      const double* ref = &h.o_ref[(row * c.heads_q + hq) * c.d];
+      const float l = lse[static_cast<int64_t>(hq) * c.q_rows + row];
+      const double lref = h.lse_ref[static_cast<int64_t>(hq) * c.q_rows + row];
+      if (!h.valid[row]) {
+        for (int x = 0; x < c.d; ++x) pad_bad += orow[x] != 0;
+        pad_bad += !(std::isinf(l) && l < 0);
+        continue;
+      }
+      if (std::isinf(lref)) {
+        ++empty_rows;
+        for (int x = 0; x < c.d; ++x) empty_bad += from_bits(orow[x], c.fp16) != 0.f;
+        lse_set_bad += !(std::isinf(l) && l < 0);
+        continue;
+      }
+      if (!std::isfinite(l)) {
+        ++lse_set_bad;
+      } else {
+        r.lse_err = std::max(r.lse_err, std::fabs(l - lref));
+      }
+      for (int x = 0; x < c.d; ++x) {
+        const float got = from_bits(orow[x], c.fp16);
+        if (!std::isfinite(got)) {
+          ++nonfinite;
+          continue;
+        }
+        const double e = got - ref[x];
+        e2 += e * e;
+        r2 += ref[x] * ref[x];
+        r.max_abs = std::max(r.max_abs, std::fabs(e));
+      }
+    }
+  r.rel = std::sqrt(e2 / std::max(r2, 1e-300));
+  const double rel_tol = c.fp16 ? 3e-3 : 1e-2, abs_tol = c.fp16 ? 1e-2 : 4e-2, lse_tol = 2e-3;
+  r.pass = nonfinite == 0 && pad_bad == 0 && empty_bad == 0 && lse_set_bad == 0 && r.rel <= rel_tol &&
+           r.max_abs <= abs_tol && r.lse_err <= lse_tol;
+  r.detail = "rel " + fmt("%.2e", r.rel) + " (tol " + fmt("%.0e", rel_tol) + "), max abs " + fmt("%.2e", r.max_abs) +
+             ", lse err " + fmt("%.2e", r.lse_err) + ", non-finite " + std::to_string(nonfinite) +
+             ", pad values not 0/-inf " + std::to_string(pad_bad) + ", no-key rows " + std::to_string(empty_rows) +
+             " (O not 0: " + std::to_string(empty_bad) + ", LSE -inf set differs: " + std::to_string(lse_set_bad) +
+             ")";
+  return r;
+}
+
+void run_forward_tests(const std::vector<Variant>& variants) {
+  std::printf("\n==== forward ====\n");
+  DeviceWatchdog dog;
+  for (const Case& c : forward_cases()) {
+    g_current = "reference";
+    const auto t0 = std::chrono::steady_clock::now();
+    const HostData h = make_host_data(c);
+    std::printf("case %s: %lld q rows, %lld kv rows, %d/%d heads, d %d, %s, window (%d, %d); reference %.1f s\n",
+                c.name.c_str(), static_cast<long long>(c.q_rows), static_cast<long long>(c.kv_rows), c.heads_q,
+                c.heads_kv, c.d, c.fp16 ? "fp16" : "bf16", c.wl, c.wr,
+                std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    std::fflush(stdout);
+    DeviceCase dc(c, &h);
+    for (const Variant& v : variants) {
+      if (v.d != c.d || v.fp16 != c.fp16 || excluded(v.name)) continue;
+      g_current = v.name;
+      const std::string test = v.name + " / " + c.name;
+      std::printf("running %s\n", test.c_str());
+      std::fflush(stdout);
+      std::string deps;
+      for (const std::string& u : v.depends)
+        if (!passed("unit", u)) deps += (deps.empty() ? "" : ", ") + u;
+      const std::string note = deps.empty() ? "" : " [depends on failed unit tests: " + deps + "]";
+      if (std::string e = run_once(v, dc, dog); !e.empty()) {
+        record("forward", test, false, e + note);
+        continue;
+      }
+      const std::vector<uint16_t> o1 = dc.o.download();
+      const std::vector<float> l1 = dc.lse.download();
+      Check r = compare(c, h, o1, l1);
+      // Rerun on the same inputs: a different bit anywhere is a race.
+      if (std::string e = run_once(v, dc, dog); !e.empty()) {
+        record("forward", test, false, "rerun: " + e + note);
+        continue;
+      }
+      const std::vector<uint16_t> o2 = dc.o.download();
+      const std::vector<float> l2 = dc.lse.download();
+      const bool same = o1 == o2 && std::memcmp(l1.data(), l2.data(), l1.size() * 4) == 0;
+      record("forward", test, r.pass && same, r.detail + (same ? ", rerun identical" : ", RERUN DIFFERS") + note);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Timing.
+
+__global__ void fill_normal(uint16_t* x, int64_t n, uint64_t seed, bool fp16) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    uint64_t z = seed ^ (static_cast<uint64_t>(i) * 0x9E3779B97F4A7C15ull);
+    float s = 0.f;
+    for (int k = 0; k < 4; ++k) {  // sum of 4 uniforms, scaled to unit variance
+      z ^= z >> 33;
+      z *= 0xff51afd7ed558ccdull;
+      z ^= z >> 33;
+      z *= 0xc4ceb9fe1a85ec53ull;
+      z ^= z >> 33;
+      s += static_cast<float>(z >> 40) * (1.f / 16777216.f);
+    }
+    const float f = (s - 2.f) * 1.7320508f;
+    x[i] = fp16 ? __half_as_ushort(__float2half_rn(f)) : __bfloat16_as_ushort(__float2bfloat16_rn(f));
+  }
+}
+
+// Per block: sum of squared differences and of squared reference values, max |difference|, non-finite count.
+__global__ void diff_kernel(const uint16_t* a, const uint16_t* ref, int64_t n, double* out) {
+  __shared__ double s_e2[256], s_r2[256], s_max[256], s_bad[256];
+  double e2 = 0, r2 = 0, mx = 0, bad = 0;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const float x = __bfloat162float(__ushort_as_bfloat16(a[i])), y = __bfloat162float(__ushort_as_bfloat16(ref[i]));
+    if (!isfinite(x) || !isfinite(y)) {
+      bad += 1;
+      continue;
+    }
+    const double e = static_cast<double>(x) - y;
+    e2 += e * e;
+    r2 += static_cast<double>(y) * y;
+    mx = fmax(mx, fabs(e));
+  }
+  s_e2[threadIdx.x] = e2, s_r2[threadIdx.x] = r2, s_max[threadIdx.x] = mx, s_bad[threadIdx.x] = bad;
+  __syncthreads();
+  for (int off = 128; off > 0; off /= 2) {
+    if (threadIdx.x < off) {
+      s_e2[threadIdx.x] += s_e2[threadIdx.x + off];
+      s_r2[threadIdx.x] += s_r2[threadIdx.x + off];
+      s_max[threadIdx.x] = fmax(s_max[threadIdx.x], s_max[threadIdx.x + off]);
+      s_bad[threadIdx.x] += s_bad[threadIdx.x + off];
+    }
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) {
+    out[4 * blockIdx.x + 0] = s_e2[0];
+    out[4 * blockIdx.x + 1] = s_r2[0];
+    out[4 * blockIdx.x + 2] = s_max[0];
+    out[4 * blockIdx.x + 3] = s_bad[0];
+  }
+}
+
+struct Diff {
+  double rel = 0, max_abs = 0, nonfinite = 0;
+};
+Diff device_diff(const uint16_t* a, const uint16_t* ref, int64_t n) {
+  constexpr int kBlocks = 512;
+  DeviceBuffer<double> part(4 * kBlocks);
+  diff_kernel<<<kBlocks, 256>>>(a, ref, n, part.ptr);
+  CK(cudaGetLastError());
+  sync_or_die();
+  const std::vector<double> h = part.download();
+  double e2 = 0, r2 = 0;
+  Diff d;
+  for (int b = 0; b < kBlocks; ++b) {
+    e2 += h[4 * b], r2 += h[4 * b + 1];
+    d.max_abs = std::max(d.max_abs, h[4 * b + 2]);
+    d.nonfinite += h[4 * b + 3];
+  }
+  d.rel = std::sqrt(e2 / std::max(r2, 1e-300));
+  return d;
+}
+
+void run_timing(const std::vector<Variant>& variants, int reps) {
+  std::printf("\n==== timing ====\n");
+  static const int cycle[] = {512, 1536, 2560, 3584, 1024, 3072, 2048, 4096};
+  const int heads = 16, d = 128;
+  char line[512];
+  std::snprintf(line, sizeof line, "%-7s %-6s %-26s %9s %9s %8s  %s", "mask", "tokens", "kernel", "ms", "TFLOP/s",
+                "vs v1", "check against mma-sync-v1 (O rel / max abs)");
+  g_timing_rows.push_back(line);
+  for (int64_t total : {16384, 65536})
+    for (bool causal : {true, false}) {
+      Case c;
+      c.name = std::string(causal ? "causal" : "full") + "-" + std::to_string(total);
+      c.heads_q = c.heads_kv = heads;
+      c.d = d;
+      if (causal) c.wr = 0;
+      double pairs = 0;
+      for (int i = 0; c.q_rows < total; ++i) {
+        const int len = static_cast<int>(std::min<int64_t>(cycle[i % 8], total - c.q_rows));
+        c.seqs.push_back(one_segment(c.q_rows, len, c.q_rows, len));
+        c.q_rows += len;
+        pairs += causal ? 0.5 * len * (len + 1.0) : 1.0 * len * len;
+      }
+      c.kv_rows = c.q_rows;
+      const double flops = 4.0 * d * pairs * heads;
+      g_current = "timing-setup";
+      DeviceCase dc(c, nullptr);
+      fill_normal<<<1024, 256>>>(dc.q.ptr, static_cast<int64_t>(dc.q.count), 11 + total + causal, false);
+      fill_normal<<<1024, 256>>>(dc.k.ptr, static_cast<int64_t>(dc.k.count), 22 + total + causal, false);
+      fill_normal<<<1024, 256>>>(dc.v.ptr, static_cast<int64_t>(dc.v.count), 33 + total + causal, false);
+      CK(cudaGetLastError());
+      sync_or_die();
+      DeviceBuffer<uint16_t> o_v1(dc.o.count);
+      bool have_v1 = false;
+      double v1_ms = 0;
+      DeviceWatchdog dog;
+      // mma-sync-v1 first (the baseline and the check), then the wgmma variants.
+      std::vector<const Variant*> order;
+      for (const Variant& v : variants)
+        if (v.mma_sync && v.d == d && !v.fp16) order.push_back(&v);
+      for (const Variant& v : variants)
+        if (!v.mma_sync && v.d == d && !v.fp16) order.push_back(&v);
+      for (const Variant* vp : order) {
+        const Variant& v = *vp;
+        if (excluded(v.name)) continue;
+        g_current = v.name;
+        std::printf("running %s on %s\n", v.name.c_str(), c.name.c_str());
+        std::fflush(stdout);
+        if (std::string e = run_once(v, dc, dog); !e.empty()) {
+          record("timing", v.name + " / " + c.name, false, e);
+          continue;
+        }
+        std::string check = "-";
+        bool ok = true;
+        if (v.mma_sync) {
+          CK(cudaMemcpy(o_v1.ptr, dc.o.ptr, dc.o.count * 2, cudaMemcpyDeviceToDevice));
+          have_v1 = true;
+        } else if (have_v1) {
+          const Diff df = device_diff(dc.o.ptr, o_v1.ptr, static_cast<int64_t>(dc.o.count));
+          ok = df.nonfinite == 0 && df.rel <= 1.5e-2;
+          check = fmt("%.2e", df.rel) + " / " + fmt("%.2e", df.max_abs) +
+                  (df.nonfinite > 0 ? ", non-finite " + fmt("%.0f", df.nonfinite) : "");
+          record("timing", v.name + " / " + c.name + " agrees with mma-sync-v1", ok, "O rel " + check);
+        }
+        const AttentionParams p = dc.params(v.block_m);
+        sm90::ForwardTensorMaps maps;
+        std::memset(&maps, 0, sizeof maps);
+        if (std::string e = v.prepare(p, maps); !e.empty()) fatal(e, 4);
+        const sm90::Watchdog off{};  // no watchdog in the timed launches
+        for (int w = 0; w < 5; ++w)
+          if (std::string e = v.launch(p, maps, off); !e.empty()) fatal(e, 4);
+        sync_or_die();
+        std::vector<cudaEvent_t> ev(2 * reps);
+        for (auto& e : ev) CK(cudaEventCreate(&e));
+        for (int r = 0; r < reps; ++r) {
+          CK(cudaEventRecord(ev[2 * r], 0));
+          if (std::string e = v.launch(p, maps, off); !e.empty()) fatal(e, 4);
+          CK(cudaEventRecord(ev[2 * r + 1], 0));
+        }
+        sync_or_die();
+        std::vector<float> ms(reps);
+        for (int r = 0; r < reps; ++r) CK(cudaEventElapsedTime(&ms[r], ev[2 * r], ev[2 * r + 1]));
+        for (auto& e : ev) CK(cudaEventDestroy(e));
+        std::vector<float> sorted = ms;
+        std::sort(sorted.begin(), sorted.end());
+        const double med = sorted[reps / 2];
+        if (v.mma_sync) v1_ms = med;
+        const double tflops = flops / (med * 1e-3) / 1e12;
+        std::snprintf(line, sizeof line, "%-7s %-6lld %-26s %9.3f %9.1f %8s  %s (min %.3f, max %.3f ms)",
+                      causal ? "causal" : "full", static_cast<long long>(total), v.name.c_str(), med, tflops,
+                      v1_ms > 0 ? fmt("%.2fx", v1_ms / med).c_str() : "-", check.c_str(), sorted.front(),
+                      sorted.back());
+        g_timing_rows.push_back(line);
+        std::printf("TIMING|%s\n", line);
+        std::fflush(stdout);
+      }
+    }
+}
+
+}  // namespace hf
+
+int main(int argc, char** argv) {
+  using namespace hf;
+  int reps = 30;
+  bool timing = true;
+  uint64_t seed = 20261201;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--reps" && i + 1 < argc) {
+      reps = std::atoi(argv[++i]);
+    } else if (a == "--skip-timing") {
+      timing = false;
+    } else if (a == "--seed" && i + 1 < argc) {
+      seed = std::strtoull(argv[++i], nullptr, 10);
+    } else if (a == "--exclude" && i + 1 < argc) {
+      std::string list = argv[++i];
+      for (size_t p = 0; p <= list.size();) {
+        const size_t q = list.find(',', p);
+        const std::string name = list.substr(p, q == std::string::npos ? std::string::npos : q - p);
+        if (!name.empty()) g_exclude.push_back(name);
+        if (q == std::string::npos) break;
+        p = q + 1;
+      }
+    } else {
+      std::fprintf(stderr, "hopper_forward: unknown argument '%s' (options: --reps N, --skip-timing, --seed S, "
+                           "--exclude a,b)\n", a.c_str());
+      return 2;
+    }
+  }
+  if (reps < 20) {
+    std::fprintf(stderr, "hopper_forward: --reps %d: at least 20\n", reps);
+    return 2;
+  }
+  int dev = 0;
+  CK(cudaGetDevice(&dev));
+  cudaDeviceProp prop{};
+  CK(cudaGetDeviceProperties(&prop, dev));
+  int driver = 0, runtime = 0;
+  CK(cudaDriverGetVersion(&driver));
+  CK(cudaRuntimeGetVersion(&runtime));
+  std::printf("device %s (sm_%d%d, %d SMs, %.0f KB shared memory per block opt-in, L2 %d MB), driver %d, runtime %d\n",
+              prop.name, prop.major, prop.minor, prop.multiProcessorCount, prop.sharedMemPerBlockOptin / 1024.0,
+              prop.l2CacheSize >> 20, driver, runtime);
+  if (prop.major != 9 || prop.minor != 0) {
+    std::printf("this program needs a compute capability 9.0 GPU (sm_90a code)\n");
+    return 2;
+  }
+  if (!g_exclude.empty()) {
+    std::printf("excluded:");
+    for (const auto& e : g_exclude) std::printf(" %s", e.c_str());
+    std::printf("\n");
+  }
+  std::mt19937_64 rng(seed);
+  run_unit_tests(rng);
+  const std::vector<Variant> variants = all_variants();
+  run_forward_tests(variants);
+  if (timing) run_timing(variants, reps);
+  print_summary();
+  for (const Result& r : g_results)
+    if (!r.pass) return 1;
+  return 0;
+}
