@@ -1007,6 +1007,8 @@ std::vector<Variant> all_variants() {
   v.push_back(wgmma_variant<ForwardSm90Config<bf16, 128, 2, 128, Loader::cp_async>>("wgmma-cpasync-m128n128"));
   v.push_back(wgmma_variant<ForwardSm90Config<bf16, 128, 1, 64, Loader::tma>>("wgmma-tma-m64n64"));
   v.push_back(wgmma_variant<ForwardSm90Config<bf16, 128, 2, 128, Loader::tma>>("wgmma-tma-m128n128"));
+  v.push_back(wgmma_variant<ForwardSm90Config<bf16, 128, 2, 128, Loader::cp_async, true>>("wgmma-cpasync-m128n128-pp"));
+  v.push_back(wgmma_variant<ForwardSm90Config<bf16, 128, 2, 128, Loader::tma, true>>("wgmma-tma-m128n128-pp"));
   v.push_back(wgmma_variant<ForwardSm90Config<bf16, 64, 1, 64, Loader::cp_async>>("wgmma-cpasync-m64n64-d64"));
   v.push_back(wgmma_variant<ForwardSm90Config<bf16, 64, 2, 128, Loader::tma>>("wgmma-tma-m128n128-d64"));
   v.push_back(wgmma_variant<ForwardSm90Config<__half, 128, 2, 128, Loader::tma>>("wgmma-tma-m128n128-fp16"));

@@ -41,7 +41,7 @@ inline constexpr float kLog2e = 1.4426950408889634f;
 
 enum class Loader : int { cp_async = 0, tma = 1 };
 
-template <class T_, int D_, int CONSUMERS, int BLOCK_N, Loader LOADER>
+template <class T_, int D_, int CONSUMERS, int BLOCK_N, Loader LOADER, bool PINGPONG = false>
 struct ForwardSm90Config {
   using T = T_;
   static constexpr int D = D_;  // head dim of Q, K and V (d_qk == d_v)
@@ -49,6 +49,10 @@ struct ForwardSm90Config {
   static constexpr int kBlockM = 64 * CONSUMERS;
   static constexpr int kBlockN = BLOCK_N;
   static constexpr Loader kLoader = LOADER;
+  // Two consumer warpgroups take turns to issue their wgmma (named barriers 4 and 5): one's softmax runs while the
+  // other's products occupy the tensor cores.
+  static constexpr bool kPingPong = PINGPONG;
+  static_assert(!PINGPONG || CONSUMERS == 2, "ping-pong scheduling needs two consumer warpgroups");
   static constexpr int kStages = 2;
   static constexpr int kThreads = 128 * (CONSUMERS + 1);
   static constexpr int kConsumerThreads = 128 * CONSUMERS;
@@ -275,6 +279,14 @@ __device__ __forceinline__ void consume(const AttentionParams& p, const Watchdog
     mbar_wait(bars.q_full, 0, dog, kWaitQ, -1);
     if constexpr (Cfg::kLoader == Loader::cp_async) fence_proxy_async();
   }
+  // Ping-pong: warpgroup w waits on barrier 4 + w for the other's signal. Order of wgmma issue: S_0 of warpgroup 0,
+  // S_0 of 1, P V_0 + S_1 of 0, P V_0 + S_1 of 1, ... Every sync (128 threads) meets one arrive (128 threads) of the
+  // other warpgroup: warpgroup 0 syncs before each P V (N) against 1's arrives after each S (N); warpgroup 1 syncs
+  // at the start and before each P V (N + 1) against 0's arrives after each S and once at the end (N + 1).
+  constexpr int kSchedBarrier = 4;
+  if constexpr (Cfg::kPingPong) {
+    if (cw == 1) named_barrier_sync(kSchedBarrier + 1, 256);
+  }
 #pragma unroll 1
   for (int it = 0; it < kb.total; ++it) {
     const int stage = bars.ring.stage(it);
@@ -300,6 +312,7 @@ __device__ __forceinline__ void consume(const AttentionParams& p, const Watchdog
       Wgmma<BN, T, 0>::ss(s, a, b, kk > 0 ? 1 : 0);
     }
     wgmma_commit();
+    if constexpr (Cfg::kPingPong) named_barrier_arrive(kSchedBarrier + 1 - cw, 256);
     wgmma_wait<0>();
     fence_registers(s);
 
@@ -355,6 +368,7 @@ __device__ __forceinline__ void consume(const AttentionParams& p, const Watchdog
       fence_proxy_async();
       named_barrier_sync(1, Cfg::kConsumerThreads);
     }
+    if constexpr (Cfg::kPingPong) named_barrier_sync(kSchedBarrier + cw, 256);
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk) {
@@ -365,6 +379,9 @@ __device__ __forceinline__ void consume(const AttentionParams& p, const Watchdog
     fence_registers(o);
     fence_registers(pa);
     bars.ring.release(it);
+  }
+  if constexpr (Cfg::kPingPong) {
+    if (cw == 0) named_barrier_arrive(kSchedBarrier + 1, 256);
   }
 
   // Finalize: O = acc / sum (0 for a row with no visible key), LSE = max * scale + ln(sum) (or -inf).
