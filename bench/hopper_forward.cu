@@ -15,7 +15,8 @@
 //            CUDA events, 5 warm-ups, median of --reps (default 30); TFLOP/s count 4 d per visible (q, k) pair.
 //
 // Options: --reps N, --skip-timing, --exclude a,b (skip unit tests or variants by name: the script reruns with the
-// name of one that faulted the context, printed as "FAULTED <name>"), --seed S.
+// name of one that faulted the context, printed as "FAULTED <name>"), --seed S, --host-check (checks of the harness
+// that need no GPU: tile lists, and compare() on the rounded reference and on planted faults).
 // Exit status: 0 all passed, 1 a check failed, 4 a CUDA call failed (context lost), 5 a kernel hung.
 #include <cuda.h>
 #include <cuda_bf16.h>
@@ -1187,6 +1188,81 @@ void run_forward_tests(const std::vector<Variant>& variants) {
   }
 }
 
+// Checks of the harness itself that need no GPU (--host-check): the tile lists cover every Q row once and stay
+// inside their segments, and compare() passes the reference rounded to the dtype and fails planted faults.
+int host_check() {
+  int failures = 0;
+  auto expect = [&](bool ok, const std::string& what) {
+    std::printf("%s %s\n", ok ? "ok  " : "FAIL", what.c_str());
+    failures += ok ? 0 : 1;
+  };
+  for (const Case& c : forward_cases()) {
+    const HostData h = make_host_data(c);
+    for (int rows : {64, 128}) {
+      std::vector<int> cover(c.q_rows, 0);
+      bool inside = true;
+      for (const RowTile& t : q_tiles(c, rows)) {
+        inside = inside && t.rows >= 1 && t.rows <= rows;
+        for (int r = 0; r < t.rows; ++r) {
+          cover[t.first_row + r]++;
+          if (t.sequence >= 0) {
+            const SequenceDesc& s = c.seqs[t.sequence];
+            const int64_t i = t.first_row + r - s.q_first_row[t.segment];
+            inside = inside && i >= 0 && i < s.q_count[t.segment] && t.position + r == s.q_position[t.segment] + i;
+          } else {
+            inside = inside && !h.valid[t.first_row + r];
+          }
+        }
+      }
+      expect(inside && std::all_of(cover.begin(), cover.end(), [](int n) { return n == 1; }),
+             c.name + ": tiles of " + std::to_string(rows) + " rows cover every row once, inside their segments");
+    }
+    std::vector<uint16_t> o(h.o_ref.size());
+    std::vector<float> lse(h.lse_ref.size());
+    int64_t no_key = -1, valid_elem = -1, pad_row = -1;
+    for (int64_t row = 0; row < c.q_rows; ++row)
+      for (int hq = 0; hq < c.heads_q; ++hq) {
+        const int64_t li = static_cast<int64_t>(hq) * c.q_rows + row;
+        lse[li] = h.valid[row] ? static_cast<float>(h.lse_ref[li]) : -INFINITY;
+        for (int x = 0; x < c.d; ++x) {
+          const int64_t oi = (row * c.heads_q + hq) * c.d + x;
+          o[oi] = h.valid[row] ? to_bits(static_cast<float>(h.o_ref[oi]), c.fp16) : 0;
+        }
+        if (h.valid[row] && std::isinf(h.lse_ref[li])) no_key = li;
+        if (h.valid[row] && !std::isinf(h.lse_ref[li])) valid_elem = (row * c.heads_q + hq) * c.d;
+        if (!h.valid[row]) pad_row = (row * c.heads_q + hq) * c.d;
+      }
+    const Check good = compare(c, h, o, lse);
+    expect(good.pass, c.name + ": the reference rounded to the dtype passes (" + good.detail + ")");
+    if (valid_elem >= 0) {
+      std::vector<uint16_t> bad = o;
+      bad[valid_elem] = to_bits(from_bits(bad[valid_elem], c.fp16) + 0.5f, c.fp16);
+      expect(!compare(c, h, bad, lse).pass, c.name + ": an error of 0.5 in one element fails");
+      bad = o;
+      bad[valid_elem] = nan_bits(c.fp16);
+      expect(!compare(c, h, bad, lse).pass, c.name + ": one NaN fails");
+    }
+    if (pad_row >= 0) {
+      std::vector<uint16_t> bad = o;
+      bad[pad_row] = to_bits(-0.0f, c.fp16);
+      expect(!compare(c, h, bad, lse).pass, c.name + ": a pad element -0 (not exactly 0 bits) fails");
+    }
+    if (no_key >= 0) {
+      std::vector<float> bad = lse;
+      bad[no_key] = 0.f;
+      expect(!compare(c, h, o, bad).pass, c.name + ": a finite LSE on a row with no visible key fails");
+    }
+    int64_t empty = 0;
+    for (int hq = 0; hq < c.heads_q; ++hq)
+      for (int64_t row = 0; row < c.q_rows; ++row)
+        empty += h.valid[row] && std::isinf(h.lse_ref[static_cast<int64_t>(hq) * c.q_rows + row]);
+    std::printf("  %s: %.3g visible pairs per head, %lld (row, head) with no visible key\n", c.name.c_str(),
+                h.visible_pairs, static_cast<long long>(empty));
+  }
+  std::printf("host check: %d failures\n", failures);
+  return failures == 0 ? 0 : 1;
+}
+
 // ---------------------------------------------------------------------------------------------------------------
 // Timing.
 
@@ -1373,6 +1449,8 @@ int main(int argc, char** argv) {
     const std::string a = argv[i];
     if (a == "--reps" && i + 1 < argc) {
       reps = std::atoi(argv[++i]);
+    } else if (a == "--host-check") {
+      return host_check();
     } else if (a == "--skip-timing") {
       timing = false;
     } else if (a == "--seed" && i + 1 < argc) {

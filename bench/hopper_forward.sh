@@ -8,7 +8,7 @@
 # Writes under $OUT (default build/hopper_forward): the binary, ptxas.txt (resource report), resources.txt,
 # sass.txt and sass_summary.txt (when cuobjdump is found), run<N>.log. If the program reports that a kernel
 # faulted the CUDA context or hung ("FAULTED <name>"), it is run again without that unit test or variant, so that
-# the others still report; at most 4 reruns, within a time budget of HOPPER_FORWARD_BUDGET seconds (default 540).
+# the others still report; at most 7 reruns, within a time budget of HOPPER_FORWARD_BUDGET seconds (default 540).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/build/hopper_forward}
@@ -48,7 +48,7 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw,temperature.gpu -
 
 excludes=""
 rc=0
-for attempt in 1 2 3 4 5; do
+for attempt in 1 2 3 4 5 6 7 8; do
   left=$((budget - SECONDS))
   if [ "$left" -lt 30 ]; then
     echo "hopper_forward.sh: time budget spent before attempt $attempt"
