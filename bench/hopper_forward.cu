@@ -305,6 +305,8 @@ __global__ void __launch_bounds__(128)
   float acc[N / 2];
 #pragma unroll
   for (int i = 0; i < N / 2; ++i) acc[i] = 0.f;
+  sm90::fence_registers(acc);
+  if constexpr (A_REGS) sm90::fence_registers(af);
   sm90::wgmma_fence();
 #pragma unroll
   for (int k = 0; k < KSTEPS; ++k) {
@@ -345,6 +347,7 @@ __global__ void __launch_bounds__(128)
   float s[BN / 2];
 #pragma unroll
   for (int i = 0; i < BN / 2; ++i) s[i] = 0.f;
+  sm90::fence_registers(s);
   sm90::wgmma_fence();
 #pragma unroll
   for (int kk = 0; kk < D / 16; ++kk)
@@ -358,6 +361,8 @@ __global__ void __launch_bounds__(128)
   float o[D / 2];
 #pragma unroll
   for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+  sm90::fence_registers(o);
+  sm90::fence_registers(pa);
   sm90::wgmma_fence();
 #pragma unroll
   for (int kk = 0; kk < BN / 16; ++kk) sm90::Wgmma<D, bf16, 1>::rs(o, pa[kk], sm90::desc_mn_major(v_tile, BN, 16 * kk), 1);

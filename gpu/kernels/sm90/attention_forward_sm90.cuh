@@ -304,6 +304,7 @@ __device__ __forceinline__ void consume(const AttentionParams& p, const Watchdog
     float s[BN / 2];
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) s[i] = 0.f;
+    fence_registers(s);  // register writes stay before wgmma.fence
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
@@ -369,6 +370,8 @@ __device__ __forceinline__ void consume(const AttentionParams& p, const Watchdog
       named_barrier_sync(1, Cfg::kConsumerThreads);
     }
     if constexpr (Cfg::kPingPong) named_barrier_sync(kSchedBarrier + cw, 256);
+    fence_registers(o);  // the rescaled accumulators and P stay before wgmma.fence
+    fence_registers(pa);
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk) {
