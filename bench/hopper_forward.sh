@@ -35,8 +35,12 @@ awk '/Compiling entry function/ {name=$0; sub(/.*function .?/, "", name); sub(/.
 echo "== resources of the sm90 kernels (registers | stack/spills | kernel)"
 grep "sm90_kernel" "$OUT/resources.txt" | sed -e 's/cpgold::gpu:://g' -e 's/__nv_bfloat16/bf16/g' |
   cut -c1-200 || true
-if command -v cuobjdump > /dev/null; then
-  cuobjdump -sass "$bin" > "$OUT/sass.txt" 2>&1
+CUOBJDUMP=$(command -v cuobjdump || true)
+if [ -z "$CUOBJDUMP" ] && [ -x "$(dirname "$(command -v "$NVCC")")/cuobjdump" ]; then
+  CUOBJDUMP="$(dirname "$(command -v "$NVCC")")/cuobjdump"
+fi
+if [ -n "$CUOBJDUMP" ]; then
+  "$CUOBJDUMP" -sass "$bin" > "$OUT/sass.txt" 2>&1
   awk '/Function :/ {if (name != "") print hg " HGMMA, " ls " LDL/STL | " name; name=$3; hg=0; ls=0}
        /HGMMA/ {hg++} /[^A-Z](LDL|STL)[. ]/ {ls++}
        END {if (name != "") print hg " HGMMA, " ls " LDL/STL | " name}' "$OUT/sass.txt" |
