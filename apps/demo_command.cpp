@@ -27,7 +27,7 @@
 #include "sim/executor.hpp"
 
 #if CPGOLD_HAVE_CUDA
-#include "gpu/fixture_verify.hpp"
+#include "gpu/verify/fixture_verify.hpp"
 #endif
 
 namespace cpgold::app {

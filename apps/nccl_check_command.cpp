@@ -1,6 +1,6 @@
 // `cpgold nccl-check [--a2a-size A] [launch options] [--inject-failure RANK:KIND] [--inject-mismatch RANK]`:
 // pushes coded-value tensors through every NCCL exchange of the CP comm types on W GPUs and checks each element
-// against the expected global row (gpu/nccl_exchange_check.hpp). Rank 0 prints one table and one verdict line.
+// against the expected global row (gpu/verify/nccl_exchange_check.hpp). Rank 0 prints one table and one verdict line.
 // The --inject options are a self-test of the fault path: a rank that throws, hits a CUDA error or reports bad
 // input, or that was given another case; every rank must then exit non-zero naming the cause within --timeout.
 // Exit codes: 0 every element arrived where it belongs; 1 a wrong element; 2 bad input (a case mismatch too);
@@ -14,9 +14,9 @@
 #include "reference/input_error.hpp"
 
 #if CPGOLD_HAVE_NCCL
-#include "gpu/nccl_communicator.hpp"
-#include "gpu/nccl_exchange_check.hpp"
-#include "gpu/nccl_ranks.hpp"
+#include "gpu/comm/nccl_communicator.hpp"
+#include "gpu/verify/nccl_exchange_check.hpp"
+#include "gpu/comm/nccl_ranks.hpp"
 #endif
 
 namespace cpgold::app {

@@ -1,6 +1,6 @@
 #pragma once
 // The command-line options that start the ranks of a multi-GPU (NCCL) run, shared by `verify --backend nccl` and
-// `nccl-check` (gpu/nccl_ranks.hpp says what each launch mode does).
+// `nccl-check` (gpu/comm/nccl_ranks.hpp says what each launch mode does).
 #include <CLI/CLI.hpp>
 #include <memory>
 #include <string>

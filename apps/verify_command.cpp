@@ -1,13 +1,13 @@
-// `cpgold verify FIXTURE... [--dump FILE] [--deterministic]`: runs the GPU non-CP path (gpu/attention.hpp) on each
-// fixture's inputs and checks O, LSE, dQ, dK, dV with the engine of `cpgold check`, printing the same table.
+// `cpgold verify FIXTURE... [--dump FILE] [--deterministic]`: runs the GPU non-CP path (gpu/kernels/attention.hpp) on
+// each fixture's inputs and checks O, LSE, dQ, dK, dV with the engine of `cpgold check`, printing the same table.
 // A fixture outside the GPU capability table is reported UNSUPPORTED with the reason, never passed.
 // Exit codes: 0 every fixture passed; 1 a fixture failed or was unsupported; 2 unusable input or no GPU.
 // `--dump FILE` (one fixture) writes the GPU outputs as a candidate file that `cpgold check` accepts.
-// `--backend local`: runs each fixture's CP comm type with W virtual ranks on one GPU (gpu/cp_executor.hpp) and
+// `--backend local`: runs each fixture's CP comm type with W virtual ranks on one GPU (gpu/cp/cp_executor.hpp) and
 // checks every rank's outputs, the gathered outputs and, for traced fixtures, every step's partials.
 // `--inject rank,step` (with --backend local): self-test of the checker; corrupts that step's forward partial.
-// `--backend nccl`: one GPU per rank (gpu/nccl_verify.hpp), ranks started as threads, by mpirun or through a shared
-// folder (apps/rank_launch_options.hpp); every rank checks its own outputs, rank 0 prints one table per fixture.
+// `--backend nccl`: one GPU per rank (gpu/verify/nccl_verify.hpp), ranks started as threads, by mpirun or through a
+// shared folder (apps/rank_launch_options.hpp); every rank checks its own outputs, rank 0 prints one table per fixture.
 // `--inject-failure RANK:KIND` / `--inject-mismatch RANK` (with --backend nccl): self-tests of the fault contract.
 #include <cerrno>
 #include <cstdio>
@@ -31,12 +31,12 @@
 
 #if CPGOLD_HAVE_CUDA
 #include "fixtures/check.hpp"
-#include "gpu/attention.hpp"
-#include "gpu/fixture_verify.hpp"
+#include "gpu/kernels/attention.hpp"
+#include "gpu/verify/fixture_verify.hpp"
 #endif
 #if CPGOLD_HAVE_NCCL
-#include "gpu/cp_executor.hpp"
-#include "gpu/nccl_verify.hpp"
+#include "gpu/cp/cp_executor.hpp"
+#include "gpu/verify/nccl_verify.hpp"
 #endif
 
 namespace cpgold::app {

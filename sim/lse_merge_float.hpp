@@ -2,7 +2,7 @@
 // The LSE merge of the second-half correction, logaddexp(a, b) = max + log1p(exp(min - max)), in float32 and built
 // only from operations that IEEE 754 rounds correctly (fma, +, -, *, /, round-to-integer, scaling by a power of two):
 // every platform that rounds to nearest and keeps subnormals gets the same bits. The CPU twin (sim/lse_halves) and
-// the device kernel (gpu/thd_cp_helpers.cu) instantiate this one template with their own operation sets, so the
+// the device kernel (gpu/kernels/thd_cp_helpers.cu) instantiate this one template with their own operation sets, so the
 // kernel is bit-exact against the twin without the libm of either side (host and CUDA expf / log1pf differ in the
 // last bit). Accuracy: within 4 ulp of the double-precision formula (tests/sim/test_cp_helper_twins.cpp).
 #include <limits>

@@ -1,8 +1,8 @@
 #pragma once
 // Host-side matching of grouped sends and receives between the W rank threads of one process: the CPU simulator's
-// exchanges and the single-GPU communicator (gpu/local_communicator.*) both run on it. The k-th send of rank a to rank
-// b pairs with the k-th receive of b from a (per ordered pair, over the whole run). A sender posts its messages and
-// waits until each has been consumed; a receiver waits for the matching post and copies it with the caller's copy
+// exchanges and the single-GPU communicator (gpu/comm/local_communicator.*) both run on it. The k-th send of rank a to
+// rank b pairs with the k-th receive of b from a (per ordered pair, over the whole run). A sender posts its messages
+// and waits until each has been consumed; a receiver waits for the matching post and copies it with the caller's copy
 // function. Every wait is bounded by the timeout; faults name the rank, the operation and the peer. Knows no CUDA:
 // a backend's copy function may enqueue device copies and pass events through the Token.
 #include <chrono>

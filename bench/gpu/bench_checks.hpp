@@ -7,7 +7,7 @@
 #include <cstdlib>
 #include <string>
 
-#include "gpu/attention.hpp"
+#include "gpu/kernels/attention.hpp"
 
 namespace cpgold::bench {
 

@@ -1,4 +1,4 @@
-// Local CP (W virtual ranks on one GPU, gpu/cp_executor.hpp) against the non-CP GPU path on the same tokens:
+// Local CP (W virtual ranks on one GPU, gpu/cp/cp_executor.hpp) against the non-CP GPU path on the same tokens:
 // forward + backward wall time of one whole run (shard exchanges, per-step attention calls on the Plan's segments,
 // merges, dKV ring, reverse exchanges, all ranks' host threads) over the non-CP forward + backward. The ratio is the
 // overhead of splitting, merging and copying (target <= 1.25x); both sides run the same attention kernels.
@@ -31,8 +31,8 @@
 
 #include "bench/gpu/bench_checks.hpp"
 #include "bench/gpu/varlen_lengths.hpp"
-#include "gpu/attention.hpp"
-#include "gpu/cp_executor.hpp"
+#include "gpu/kernels/attention.hpp"
+#include "gpu/cp/cp_executor.hpp"
 #include "reference/attention_call.hpp"
 #include "sim/case_inputs.hpp"
 #include "sim/case_spec.hpp"

@@ -6,7 +6,7 @@
 # exports NCCL_NVLS_ENABLE=0 and sets B, C, OUT, MPIRUN and run()).
 run test_nccl 150 $B/bin/test_nccl
 grep -E "SKIPPED|test cases|assertions|ERROR|overlap" $OUT/test_nccl.log | sort | uniq -c | head -12
-# The single-GPU transport behind the same backend (W ranks on GPU 0): gpu/local_communicator's tests.
+# The single-GPU transport behind the same backend (W ranks on GPU 0): gpu/comm/local_communicator's tests.
 run test_cp_local 150 $B/bin/test_gpu -tc="local*"
 grep -E "SKIPPED|test cases|assertions|ERROR" $OUT/test_cp_local.log | sort | uniq -c | head -6
 for s in quick edge te; do $C gen --suite $s -o /tmp/fx/$s > $OUT/gen_$s.log 2>&1 || tail -3 $OUT/gen_$s.log; done

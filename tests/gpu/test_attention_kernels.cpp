@@ -15,8 +15,8 @@
 #include <vector>
 
 #include "fixtures/tolerance.hpp"
-#include "gpu/attention.hpp"
-#include "gpu/host_attention.hpp"
+#include "gpu/kernels/attention.hpp"
+#include "gpu/kernels/host_attention.hpp"
 #include "reference/attention.hpp"
 #include "reference/attention_call.hpp"
 #include "reference/thd_layout.hpp"

@@ -1,4 +1,4 @@
-// The GPU CP executors with W virtual ranks on one device (gpu/cp_executor.hpp) through `verify --backend local`'s
+// The GPU CP executors with W virtual ranks on one device (gpu/cp/cp_executor.hpp) through `verify --backend local`'s
 // library entry: every GPU-capable case of the quick, edge and te suites (NaN-filled pads) passes per rank and
 // gathered, forward and backward, in both backward modes; traced cases pass per step; the checker's self-test
 // (--inject) is caught and located at its rank and step for every comm type; the deterministic mode repeats bit for
@@ -22,10 +22,10 @@
 #include "fixtures/fixture_writer.hpp"
 #include "fixtures/golden_run.hpp"
 #include "fixtures/suites.hpp"
-#include "gpu/communicator.hpp"
-#include "gpu/cp_executor.hpp"
-#include "gpu/fixture_verify.hpp"
-#include "gpu/local_communicator.hpp"
+#include "gpu/comm/communicator.hpp"
+#include "gpu/cp/cp_executor.hpp"
+#include "gpu/verify/fixture_verify.hpp"
+#include "gpu/comm/local_communicator.hpp"
 #include "sim/case_inputs.hpp"
 #include "sim/cp_program.hpp"
 

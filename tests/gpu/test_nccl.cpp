@@ -13,11 +13,11 @@
 #include <thread>
 #include <vector>
 
-#include "gpu/attention.hpp"
-#include "gpu/case_agreement.hpp"
-#include "gpu/nccl_exchange_check.hpp"
-#include "gpu/nccl_ranks.hpp"
-#include "gpu/rank_channel.hpp"
+#include "gpu/kernels/attention.hpp"
+#include "gpu/comm/case_agreement.hpp"
+#include "gpu/verify/nccl_exchange_check.hpp"
+#include "gpu/comm/nccl_ranks.hpp"
+#include "gpu/comm/rank_channel.hpp"
 #include "reference/input_error.hpp"
 
 using namespace cpgold;
@@ -265,7 +265,7 @@ TEST_CASE("nccl faults: a rank given another case stops every rank before any co
 
 #include "fixtures/fixture_writer.hpp"
 #include "fixtures/golden_run.hpp"
-#include "gpu/rank_check.hpp"
+#include "gpu/verify/rank_check.hpp"
 #include "sim/case_inputs.hpp"
 #include "sim/case_spec.hpp"
 #include "sim/plan.hpp"
@@ -350,8 +350,8 @@ TEST_CASE("rank check: a rank holding only padding passes on exact zeros, and a 
 
 // --- the CP program over NCCL: each comm type on 2 (and 4) GPUs, every rank checked against /ranks/<r> ----------
 
-#include "gpu/cp_executor.hpp"
-#include "gpu/nccl_verify.hpp"
+#include "gpu/cp/cp_executor.hpp"
+#include "gpu/verify/nccl_verify.hpp"
 
 namespace {
 
@@ -405,7 +405,7 @@ TEST_CASE("nccl CP W=4: p2p, a2a, all_gather and a2a+p2p (a2a_size 2) pass on ev
 
 #include <cstring>
 
-#include "gpu/nccl_communicator.hpp"
+#include "gpu/comm/nccl_communicator.hpp"
 
 namespace {
 

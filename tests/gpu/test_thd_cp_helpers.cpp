@@ -1,4 +1,4 @@
-// THD CP helper kernels (gpu/thd_cp_helpers.hpp) on the device: bit-exact against their CPU twins in sim/ and,
+// THD CP helper kernels (gpu/kernels/thd_cp_helpers.hpp) on the device: bit-exact against their CPU twins in sim/ and,
 // one way, against the expected global row ids. Coded values: every 32-bit word of a row tensor holds
 // (sequence + 1, row within the sequence, word within the row), i.e. sequence, row, head and dim of the element
 // (a word holds one float32 element or two 16-bit elements), so a misplaced row cannot match by accident.
@@ -14,8 +14,8 @@
 #include <string>
 #include <vector>
 
-#include "gpu/dtype_bits.hpp"
-#include "gpu/thd_cp_helpers.hpp"
+#include "gpu/kernels/dtype_bits.hpp"
+#include "gpu/kernels/thd_cp_helpers.hpp"
 #include "sim/grad_correction.hpp"
 #include "sim/lse_halves.hpp"
 #include "sim/out_correction.hpp"

@@ -1,8 +1,8 @@
-// The timeline's host side (gpu/timeline.hpp): device-wide busy time per stream kind, overlap of two kinds, and the
+// The timeline's host side (gpu/cp/timeline.hpp): device-wide busy time per stream kind, overlap of two kinds, and the
 // Chrome trace. No GPU needed: the spans are coded by hand.
 #include <doctest/doctest.h>
 
-#include "gpu/timeline.hpp"
+#include "gpu/cp/timeline.hpp"
 
 using namespace cpgold::gpu;
 

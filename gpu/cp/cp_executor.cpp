@@ -1,0 +1,1003 @@
+// GPU CP executor: the device backend of the per-rank CP program (sim/cp_program.hpp) and the single-GPU driver.
+#include "gpu/cp/cp_executor.hpp"
+
+#include <cuda_runtime_api.h>
+
+#include <Eigen/Core>
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <unordered_map>
+
+#include "gpu/kernels/cp_kernels.hpp"
+#include "gpu/kernels/dtype_bits.hpp"
+#include "gpu/comm/local_communicator.hpp"
+#include "gpu/cp/timeline.hpp"
+#include "sim/cp_program.hpp"
+
+namespace cpgold::gpu {
+
+std::string attention_phase(sim::PassKind pass, sim::StepSection section) {
+  return std::string(pass == sim::PassKind::forward ? "attention forward, " : "attention backward, ") +
+         std::string(sim::section_name(section));
+}
+
+namespace {
+
+// A CUDA event, destroyed when the last holder lets go (a recorded event may be destroyed before it completes).
+struct Event {
+  cudaEvent_t event = nullptr;
+  Event() = default;
+  Event(const Event&) = delete;
+  Event& operator=(const Event&) = delete;
+  ~Event() {
+    if (event) cudaEventDestroy(event);
+  }
+};
+using EventRef = std::shared_ptr<Event>;
+
+// One stream-ordered device allocation, freed on the stream that made it. pending_zero: the program asked for zeros
+// and nothing has been written yet; the zeros are written only if something reads the buffer before a write that
+// covers all of it (a receive, a first accumulation over every row, the forward merge), so buffers that are fully
+// overwritten are never filled. Shared by every copy of a tensor, so all of them see the write.
+// side_use: the accumulation stream read or wrote the buffer last (that operation's end event) and no other stream
+// has waited for it since; while it is set the buffer is freed on the accumulation stream, and any other stream
+// waits for the event before touching the buffer (DeviceRankBackend::own).
+struct DeviceMemory {
+  void* ptr = nullptr;
+  cudaStream_t stream = nullptr;       // the compute stream that allocated it
+  cudaStream_t side_stream = nullptr;  // that rank's accumulation stream
+  EventRef side_use;
+  bool pending_zero = false;
+  DeviceMemory() = default;
+  DeviceMemory(const DeviceMemory&) = delete;
+  DeviceMemory& operator=(const DeviceMemory&) = delete;
+  ~DeviceMemory() {
+    if (ptr) cudaFreeAsync(ptr, side_use ? side_stream : stream);
+  }
+};
+
+// [rows, heads, dim] row-major on the device; copies share the allocation (the program never writes a tensor it
+// did not create).
+struct DeviceTensor {
+  std::shared_ptr<DeviceMemory> mem;
+  int64_t rows = 0, heads = 0, dim = 0;
+  Elem elem = Elem::f32;
+  void* data() const { return mem ? mem->ptr : nullptr; }
+  size_t count() const { return static_cast<size_t>(rows * heads * dim); }
+  size_t bytes() const { return count() * elem_bytes(elem); }
+};
+
+// [heads, rows] float32 on the device.
+struct DeviceLse {
+  std::shared_ptr<DeviceMemory> mem;
+  int64_t heads = 0, rows = 0;
+  float* data() const { return mem ? static_cast<float*>(mem->ptr) : nullptr; }
+  size_t count() const { return static_cast<size_t>(heads * rows); }
+  size_t bytes() const { return count() * sizeof(float); }
+};
+
+Elem storage_elem(DType dtype) {
+  if (dtype == DType::bf16) return Elem::bf16;
+  if (dtype == DType::fp16) return Elem::fp16;
+  throw std::invalid_argument("dtype: the GPU CP path runs bf16 or fp16, not " + std::string(dtype_name(dtype)));
+}
+
+// The rank's compute stream: created with the backend, destroyed after every tensor freed on it.
+struct ComputeStream {
+  cudaStream_t stream = nullptr;
+  // priority: 0 = the default, 1 = the device's highest (its blocks are dispatched before waiting default ones).
+  explicit ComputeStream(int priority = 0) {
+    int least = 0, greatest = 0;
+    cudaDeviceGetStreamPriorityRange(&least, &greatest);
+    if (const cudaError_t e = cudaStreamCreateWithPriority(&stream, cudaStreamNonBlocking, priority ? greatest : 0);
+        e != cudaSuccess)
+      throw std::runtime_error(std::string("cudaStreamCreate (rank stream): ") + cudaGetErrorString(e));
+  }
+  ComputeStream(const ComputeStream&) = delete;
+  ComputeStream& operator=(const ComputeStream&) = delete;
+  ~ComputeStream() {
+    cudaStreamSynchronize(stream);
+    cudaStreamDestroy(stream);
+  }
+};
+
+// Three streams per rank: attention, copies and merges run on the backend's compute stream; exchanges run on the
+// communicator's stream; with CpGpuOptions::accumulate_aside the float32 accumulation of the backward partials
+// (scatter_add) runs on the accumulation stream, otherwise on the compute stream. An exchange starts on the
+// communication stream once the compute stream has passed what was enqueued before it (the sent tensors' producers,
+// the receive buffers' allocation); the compute stream waits for the exchange only where the program finishes it, so
+// what the program enqueues in between overlaps it. An accumulation starts once
+// the compute stream has produced its partial; the compute and communication streams wait for it only where they
+// touch its accumulator (DeviceMemory::side_use), so step i's memory-bound accumulation runs beside step i + 1's
+// compute-bound attention. Every tensor is allocated on the compute stream and freed on it, or on the accumulation
+// stream where that stream used it last, only after the exchanges that used it have finished.
+class DeviceRankBackend {
+ public:
+  using Tensor = DeviceTensor;
+  using Lse = DeviceLse;
+  struct Forward {
+    DeviceTensor o;
+    DeviceLse lse;
+  };
+  struct Backward {
+    DeviceTensor dq, dk, dv;
+  };
+
+  DeviceRankBackend(int rank, Communicator& comm, DType dtype, const CpGpuOptions& options)
+      : rank_(rank), comm_(comm), dtype_(dtype), storage_(storage_elem(dtype)), options_(options),
+        stream_(compute_.stream), side_stream_(accumulate_.stream),
+        comm_stream_(static_cast<cudaStream_t>(comm.stream())) {}
+
+  int rank() const { return rank_; }
+  cudaStream_t stream() const { return stream_; }
+
+  // Marks the start of a run on the compute stream (and forgets the previous run's exchange timings).
+  void begin_run() {
+    comm_spans_.clear();
+    wait_spans_.clear();
+    op_spans_.clear();
+    run_begin_ = record(stream_);
+  }
+  // The communication stream waits for the compute stream's last operation, so that the communicator's
+  // synchronize() (bounded, watching the peers) covers the whole run.
+  void join_streams() {
+    cuda(cudaStreamWaitEvent(stream_, record(side_stream_)->event, 0), "cudaStreamWaitEvent (join)");
+    run_end_ = record(stream_);
+    cuda(cudaStreamWaitEvent(comm_stream_, run_end_->event, 0), "cudaStreamWaitEvent (join)");
+  }
+  // Device time of the last run (after join_streams and a synchronize; options.time_exchanges).
+  RankTimes times() const {
+    RankTimes t;
+    if (!options_.time_exchanges || !run_begin_ || !run_end_) return t;
+    t.run_ms = elapsed(run_begin_, run_end_);
+    for (const auto& [a, b] : comm_spans_) t.comm_ms += elapsed(a, b);
+    for (const auto& [a, b] : wait_spans_) t.exposed_ms += elapsed(a, b);
+    t.exchanges = static_cast<int>(comm_spans_.size());
+    return t;
+  }
+
+  // Appends the last run's spans to options.timeline, in milliseconds from `ref` (null: this rank's run start).
+  // After join_streams and a synchronize, so that every event has completed. Nothing with phases (serialised).
+  void collect_timeline(const EventRef& ref) {
+    if (!options_.timeline || options_.phases) return;
+    const EventRef& zero = ref ? ref : run_begin_;
+    std::vector<TimelineSpan> out;
+    for (const OpSpan& x : op_spans_)
+      out.push_back({rank_, x.stream, x.name, elapsed(zero, x.begin), elapsed(zero, x.end)});
+    for (const auto& [a, b] : comm_spans_) out.push_back({rank_, "exchange", "exchange", elapsed(zero, a), elapsed(zero, b)});
+    for (const auto& [a, b] : wait_spans_)
+      out.push_back({rank_, "exchange wait", "wait for exchange", elapsed(zero, a), elapsed(zero, b)});
+    op_spans_.clear();
+    std::lock_guard<std::mutex> lock(options_.timeline->mutex);
+    for (TimelineSpan& x : out) options_.timeline->spans.push_back(std::move(x));
+  }
+  // A timing event on the compute stream (the reference of a timeline).
+  EventRef timing_event() { return record(stream_); }
+
+  // Host float tensor holding dtype values -> device storage tensor.
+  void upload_input(sim::Payload payload, const Tensor3<float>& x) {
+    DeviceTensor t = alloc(x.rows, x.heads, x.dim, storage_);
+    std::vector<uint16_t> bits(x.values.size());
+    for (size_t i = 0; i < bits.size(); ++i) bits[i] = to_bits(dtype_, x.values[i]);
+    cuda(cudaMemcpyAsync(t.data(), bits.data(), t.bytes(), cudaMemcpyHostToDevice, stream_), "upload");
+    cuda(cudaStreamSynchronize(stream_), "upload");
+    inputs_[static_cast<int>(payload)] = std::move(t);
+  }
+
+  const Tensor& input(sim::Payload payload) const {
+    auto it = inputs_.find(static_cast<int>(payload));
+    if (it == inputs_.end())
+      throw std::logic_error("rank " + std::to_string(rank_) + ": no input " + std::string(sim::payload_name(payload)));
+    return it->second;
+  }
+  Tensor zeros(int64_t rows, int64_t heads, int64_t dim, sim::BufferKind kind) {
+    DeviceTensor t = alloc(rows, heads, dim, kind == sim::BufferKind::storage ? storage_ : Elem::f32);
+    t.mem->pending_zero = true;
+    return t;
+  }
+  Lse lse_empty(int64_t heads, int64_t rows) {
+    DeviceLse l;
+    l.heads = heads;
+    l.rows = rows;
+    l.mem = raw(l.bytes());
+    timed("lse", l.bytes(), [&] { cuda(launch_fill(l.data(), l.count(), -INFINITY, stream_), "fill"); });
+    return l;
+  }
+  sim::Shape shape(const Tensor& x) const { return {x.rows, x.heads, x.dim}; }
+
+  Tensor gather(const Tensor& x, const std::vector<int64_t>& rows, int h0, int h1) {
+    materialize(x);
+    DeviceTensor out = alloc(static_cast<int64_t>(rows.size()), h1 - h0, x.dim, x.elem);
+    const auto idx = upload_rows(rows);
+    timed("gather", 2.0 * out.bytes(), [&] {
+      cuda(launch_gather_rows(out.data(), x.data(), rows_ptr(idx), out.rows, x.heads, h0, h1 - h0, x.dim, x.elem,
+                              stream_),
+           "gather");
+    });
+    return out;
+  }
+  void scatter(Tensor& dst, const std::vector<int64_t>& rows, int h0, const Tensor& src) {
+    if (dst.elem != src.elem) throw std::logic_error("rank " + std::to_string(rank_) + ": scatter between element types");
+    materialize(dst);
+    materialize(src);
+    const auto idx = upload_rows(rows);
+    timed("scatter", 2.0 * src.bytes(), [&] {
+      cuda(launch_scatter_rows(dst.data(), src.data(), rows_ptr(idx), static_cast<int64_t>(rows.size()), dst.heads, h0,
+                               src.heads, src.dim, src.elem, stream_),
+           "scatter");
+    });
+  }
+  void scatter_add(Tensor& dst, const std::vector<int64_t>& rows, const Tensor& src) {
+    if (dst.elem != Elem::f32) throw std::logic_error("rank " + std::to_string(rank_) + ": accumulation into 16-bit");
+    if (src.heads * src.dim != dst.heads * dst.dim)
+      throw std::logic_error("rank " + std::to_string(rank_) + ": scatter_add between row widths");
+    // With accumulate_aside, both are only read and written on the accumulation stream from here on, in program
+    // order there: no wait for an earlier accumulation, only for the zero fills (on the compute stream).
+    const bool aside = options_.accumulate_aside;
+    const cudaStream_t on = aside ? side_stream_ : stream_;
+    fill_pending_zeros(src);
+    const bool assign = start_sum(dst, rows);
+    const auto idx = upload_rows(rows);
+    // The accumulation stream starts after everything the compute stream has enqueued so far (the partial, the zero
+    // fill, the upload of the rows, the exchange that delivered dst).
+    if (aside) cuda(cudaStreamWaitEvent(on, record(stream_)->event, 0), "cudaStreamWaitEvent (accumulation)");
+    timed(
+        "scatter_add", src.bytes() + (assign ? 1.0 : 2.0) * src.count() * 4,
+        [&] {
+          cuda(launch_scatter_add(static_cast<float*>(dst.data()), src.data(), src.elem, rows_ptr(idx),
+                                  static_cast<int64_t>(rows.size()), src.heads * src.dim, assign, on),
+               "scatter_add");
+        },
+        on);
+    if (!aside) return;
+    const EventRef done = record(side_stream_);
+    for (const auto& m : {dst.mem, src.mem})
+      if (m) m->side_use = done;
+  }
+  Lse lse_gather(const Lse& x, const std::vector<int64_t>& rows) {
+    DeviceLse out;
+    out.heads = x.heads;
+    out.rows = static_cast<int64_t>(rows.size());
+    out.mem = raw(out.bytes());
+    const auto idx = upload_rows(rows);
+    timed("lse", 2.0 * out.bytes(), [&] {
+      cuda(launch_lse_gather(out.data(), x.data(), rows_ptr(idx), out.rows, x.heads, x.rows, stream_), "lse_gather");
+    });
+    return out;
+  }
+  void lse_scatter(Lse& dst, const std::vector<int64_t>& rows, int h0, const Lse& src) {
+    const auto idx = upload_rows(rows);
+    timed("lse", 2.0 * src.bytes(), [&] {
+      cuda(launch_lse_scatter(dst.data(), src.data(), rows_ptr(idx), static_cast<int64_t>(rows.size()), src.heads,
+                              dst.rows, h0, stream_),
+           "lse_scatter");
+    });
+  }
+
+  Forward forward(const sim::Tile& t, const Tensor& q, const Tensor& k, const Tensor& v) {
+    return forward_with(plan_for(t, q, k, v), t, q, k, v);
+  }
+  bool reads_halves() const { return options_.read_halves_in_place; }
+  // The step's Q half is gathered (its O and LSE are the step's rows); a K/V half is read in place, through a call
+  // whose KV segments point into the rank's whole K/V.
+  Forward forward_rows(const sim::Tile& t, const sim::StepRows& rows, const Tensor& q, const Tensor& k,
+                       const Tensor& v) {
+    const Tensor qx = rows.q_half ? gather(q, rows.q, 0, static_cast<int>(q.heads)) : q;
+    if (!rows.kv_half) return forward(t, qx, k, v);
+    return forward_with(plan_in_place(t, nullptr, &rows.kv, qx, k, v, {.leave_q = false, .leave_kv = true}), t, qx, k,
+                        v);
+  }
+  Forward forward_with(const AttentionPlan& plan, const sim::Tile& t, const Tensor& q, const Tensor& k,
+                       const Tensor& v) {
+    for (const Tensor* x : {&q, &k, &v}) materialize(*x);
+    Forward r{alloc(q.rows, q.heads, v.dim, storage_), {}};
+    r.lse.heads = q.heads;
+    r.lse.rows = q.rows;
+    r.lse.mem = raw(r.lse.bytes());
+    Outcome out;
+    timed(attention_phase(sim::PassKind::forward, t.section).c_str(), 0, [&] {
+      out = attention_forward(plan, {q.data(), k.data(), v.data(), r.o.data(), r.lse.data()}, stream_);
+    });
+    if (!out.ok()) fail_step(t, "attention_forward", out);
+    if (options_.inject && options_.inject->rank == rank_ && options_.inject->step == t.step) corrupt(t, r.o);
+    return r;
+  }
+  Backward backward(const sim::Tile& t, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o,
+                    const Lse& lse, const Tensor& dout) {
+    for (const Tensor* x : {&q, &k, &v, &o, &dout}) materialize(*x);
+    const AttentionPlan& plan = plan_for(t, q, k, v);
+    Backward r{alloc(q.rows, q.heads, q.dim, storage_), alloc(k.rows, k.heads, k.dim, storage_),
+               alloc(v.rows, v.heads, v.dim, storage_)};
+    Outcome out;
+    timed(attention_phase(sim::PassKind::backward, t.section).c_str(), 0, [&] {
+      out = attention_backward(plan,
+                               {q.data(), k.data(), v.data(), o.data(), dout.data(), lse.data(), r.dq.data(),
+                                r.dk.data(), r.dv.data(), {}, {}, {}},
+                               options_.mode, stream_);
+    });
+    if (!out.ok()) fail_step(t, "attention_backward", out);
+    return r;
+  }
+  bool sums_backward() const { return options_.sum_in_backward && !options_.record_trace; }
+  // backward + scatter_add(dq, rows.q, .dq), (dk, rows.kv, .dk), (dv, rows.kv, .dv) in the attention kernels
+  // themselves, with rowsum(dO * O) from one pass over the rank's O and dO. With reads_halves(), a half is read in
+  // place: the call's segments point into the rank's tensors and the kernels add into the sums at the rows they read,
+  // and nowhere else (OutsideRows) unless this is the first contribution to a fresh sum; otherwise the half's rows
+  // (Q, O, dO, LSE, delta; or K, V) are gathered into step tensors first.
+  //
+  // A sum that ends in this step (SumEnds) over every one of its rows (a side read whole) is handed back in the dtype:
+  // the kernels write dtype(sum + value) into a fresh storage tensor (RowSum::result) instead of the float32 sum, so
+  // finalize has nothing left to convert.
+  void backward_sum(const sim::Tile& t, const sim::StepRows& rows, const Tensor& q, const Tensor& k, const Tensor& v,
+                    const Tensor& o, const Lse& lse, const Tensor& dout, Tensor& dq, Tensor& dk, Tensor& dv,
+                    sim::SumEnds ends) {
+    for (const Tensor* x : {&q, &k, &v, &o, &dout}) materialize(*x);
+    const DeviceLse& rank_delta = delta_of(o, dout, q, k);
+    const bool q_in_place = rows.q_half && reads_halves(), kv_in_place = rows.kv_half && reads_halves();
+    Tensor qx = q, ox = o, dox = dout, kx = k, vx = v;
+    Lse lsex = lse, deltax = rank_delta;
+    if (rows.q_half && !q_in_place) {
+      qx = gather(q, rows.q, 0, static_cast<int>(q.heads));
+      ox = gather(o, rows.q, 0, static_cast<int>(o.heads));
+      dox = gather(dout, rows.q, 0, static_cast<int>(dout.heads));
+      lsex = lse_gather(lse, rows.q);
+      deltax = lse_gather(rank_delta, rows.q);
+    }
+    if (rows.kv_half && !kv_in_place) {
+      kx = gather(k, rows.kv, 0, static_cast<int>(k.heads));
+      vx = gather(v, rows.kv, 0, static_cast<int>(v.heads));
+    }
+    auto sum_of = [&](Tensor& dst, const std::vector<int64_t>& map, const Tensor& like) {
+      if (dst.elem != Elem::f32 || dst.heads * dst.dim != like.heads * like.dim ||
+          static_cast<int64_t>(map.size()) != like.rows)
+        throw std::logic_error("rank " + std::to_string(rank_) + ": backward_sum into a sum of another shape");
+      own(dst.mem);
+      const bool assign = start_sum(dst, map);
+      return RowSum{static_cast<float*>(dst.data()), rows_ptr(upload_rows(map)), assign};
+    };
+    const std::vector<int64_t>& q_map = q_in_place ? identity_rows(q.rows) : rows.q;
+    const std::vector<int64_t>& kv_map = kv_in_place ? identity_rows(k.rows) : rows.kv;
+    BackwardBuffers buffers{qx.data(), kx.data(), vx.data(), ox.data(), dox.data(), lsex.data(), nullptr, nullptr,
+                            nullptr, sum_of(dq, q_map, qx), sum_of(dk, kv_map, kx), sum_of(dv, kv_map, vx),
+                            deltax.data()};
+    const bool end_q = ends.dq && !rows.q_half && options_.last_sum_in_dtype;
+    const bool end_kv = ends.dkv && !rows.kv_half && options_.last_sum_in_dtype;
+    Tensor dq_end, dk_end, dv_end;
+    if (end_q) {
+      dq_end = alloc(dq.rows, dq.heads, dq.dim, storage_);
+      buffers.dq_sum.result = dq_end.data();
+    }
+    if (end_kv) {
+      dk_end = alloc(dk.rows, dk.heads, dk.dim, storage_);
+      dv_end = alloc(dv.rows, dv.heads, dv.dim, storage_);
+      buffers.dk_sum.result = dk_end.data();
+      buffers.dv_sum.result = dv_end.data();
+    }
+    const OutsideRows outside{.leave_q = q_in_place && !buffers.dq_sum.assign,
+                              .leave_kv = kv_in_place && !buffers.dk_sum.assign && !buffers.dv_sum.assign};
+    const AttentionPlan& plan = q_in_place || kv_in_place
+                                    ? plan_in_place(t, q_in_place ? &rows.q : nullptr,
+                                                    kv_in_place ? &rows.kv : nullptr, q, k, v, outside)
+                                    : plan_for(t, qx, kx, vx);
+    Outcome out;
+    timed(attention_phase(sim::PassKind::backward, t.section).c_str(), 0,
+          [&] { out = attention_backward(plan, buffers, options_.mode, stream_); });
+    if (!out.ok()) fail_step(t, "attention_backward", out);
+    if (end_q) dq = std::move(dq_end);
+    if (end_kv) {
+      dk = std::move(dk_end);
+      dv = std::move(dv_end);
+    }
+  }
+  // One pass (launch_merge_forward): LSE merged in step order, O summed in float32 in step order and rounded once to
+  // the dtype, written straight into a storage tensor that replaces the fresh zero accumulator `o`.
+  void merge_forward(const std::vector<sim::MergePart<DeviceRankBackend>>& parts, Tensor& o, Lse& lse) {
+    if (!o.mem || !o.mem->pending_zero)
+      throw std::logic_error("rank " + std::to_string(rank_) + ": merge_forward expects a fresh zero accumulator");
+    if (parts.size() > static_cast<size_t>(kMaxMergeSources))
+      throw std::logic_error("rank " + std::to_string(rank_) + ": " + std::to_string(parts.size()) +
+                             " forward partials, the merge takes at most " + std::to_string(kMaxMergeSources));
+    std::vector<MergeSource> sources;
+    std::vector<std::shared_ptr<DeviceMemory>> idx;
+    double bytes = 0;
+    for (const auto& part : parts) {
+      materialize(*part.o);
+      if (part.o->heads != o.heads || part.o->dim != o.dim || part.lse->heads != lse.heads)
+        throw std::logic_error("rank " + std::to_string(rank_) + ": forward partial heads/dims differ from O");
+      idx.push_back(upload_rows(source_rows(part.rows, o.rows)));
+      sources.push_back({part.o->data(), part.lse->data(), rows_ptr(idx.back()), part.lse->rows, part.o->elem});
+      bytes += part.o->bytes() + part.lse->bytes() + o.rows * 8.0;
+    }
+    DeviceTensor out = alloc(o.rows, o.heads, o.dim, storage_);
+    bytes += out.bytes() + lse.bytes();
+    timed("merge", bytes, [&] {
+      cuda(launch_merge_forward(out.data(), out.elem, lse.data(), sources.data(), static_cast<int>(sources.size()),
+                                o.rows, o.heads, o.dim, stream_),
+           "forward merge");
+    });
+    o = std::move(out);
+  }
+  void finalize(Tensor& x) {
+    if (x.elem == storage_) return;
+    own(x.mem);
+    DeviceTensor out = alloc(x.rows, x.heads, x.dim, storage_);
+    if (x.mem && x.mem->pending_zero) {
+      out.mem->pending_zero = true;
+      materialize(out);
+    } else {
+      timed("convert", x.bytes() + out.bytes(),
+            [&] { cuda(launch_convert(out.data(), storage_, x.data(), x.elem, x.count(), stream_), "convert"); });
+    }
+    x = std::move(out);
+  }
+
+  struct Pending {
+    EventRef done;  // recorded on the communication stream after the exchange
+    // The buffers the exchange reads and writes, held until the compute stream has waited for it: their memory is
+    // freed (and may be reused) in the compute stream's order, so it must not be released while the communication
+    // stream may still use it.
+    std::vector<std::shared_ptr<DeviceMemory>> in_flight;
+  };
+  Pending exchange_start(const std::vector<sim::Outgoing<DeviceRankBackend>>& sends,
+                         const std::vector<sim::Incoming<DeviceRankBackend>>& recvs) {
+    Pending p;
+    // A sent tensor the accumulation stream wrote last: the communication stream waits for that accumulation, not
+    // the compute stream (the next step's attention runs meanwhile); exchange_finish hands it back.
+    for (const auto& x : sends) {
+      const auto& m = x.tensor ? x.tensor->mem : x.lse->mem;
+      if (m && m->side_use)
+        cuda(cudaStreamWaitEvent(comm_stream_, m->side_use->event, 0), "cudaStreamWaitEvent (accumulation sent)");
+      else if (x.tensor)
+        fill_pending_zeros(*x.tensor);
+      p.in_flight.push_back(m);
+    }
+    // A receive overwrites its whole buffer (the communicator checks the sizes match).
+    for (const auto& x : recvs) {
+      if (x.tensor) own(x.tensor->mem);
+      if (x.tensor && x.tensor->mem) x.tensor->mem->pending_zero = false;
+      p.in_flight.push_back(x.tensor ? x.tensor->mem : x.lse->mem);
+    }
+    cuda(cudaStreamWaitEvent(comm_stream_, record(stream_)->event, 0), "cudaStreamWaitEvent (exchange start)");
+    const EventRef begin = timing_events() ? record(comm_stream_) : nullptr;
+    if (options_.phases) {  // timed into the phase table, rendezvous waits included
+      // Not under device_lock(): the send/recv waits for its peers, and a peer may be waiting for that lock to run
+      // the operation before its own exchange (holding the lock here deadlocked every run of W >= 2).
+      double bytes = 0;
+      for (const auto& x : recvs) bytes += 2.0 * static_cast<double>(x.tensor ? x.tensor->bytes() : x.lse->bytes());
+      cudaEvent_t a = nullptr, z = nullptr;
+      cuda(cudaEventCreate(&a), "cudaEventCreate");
+      cuda(cudaEventCreate(&z), "cudaEventCreate");
+      cuda(cudaEventRecord(a, comm_stream_), "cudaEventRecord");
+      send_recv(sends, recvs);
+      cuda(cudaEventRecord(z, comm_stream_), "cudaEventRecord");
+      add_phase("exchange", bytes, elapsed_ms(a, z));
+    } else {
+      send_recv(sends, recvs);
+    }
+    p.done = record(comm_stream_);
+    if (begin) comm_spans_.emplace_back(begin, p.done);
+    return p;
+  }
+  // The compute stream waits for the exchange; with timing, the wait's span is the communication not hidden. The
+  // buffers are released only after the wait is enqueued (see Pending::in_flight); the sent ones that the
+  // accumulation stream wrote last are the compute stream's again (the exchange waited for that accumulation).
+  void exchange_finish(Pending& p) {
+    const EventRef before = timing_events() ? record(stream_) : nullptr;
+    cuda(cudaStreamWaitEvent(stream_, p.done->event, 0), "cudaStreamWaitEvent (exchange finish)");
+    if (before) wait_spans_.emplace_back(before, record(stream_));
+    for (const auto& m : p.in_flight)
+      if (m) m->side_use.reset();
+    p.in_flight.clear();
+  }
+  void exchange(const std::vector<sim::Outgoing<DeviceRankBackend>>& sends,
+                const std::vector<sim::Incoming<DeviceRankBackend>>& recvs) {
+    Pending p = exchange_start(sends, recvs);
+    exchange_finish(p);
+  }
+
+  void record_forward(int step, const Forward& res) {
+    if (options_.record_trace) trace.forward.push_back({rank_, step, to_host(res.o), to_host(res.lse)});
+  }
+  void record_backward(int step, Backward&& res, const Tensor* dk_in_flight, const Tensor* dv_in_flight) {
+    if (!options_.record_trace) return;
+    sim::BackwardStepTrace<float> rec{rank_, step, to_host(res.dq), to_host(res.dk), to_host(res.dv), {}, {}};
+    if (dk_in_flight) rec.dk_in_flight = to_host(*dk_in_flight);
+    if (dv_in_flight) rec.dv_in_flight = to_host(*dv_in_flight);
+    trace.backward.push_back(std::move(rec));
+  }
+
+  // Device -> host float (values of the element type); synchronises the rank's stream.
+  Tensor3<float> to_host(const Tensor& x) {
+    Tensor3<float> out(x.rows, x.heads, x.dim);
+    if (x.count() == 0) return out;
+    materialize(x);
+    DeviceTensor f = x;
+    if (x.elem != Elem::f32) {
+      f = alloc(x.rows, x.heads, x.dim, Elem::f32);
+      cuda(launch_convert(f.data(), Elem::f32, x.data(), x.elem, x.count(), stream_), "convert");
+    }
+    cuda(cudaMemcpyAsync(out.values.data(), f.data(), f.bytes(), cudaMemcpyDeviceToHost, stream_), "download");
+    cuda(cudaStreamSynchronize(stream_), "download");
+    return out;
+  }
+  LseTensor<float> to_host(const Lse& x) {
+    LseTensor<float> out(x.heads, x.rows, 0.0f);
+    if (x.count() == 0) return out;
+    cuda(cudaMemcpyAsync(out.values.data(), x.data(), x.bytes(), cudaMemcpyDeviceToHost, stream_), "download");
+    cuda(cudaStreamSynchronize(stream_), "download");
+    return out;
+  }
+
+  sim::Trace<float> trace;
+
+ private:
+  // Runs `launch` (enqueues on `stream`, the compute stream by default); with options_.phases, alone on the device
+  // and timed into `phase`.
+  // With options_.timeline (and no phases), only brackets it with events on its stream, for the timeline.
+  template <class F>
+  void timed(const char* phase, double bytes, F&& launch, cudaStream_t stream = nullptr) {
+    if (stream == nullptr) stream = stream_;
+    if (!options_.phases) {
+      if (!options_.timeline) return launch();
+      const EventRef begin = record(stream);
+      launch();
+      op_spans_.push_back({stream == side_stream_ ? "accumulate" : "compute", phase, begin, record(stream)});
+      return;
+    }
+    std::lock_guard<std::mutex> alone(device_lock());
+    cudaEvent_t a = nullptr, z = nullptr;
+    cuda(cudaEventCreate(&a), "cudaEventCreate");
+    cuda(cudaEventCreate(&z), "cudaEventCreate");
+    // Every stream drained (the exchanges' copies of all ranks included, which run outside the lock), so the
+    // operation starts alone; a copy enqueued while it runs can still overlap it.
+    cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+    cuda(cudaEventRecord(a, stream), "cudaEventRecord");
+    launch();
+    cuda(cudaEventRecord(z, stream), "cudaEventRecord");
+    add_phase(phase, bytes, elapsed_ms(a, z));
+  }
+  // Waits for z, destroys both events, returns the time between them.
+  float elapsed_ms(cudaEvent_t a, cudaEvent_t z) {
+    cuda(cudaEventSynchronize(z), "cudaEventSynchronize");
+    float ms = 0;
+    cuda(cudaEventElapsedTime(&ms, a, z), "cudaEventElapsedTime");
+    cudaEventDestroy(a);
+    cudaEventDestroy(z);
+    return ms;
+  }
+  void add_phase(const char* phase, double bytes, float ms) {
+    std::lock_guard<std::mutex> lock(options_.phases->mutex);
+    PhaseTimes::Entry& e = options_.phases->phases[phase];
+    e.ms += ms;
+    e.bytes += bytes;
+    ++e.calls;
+  }
+  bool timing_events() const { return options_.time_exchanges || options_.timeline != nullptr; }
+  static std::mutex& device_lock() {
+    static std::mutex m;
+    return m;
+  }
+
+  // Before an operation of the compute stream reads or writes x: waits for the accumulation stream's use of it (own)
+  // and writes its zeros if it is still pending_zero.
+  void materialize(const DeviceTensor& x) {
+    own(x.mem);
+    fill_pending_zeros(x);
+  }
+  // Writes the zeros of a tensor still pending_zero (before anything reads it or writes part of it).
+  void fill_pending_zeros(const DeviceTensor& x) {
+    if (!x.mem || !x.mem->pending_zero) return;
+    x.mem->pending_zero = false;
+    if (x.bytes() > 0)
+      timed("zero fill", x.bytes(), [&] { cuda(cudaMemsetAsync(x.data(), 0, x.bytes(), stream_), "cudaMemsetAsync"); });
+  }
+  // Before the compute stream (or an exchange it starts) touches a buffer the accumulation stream used last: the
+  // compute stream waits for that use, and the buffer is the compute stream's again (freed there).
+  void own(const std::shared_ptr<DeviceMemory>& m) {
+    if (!m || !m->side_use) return;
+    cuda(cudaStreamWaitEvent(stream_, m->side_use->event, 0), "cudaStreamWaitEvent (accumulation done)");
+    m->side_use.reset();
+  }
+  // Before rows of a float32 sum receive additions: true when this is the first contribution to every row of a fresh
+  // zero sum, which is then written, not added (0 + x, the same bits), and never filled; otherwise its pending zeros
+  // are written first.
+  bool start_sum(DeviceTensor& dst, const std::vector<int64_t>& rows) {
+    const bool assign = dst.mem && dst.mem->pending_zero && covers_every_row(rows, dst.rows);
+    if (!assign) fill_pending_zeros(dst);
+    if (dst.mem) dst.mem->pending_zero = false;
+    return assign;
+  }
+  static bool covers_every_row(const std::vector<int64_t>& rows, int64_t n) {
+    if (static_cast<int64_t>(rows.size()) != n) return false;
+    for (int64_t i = 0; i < n; ++i)
+      if (rows[static_cast<size_t>(i)] != i) return false;
+    return true;
+  }
+  // [n] for the merge: the partial's row holding merged row r, -1 where the partial has none. rows: [partial rows].
+  std::vector<int64_t> source_rows(const std::vector<int64_t>& rows, int64_t n) const {
+    std::vector<int64_t> src(static_cast<size_t>(n), -1);
+    for (size_t i = 0; i < rows.size(); ++i) {
+      const int64_t r = rows[i];
+      if (r < 0 || r >= n || src[static_cast<size_t>(r)] >= 0)
+        throw std::logic_error("rank " + std::to_string(rank_) + ": forward partial row " + std::to_string(i) +
+                               " maps to row " + std::to_string(r) + " (outside 0.." + std::to_string(n - 1) +
+                               " or taken twice)");
+      src[static_cast<size_t>(r)] = static_cast<int64_t>(i);
+    }
+    return src;
+  }
+
+  // One grouped send/recv of whole tensors on the communication stream.
+  void send_recv(const std::vector<sim::Outgoing<DeviceRankBackend>>& sends,
+                 const std::vector<sim::Incoming<DeviceRankBackend>>& recvs) {
+    std::vector<SendTo> s;
+    std::vector<RecvFrom> r;
+    for (const auto& x : sends)
+      s.push_back(x.tensor ? SendTo{x.peer, x.tensor->data(), x.tensor->bytes()}
+                           : SendTo{x.peer, x.lse->data(), x.lse->bytes()});
+    for (const auto& x : recvs)
+      r.push_back(x.tensor ? RecvFrom{x.peer, x.tensor->data(), x.tensor->bytes()}
+                           : RecvFrom{x.peer, x.lse->data(), x.lse->bytes()});
+    comm_.send_recv(s, r);
+  }
+  EventRef record(cudaStream_t stream) {
+    auto ev = std::make_shared<Event>();
+    cuda(cudaEventCreateWithFlags(&ev->event, timing_events() ? cudaEventDefault : cudaEventDisableTiming),
+         "cudaEventCreate");
+    cuda(cudaEventRecord(ev->event, stream), "cudaEventRecord");
+    return ev;
+  }
+  double elapsed(const EventRef& a, const EventRef& b) const {
+    float ms = 0;
+    cuda(cudaEventElapsedTime(&ms, a->event, b->event), "cudaEventElapsedTime");
+    return ms;
+  }
+  std::shared_ptr<DeviceMemory> raw(size_t bytes) {
+    auto m = std::make_shared<DeviceMemory>();
+    m->stream = stream_;
+    m->side_stream = side_stream_;
+    cuda(cudaMallocAsync(&m->ptr, std::max<size_t>(bytes, 16), stream_), "cudaMallocAsync");
+    return m;
+  }
+  DeviceTensor alloc(int64_t rows, int64_t heads, int64_t dim, Elem elem) {
+    DeviceTensor t;
+    t.rows = rows;
+    t.heads = heads;
+    t.dim = dim;
+    t.elem = elem;
+    t.mem = raw(t.bytes());
+    return t;
+  }
+  // Row index arrays are uploaded once per distinct content and kept for later steps and runs: an upload from
+  // pageable memory synchronises the stream, which would serialise every gather and scatter with the host.
+  std::shared_ptr<DeviceMemory> upload_rows(const std::vector<int64_t>& rows) {
+    auto it = row_cache_.find(rows);
+    if (it != row_cache_.end()) return it->second;
+    auto m = raw(rows.size() * sizeof(int64_t));
+    if (!rows.empty())
+      cuda(cudaMemcpyAsync(m->ptr, rows.data(), rows.size() * sizeof(int64_t), cudaMemcpyHostToDevice, stream_),
+           "row index upload");
+    row_cache_.emplace(rows, m);
+    return m;
+  }
+  static const int64_t* rows_ptr(const std::shared_ptr<DeviceMemory>& m) { return static_cast<const int64_t*>(m->ptr); }
+
+  // rowsum(dO * O) of every row of the rank's O and dO (attention_row_delta), computed once per pair of tensors and
+  // kept (with them) until another pair asks.
+  const DeviceLse& delta_of(const Tensor& o, const Tensor& dout, const Tensor& q, const Tensor& k) {
+    if (delta_.o == o.mem && delta_.dout == dout.mem && delta_.delta.mem) return delta_.delta;
+    DeviceLse d;
+    d.heads = o.heads;
+    d.rows = o.rows;
+    d.mem = raw(d.bytes());
+    const AttentionShape shape{dtype_, static_cast<int>(o.heads), static_cast<int>(k.heads), static_cast<int>(q.dim),
+                               static_cast<int>(o.dim)};
+    Outcome out;
+    timed("delta", static_cast<double>(o.bytes() + dout.bytes() + d.bytes()),
+          [&] { out = attention_row_delta(shape, o.data(), dout.data(), o.rows, d.data(), stream_); });
+    if (!out.ok())
+      throw std::runtime_error("rank " + std::to_string(rank_) + " attention_row_delta: " +
+                               std::string(status_name(out.status)) + ": " + out.message);
+    delta_ = {o.mem, dout.mem, std::move(d)};
+    return delta_.delta;
+  }
+  const std::vector<int64_t>& identity_rows(int64_t n) {
+    auto it = identities_.find(n);
+    if (it == identities_.end()) it = identities_.emplace(n, sim::program_detail::identity_rows(n)).first;
+    return it->second;
+  }
+  // The plan of tile t reading its Q half (q_rows set) and/or K/V half (kv_rows set) in place: the call's segments
+  // on that side moved to the rows of the rank's tensor that hold them (step row i is rank row rows[i]; each
+  // segment's rows must stay consecutive), with the rank tensor's row count. Built once per tile and variant.
+  const AttentionPlan& plan_in_place(const sim::Tile& t, const std::vector<int64_t>* q_rows,
+                                     const std::vector<int64_t>* kv_rows, const Tensor& q, const Tensor& k,
+                                     const Tensor& v, OutsideRows outside) {
+    const int variant = (q_rows ? 1 : 0) | (kv_rows ? 2 : 0) | (outside.leave_q ? 4 : 0) | (outside.leave_kv ? 8 : 0);
+    const auto key = std::make_pair(&t, variant);
+    auto it = plans_.find(key);
+    if (it != plans_.end()) return it->second;
+    auto move_segments = [&](std::vector<RowSegment>& segments, const std::vector<int64_t>& map, const char* side) {
+      for (RowSegment& seg : segments) {
+        if (seg.count == 0) {
+          seg.first_row = 0;
+          continue;
+        }
+        const auto at = [&](int64_t i) {
+          if (i < 0 || i >= static_cast<int64_t>(map.size()))
+            throw std::logic_error("rank " + std::to_string(rank_) + " step " + std::to_string(t.step) + ": " + side +
+                                   " segment row " + std::to_string(i) + " outside the half's " +
+                                   std::to_string(map.size()) + " rows");
+          return map[static_cast<size_t>(i)];
+        };
+        const int64_t first = at(seg.first_row);
+        for (int32_t j = 1; j < seg.count; ++j)
+          if (at(seg.first_row + j) != first + j)
+            throw std::logic_error("rank " + std::to_string(rank_) + " step " + std::to_string(t.step) + ": the " +
+                                   side + " half's rows of a segment are not consecutive in the rank's tensor");
+        seg.first_row = first;
+      }
+    };
+    AttentionCall call = t.call;
+    if (q_rows) call.q_rows = q.rows;
+    if (kv_rows) call.kv_rows = k.rows;
+    for (SequenceTile& seq : call.sequences) {
+      if (q_rows) move_segments(seq.q, *q_rows, "Q");
+      if (kv_rows) move_segments(seq.kv, *kv_rows, "KV");
+    }
+    AttentionShape shape{dtype_, static_cast<int>(q.heads), static_cast<int>(k.heads), static_cast<int>(q.dim),
+                         static_cast<int>(v.dim)};
+    AttentionPlan plan;
+    const Outcome built = plan.build(call, shape, outside);
+    if (!built.ok()) fail_step(t, variant ? "AttentionPlan::build (halves in place)" : "AttentionPlan::build", built);
+    return plans_.emplace(key, std::move(plan)).first->second;
+  }
+  // The plan of tile t's own call, over the step tensors.
+  const AttentionPlan& plan_for(const sim::Tile& t, const Tensor& q, const Tensor& k, const Tensor& v) {
+    return plan_in_place(t, nullptr, nullptr, q, k, v, {});
+  }
+  void corrupt(const sim::Tile& t, DeviceTensor& o) {
+    for (const SequenceTile& s : t.call.sequences)
+      for (const RowSegment& seg : s.q)
+        if (seg.count > 0) {
+          const size_t row_elems = static_cast<size_t>(o.heads * o.dim);
+          cuda(launch_add_one(o.data(), o.elem, static_cast<size_t>(seg.first_row) * row_elems, row_elems, stream_),
+               "inject");
+          return;
+        }
+  }
+  [[noreturn]] void fail_step(const sim::Tile& t, const char* what, const Outcome& out) const {
+    throw std::runtime_error("rank " + std::to_string(rank_) + " step " + std::to_string(t.step) + " " + what + ": " +
+                             std::string(status_name(out.status)) + ": " + out.message);
+  }
+  void cuda(cudaError_t e, const char* what) const {
+    if (e != cudaSuccess)
+      throw std::runtime_error("rank " + std::to_string(rank_) + " " + what + ": " + cudaGetErrorString(e));
+  }
+
+  ComputeStream compute_;        // first members: destroyed after every tensor freed on them
+  ComputeStream accumulate_{1};  // the accumulation stream, at the highest priority
+  int rank_;
+  Communicator& comm_;
+  DType dtype_;
+  Elem storage_;
+  CpGpuOptions options_;
+  cudaStream_t stream_;       // compute
+  cudaStream_t side_stream_;  // accumulation
+  cudaStream_t comm_stream_;  // the communicator's
+  EventRef run_begin_, run_end_;
+  std::vector<std::pair<EventRef, EventRef>> comm_spans_, wait_spans_;
+  struct OpSpan {
+    const char* stream;
+    std::string name;
+    EventRef begin, end;
+  };
+  std::vector<OpSpan> op_spans_;  // options_.timeline: every timed() operation of the run
+  std::map<int, DeviceTensor> inputs_;
+  std::map<std::pair<const sim::Tile*, int>, AttentionPlan> plans_;  // plan_in_place, by tile and variant
+  struct DeltaCache {
+    std::shared_ptr<DeviceMemory> o, dout;  // the tensors it was computed from, kept alive so no other takes their place
+    DeviceLse delta;
+  } delta_;
+  std::map<int64_t, std::vector<int64_t>> identities_;
+  struct RowsHash {
+    size_t operator()(const std::vector<int64_t>& rows) const {
+      uint64_t h = 1469598103934665603ull ^ rows.size();
+      for (int64_t r : rows) h = (h ^ static_cast<uint64_t>(r)) * 1099511628211ull;
+      return static_cast<size_t>(h);
+    }
+  };
+  std::unordered_map<std::vector<int64_t>, std::shared_ptr<DeviceMemory>, RowsHash> row_cache_;
+};
+
+// Each rank starts with only its own rows of the global inputs (thd_get_partitioned_indices).
+void upload_shards(DeviceRankBackend& b, const sim::Plan& plan, const sim::CaseInputs& inputs) {
+  const int r = b.rank();
+  b.upload_input(sim::Payload::q, sim::shard_rows(plan.partition.q, r, inputs.q));
+  b.upload_input(sim::Payload::k, sim::shard_rows(plan.partition.kv, r, inputs.k));
+  b.upload_input(sim::Payload::v, sim::shard_rows(plan.partition.kv, r, inputs.v));
+  b.upload_input(sim::Payload::dout, sim::shard_rows(plan.partition.q, r, inputs.dout));
+}
+
+// The ranks allocate their step buffers stream-ordered; with the default release threshold (0) the pool returns its
+// memory to the driver at every synchronisation and each run pays for fresh physical pages. With accumulate_aside, a
+// block freed on the accumulation stream is not handed to an allocation on the compute stream by making the compute
+// stream wait for that free (the pool's internal dependencies would tie step i + 1's attention to step i's
+// accumulation); the pool takes other memory instead, or the block once its free has completed. (The attribute is the
+// device pool's, so it stays for the rest of the process.)
+void keep_pool_memory(int device, bool accumulate_aside) {
+  cudaMemPool_t pool = nullptr;
+  if (cudaDeviceGetDefaultMemPool(&pool, device) == cudaSuccess) {
+    uint64_t keep = UINT64_MAX;
+    cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep);
+    if (accumulate_aside) {
+      int no = 0;
+      cudaMemPoolSetAttribute(pool, cudaMemPoolReuseAllowInternalDependencies, &no);
+    }
+  }
+}
+
+}  // namespace
+
+Outcome cp_capability(const sim::Plan& plan, DType dtype, const sim::CaseInputs& inputs) {
+  if (dtype != DType::bf16 && dtype != DType::fp16)
+    return {Status::unsupported, "dtype " + std::string(dtype_name(dtype)) + ": the GPU runs bf16 and fp16"};
+  return check_capability({dtype, plan.heads_q, plan.heads_kv, static_cast<int>(inputs.q.dim),
+                           static_cast<int>(inputs.v.dim)});
+}
+
+struct LocalCpExecutor::State {
+  sim::Plan plan;  // the tiles' addresses key the attention plans
+  DType dtype;
+  CpGpuOptions options;
+  int device = 0;
+  std::vector<std::unique_ptr<Communicator>> comms;         // destroyed after the backends (their streams)
+  std::vector<std::unique_ptr<DeviceRankBackend>> backends;
+};
+
+LocalCpExecutor::LocalCpExecutor(const sim::Plan& plan, const sim::CaseInputs& inputs, DType dtype,
+                                 const CpGpuOptions& options)
+    : state_(std::make_unique<State>()) {
+  State& s = *state_;
+  s.plan = plan;
+  s.dtype = dtype;
+  s.options = options;
+  if (const Outcome cap = cp_capability(plan, dtype, inputs); !cap.ok())
+    throw std::invalid_argument("GPU CP: " + std::string(status_name(cap.status)) + ": " + cap.message);
+  if (cudaGetDevice(&s.device) != cudaSuccess) throw std::runtime_error("GPU CP: no CUDA device");
+  keep_pool_memory(s.device, options.accumulate_aside);
+  CommOptions comm_options;
+  comm_options.timeout = options.timeout;
+  const int W = plan.cp_size;
+  s.comms = make_local_communicators(W, comm_options);
+  for (int r = 0; r < W; ++r) {
+    auto b = std::make_unique<DeviceRankBackend>(r, *s.comms[static_cast<size_t>(r)], dtype, options);
+    upload_shards(*b, s.plan, inputs);
+    s.backends.push_back(std::move(b));
+  }
+}
+
+LocalCpExecutor::~LocalCpExecutor() = default;
+
+sim::CpRun<float> LocalCpExecutor::run(bool download) {
+  State& s = *state_;
+  const int W = s.plan.cp_size;
+  sim::CpRun<float> out;
+  out.ranks.resize(static_cast<size_t>(W));
+  // One reference for every rank's timeline: recorded on rank 0's idle stream before any rank starts.
+  const EventRef timeline_zero = s.options.timeline ? s.backends[0]->timing_event() : nullptr;
+  sim::run_rank_threads(
+      W,
+      [&](int g) {
+        cudaSetDevice(s.device);
+        DeviceRankBackend& b = *s.backends[static_cast<size_t>(g)];
+        b.trace = {};
+        try {
+          b.begin_run();
+          sim::RankResult<DeviceRankBackend> r = sim::run_rank(s.plan, b, s.options.backward);
+          b.join_streams();
+          s.comms[static_cast<size_t>(g)]->synchronize();
+          b.collect_timeline(timeline_zero);
+          if (download) {
+            sim::RankOutputs<float>& mine = out.ranks[static_cast<size_t>(g)];
+            mine.o = b.to_host(r.o);
+            mine.lse = b.to_host(r.lse);
+            if (s.options.backward) {
+              mine.dq = b.to_host(r.dq);
+              mine.dk = b.to_host(r.dk);
+              mine.dv = b.to_host(r.dv);
+            }
+          }
+        } catch (const CommError& e) {
+          // A rank that only saw another rank's fault reports it as secondary (the fault's own rank is reported).
+          if (e.fault() == CommFault::aborted)
+            throw sim::ExchangeError(e.rank(), std::string(comm_op_name(e.operation())), sim::ExchangeFault::aborted,
+                                     e.what());
+          throw;
+        }
+      },
+      [&] {
+        for (auto& c : s.comms) c->abort();
+      });
+  if (download && s.options.record_trace) {
+    std::vector<std::vector<sim::ForwardStepTrace<float>>> fwd;
+    std::vector<std::vector<sim::BackwardStepTrace<float>>> bwd;
+    for (auto& b : s.backends) {
+      fwd.push_back(std::move(b->trace.forward));
+      bwd.push_back(std::move(b->trace.backward));
+    }
+    out.trace.forward = sim::by_step_then_rank(fwd);
+    out.trace.backward = sim::by_step_then_rank(bwd);
+  }
+  return out;
+}
+
+struct RankCpExecutor::State {
+  sim::Plan plan;  // the tiles' addresses key the attention plans
+  Communicator* comm = nullptr;
+  CpGpuOptions options;
+  std::unique_ptr<DeviceRankBackend> backend;
+};
+
+RankCpExecutor::RankCpExecutor(const sim::Plan& plan, const sim::CaseInputs& inputs, DType dtype, Communicator& comm,
+                               const CpGpuOptions& options)
+    : state_(std::make_unique<State>()) {
+  if (comm.size() != plan.cp_size)
+    throw std::invalid_argument("GPU CP: communicator size " + std::to_string(comm.size()) + " != cp_size " +
+                                std::to_string(plan.cp_size));
+  if (const Outcome cap = cp_capability(plan, dtype, inputs); !cap.ok())
+    throw std::invalid_argument("GPU CP: " + std::string(status_name(cap.status)) + ": " + cap.message);
+  State& s = *state_;
+  s.plan = plan;
+  s.comm = &comm;
+  s.options = options;
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) throw std::runtime_error("GPU CP: no CUDA device");
+  keep_pool_memory(device, options.accumulate_aside);
+  s.backend = std::make_unique<DeviceRankBackend>(comm.rank(), comm, dtype, options);
+  upload_shards(*s.backend, s.plan, inputs);
+}
+
+RankCpExecutor::~RankCpExecutor() = default;
+
+RankRun RankCpExecutor::run(bool download) {
+  State& s = *state_;
+  DeviceRankBackend& b = *s.backend;
+  b.trace = {};
+  RankRun out;
+  b.begin_run();
+  sim::RankResult<DeviceRankBackend> res = sim::run_rank(s.plan, b, s.options.backward);
+  b.join_streams();
+  s.comm->synchronize();  // bounded: a peer that fails or never arrives ends the wait with a CommError
+  b.collect_timeline(nullptr);
+  if (download) {
+    out.outputs.o = b.to_host(res.o);
+    out.outputs.lse = b.to_host(res.lse);
+    if (s.options.backward) {
+      out.outputs.dq = b.to_host(res.dq);
+      out.outputs.dk = b.to_host(res.dk);
+      out.outputs.dv = b.to_host(res.dv);
+    }
+  }
+  out.trace = std::move(b.trace);
+  out.times = b.times();
+  return out;
+}
+
+RankRun run_cp_rank(const sim::Plan& plan, const sim::CaseInputs& inputs, DType dtype, Communicator& comm,
+                    const CpGpuOptions& options) {
+  RankCpExecutor executor(plan, inputs, dtype, comm, options);
+  return executor.run(true);
+}
+
+sim::CpRun<float> run_cp_local(const sim::Plan& plan, const sim::CaseInputs& inputs, DType dtype,
+                               const CpGpuOptions& options) {
+  LocalCpExecutor executor(plan, inputs, dtype, options);
+  return executor.run(true);
+}
+
+}  // namespace cpgold::gpu

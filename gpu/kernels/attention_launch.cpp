@@ -1,0 +1,88 @@
+// Entry points of the GPU attention: argument checks and dispatch on the dtype.
+#include <cmath>
+#include <string>
+
+#include "gpu/kernels/attention_launch.hpp"
+
+namespace cpgold::gpu {
+
+namespace detail {
+AttentionParams base_params(const AttentionPlan::Impl& plan) {
+  AttentionParams p{};
+  p.q_rows = plan.q_rows;
+  p.kv_rows = plan.kv_rows;
+  p.heads_q = plan.shape.heads_q;
+  p.heads_kv = plan.shape.heads_kv;
+  p.group = plan.shape.heads_q / plan.shape.heads_kv;
+  p.window_left = plan.window.left;
+  p.window_right = plan.window.right;
+  p.softmax_scale = static_cast<float>(plan.softmax_scale);
+  p.scale_log2 = static_cast<float>(plan.softmax_scale * 1.4426950408889634);
+  p.sequences = plan.sequences;
+  return p;
+}
+}  // namespace detail
+
+Outcome attention_forward(const AttentionPlan& plan, const ForwardBuffers& b, void* stream) {
+  const AttentionPlan::Impl* impl = plan.impl();
+  if (impl == nullptr) return {Status::invalid_argument, "attention_forward: the plan was not built"};
+  if (impl->outside.leave_q)
+    return {Status::invalid_argument, "attention_forward: a plan built with leave_q would leave O and LSE rows unwritten"};
+  if ((impl->q_rows > 0 && (b.q == nullptr || b.o == nullptr || b.lse == nullptr)) ||
+      (impl->kv_rows > 0 && (b.k == nullptr || b.v == nullptr)))
+    return {Status::invalid_argument, "attention_forward: a buffer is null"};
+  auto s = static_cast<cudaStream_t>(stream);
+  if (impl->shape.dtype == DType::bf16) return detail::launch_forward_bf16(*impl, b, s);
+  if (impl->shape.dtype == DType::fp16) return detail::launch_forward_fp16(*impl, b, s);
+  return {Status::unsupported, "attention_forward: dtype outside the capability table"};
+}
+
+Outcome attention_backward(const AttentionPlan& plan, const BackwardBuffers& b, BackwardMode mode, void* stream) {
+  const AttentionPlan::Impl* impl = plan.impl();
+  if (impl == nullptr) return {Status::invalid_argument, "attention_backward: the plan was not built"};
+  const int sums = (b.dq_sum.data != nullptr) + (b.dk_sum.data != nullptr) + (b.dv_sum.data != nullptr);
+  if (sums != 0 && sums != 3)
+    return {Status::invalid_argument, "attention_backward: dq_sum, dk_sum and dv_sum are set together or not at all"};
+  const bool summing = sums == 3;
+  const bool any_result = b.dq_sum.result != nullptr || b.dk_sum.result != nullptr || b.dv_sum.result != nullptr;
+  if (any_result && !summing)
+    return {Status::invalid_argument, "attention_backward: a sum's result is set outside the summing form"};
+  if ((b.dk_sum.result != nullptr) != (b.dv_sum.result != nullptr))
+    return {Status::invalid_argument, "attention_backward: dk_sum.result and dv_sum.result are set together or not at all"};
+  if ((impl->outside.leave_q && b.dq_sum.result != nullptr) || (impl->outside.leave_kv && b.dk_sum.result != nullptr))
+    return {Status::invalid_argument,
+            "attention_backward: a sum's result with a plan that leaves rows outside its segments (their result rows "
+            "would stay unwritten)"};
+  if (summing && ((impl->q_rows > 0 && b.dq_sum.rows == nullptr) ||
+                  (impl->kv_rows > 0 && (b.dk_sum.rows == nullptr || b.dk_sum.rows != b.dv_sum.rows))))
+    return {Status::invalid_argument, "attention_backward: a sum's row map is null, or dK's and dV's differ"};
+  if ((impl->q_rows > 0 && (b.q == nullptr || b.o == nullptr || b.lse == nullptr || b.dout == nullptr ||
+                            (!summing && b.dq == nullptr))) ||
+      (impl->kv_rows > 0 && (b.k == nullptr || b.v == nullptr || (!summing && (b.dk == nullptr || b.dv == nullptr)))))
+    return {Status::invalid_argument, "attention_backward: a buffer is null"};
+  if (impl->outside.leave_kv && impl->kv_rows > 0 && (!summing || b.dk_sum.assign || b.dv_sum.assign))
+    return {Status::invalid_argument,
+            "attention_backward: a plan built with leave_kv needs the summing form into sums that hold every row "
+            "already (dk_sum/dv_sum assign false)"};
+  if (impl->outside.leave_q && impl->q_rows > 0 && (!summing || b.dq_sum.assign))
+    return {Status::invalid_argument,
+            "attention_backward: a plan built with leave_q needs the summing form into a sum that holds every row "
+            "already (dq_sum assign false)"};
+  auto s = static_cast<cudaStream_t>(stream);
+  if (impl->shape.dtype == DType::bf16) return detail::launch_backward_bf16(*impl, b, mode, s);
+  if (impl->shape.dtype == DType::fp16) return detail::launch_backward_fp16(*impl, b, mode, s);
+  return {Status::unsupported, "attention_backward: dtype outside the capability table"};
+}
+
+Outcome attention_row_delta(const AttentionShape& shape, const void* o, const void* dout, int64_t rows, float* delta,
+                            void* stream) {
+  if (Outcome cap = check_capability(shape); !cap.ok()) return cap;
+  if (rows < 0) return {Status::invalid_argument, "attention_row_delta: rows=" + std::to_string(rows) + " is negative"};
+  if (rows > 0 && (o == nullptr || dout == nullptr || delta == nullptr))
+    return {Status::invalid_argument, "attention_row_delta: a buffer is null"};
+  auto s = static_cast<cudaStream_t>(stream);
+  if (shape.dtype == DType::bf16) return detail::launch_row_delta_bf16(shape, o, dout, rows, delta, s);
+  return detail::launch_row_delta_fp16(shape, o, dout, rows, delta, s);
+}
+
+}  // namespace cpgold::gpu

@@ -1,0 +1,190 @@
+#pragma once
+// Launch templates shared by the per-dtype translation units.
+#include <algorithm>
+#include <string>
+
+#include "gpu/kernels/attention_kernels.cuh"
+#include "gpu/kernels/attention_launch.hpp"
+
+namespace cpgold::gpu::detail {
+
+inline Outcome cuda_failure(const char* what, cudaError_t e) {
+  return {Status::cuda_error, std::string(what) + ": " + cudaGetErrorString(e)};
+}
+
+template <class Kernel>
+Outcome launch(Kernel kernel, dim3 grid, int threads, int smem, cudaStream_t stream, const AttentionParams& p,
+               const char* name) {
+  if (grid.x == 0 || grid.y == 0) return {};
+  if (smem > 48 * 1024) {
+    if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+        e != cudaSuccess)
+      return cuda_failure(name, e);
+  }
+  kernel<<<grid, threads, smem, stream>>>(p);
+  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return cuda_failure(name, e);
+  return {};
+}
+
+// Forward Q tiles are 16 rows per warp; 4 warps use the small tile list.
+inline constexpr int kForwardWarps = 4;
+
+template <class T, int D, int DV>
+Outcome forward_dims(AttentionParams p, cudaStream_t stream, const AttentionPlan::Impl& plan) {
+  using Cfg = ForwardConfig<T, D, DV, kForwardWarps>;
+  static_assert(Cfg::kBlockM == kSmallTileRows || Cfg::kBlockM == kLargeTileRows, "tile list");
+  p.q_tiles = Cfg::kBlockM == kSmallTileRows ? plan.q_tiles_small : plan.q_tiles_large;
+  p.q_tile_count = Cfg::kBlockM == kSmallTileRows ? plan.q_tile_small_count : plan.q_tile_large_count;
+  return launch(attention_forward_kernel<T, D, DV, kForwardWarps>, dim3(p.q_tile_count, p.heads_q), Cfg::kThreads,
+                Cfg::kSmemBytes, stream, p, "attention_forward_kernel");
+}
+
+template <class T>
+Outcome forward_typed(const AttentionPlan::Impl& plan, const ForwardBuffers& b, cudaStream_t stream) {
+  AttentionParams p = base_params(plan);
+  p.q = b.q;
+  p.k = b.k;
+  p.v = b.v;
+  p.o = b.o;
+  p.lse = b.lse;
+  const int d = plan.shape.dim_qk, dv = plan.shape.dim_v;
+  if (d == 32 && dv == 32) return forward_dims<T, 32, 32>(p, stream, plan);
+  if (d == 64 && dv == 64) return forward_dims<T, 64, 64>(p, stream, plan);
+  if (d == 96 && dv == 96) return forward_dims<T, 96, 96>(p, stream, plan);
+  if (d == 128 && dv == 128) return forward_dims<T, 128, 128>(p, stream, plan);
+  if (d == 128 && dv == 64) return forward_dims<T, 128, 64>(p, stream, plan);
+  if (d == 192 && dv == 128) return forward_dims<T, 192, 128>(p, stream, plan);
+  if (d == 256 && dv == 256) return forward_dims<T, 256, 256>(p, stream, plan);
+  return {Status::unsupported, "head dims outside the capability table"};
+}
+
+template <class T, int D, int DV>
+Outcome backward_dims(AttentionParams p, BackwardMode mode, cudaStream_t stream, const AttentionPlan::Impl& plan) {
+  p.q_tiles = plan.q_tiles_small;
+  p.q_tile_count = plan.q_tile_small_count;
+  p.kv_tiles = plan.kv_tiles;
+  p.kv_tile_count = plan.kv_tile_count;
+  const bool atomic = mode == BackwardMode::atomic;
+  const bool own_delta = p.delta == nullptr;  // else BackwardBuffers::delta, computed by attention_row_delta
+  const size_t delta_elems = own_delta ? static_cast<size_t>(p.heads_q) * p.q_rows : 0;
+  const size_t accum_elems = atomic ? static_cast<size_t>(p.q_rows) * p.heads_q * D : 0;
+  const size_t bytes = (delta_elems + accum_elems) * sizeof(float);
+  void* workspace = nullptr;
+  if (bytes > 0) {
+    if (cudaError_t e = cudaMallocAsync(&workspace, bytes, stream); e != cudaSuccess)
+      return cuda_failure("cudaMallocAsync of the backward workspace", e);
+  }
+  p.dq_accum = static_cast<float*>(workspace);
+  if (own_delta) p.delta = static_cast<float*>(workspace) + accum_elems;
+  Outcome out;
+  auto step = [&](Outcome o) {
+    if (out.ok() && !o.ok()) out = std::move(o);
+  };
+  if (own_delta)
+    step(launch(attention_backward_delta_kernel<T, DV>, dim3(p.q_tile_count, p.heads_q), 128, 0, stream, p,
+                "attention_backward_delta_kernel"));
+  using Cfg = BackwardConfig<T, D, DV>;
+  // Column slices of the dK/dV kernel: two for head dim 256 (see attention_backward_dkdv_kernel).
+  constexpr int kSlices = D > 192 ? 2 : 1;
+  const dim3 dkdv_grid(p.kv_tile_count, p.heads_kv, kSlices);
+  if (atomic) {
+    if (accum_elems > 0 && out.ok())
+      if (cudaError_t e = cudaMemsetAsync(p.dq_accum, 0, accum_elems * sizeof(float), stream); e != cudaSuccess)
+        step(cuda_failure("cudaMemsetAsync of dq_accum", e));
+    if (out.ok())
+      step(launch(attention_backward_dkdv_kernel<T, D, DV, true, kSlices>, dkdv_grid, Cfg::kThreads,
+                  Cfg::kSmemBytes, stream, p, "attention_backward_dkdv_kernel"));
+    const int64_t elems = static_cast<int64_t>(accum_elems);
+    const int blocks = static_cast<int>(std::min<int64_t>((elems + 255) / 256, 132 * 16));
+    if (out.ok() && elems > 0) {
+      if (p.dq_sum != nullptr) {
+        // A tile holds up to 64 rows of heads_q * D / 4 pieces: about 4 pieces per thread, every tile at once.
+        const int64_t pieces = int64_t{kSmallTileRows} * p.heads_q * D / 4;
+        const dim3 grid(static_cast<unsigned>(std::min(p.q_tile_count, 65535)),
+                        static_cast<unsigned>(std::clamp<int64_t>((pieces + 1023) / 1024, 1, 65535)));
+        if (p.q_tile_count > 0)
+          attention_backward_sum_dq_kernel<T><<<grid, 256, 0, stream>>>(p, static_cast<int64_t>(p.heads_q) * D);
+      } else
+        attention_backward_convert_dq_kernel<T><<<blocks, 256, 0, stream>>>(p, elems);
+      if (cudaError_t e = cudaGetLastError(); e != cudaSuccess)
+        step(cuda_failure(
+            p.dq_sum != nullptr ? "attention_backward_sum_dq_kernel" : "attention_backward_convert_dq_kernel", e));
+    }
+  } else {
+    if (out.ok())
+      step(launch(attention_backward_dkdv_kernel<T, D, DV, false, kSlices>, dkdv_grid, Cfg::kThreads,
+                  Cfg::kSmemBytes, stream, p, "attention_backward_dkdv_kernel"));
+    using Dq = DqConfig<T, D, DV>;
+    if (out.ok())
+      step(launch(attention_backward_dq_kernel<T, D, DV>, dim3(p.q_tile_count, p.heads_q), Dq::kThreads,
+                  Dq::kSmemBytes, stream, p, "attention_backward_dq_kernel"));
+  }
+  if (workspace != nullptr) {
+    if (cudaError_t e = cudaFreeAsync(workspace, stream); e != cudaSuccess)
+      step(cuda_failure("cudaFreeAsync of the backward workspace", e));
+  }
+  return out;
+}
+
+template <class T>
+Outcome backward_typed(const AttentionPlan::Impl& plan, const BackwardBuffers& b, BackwardMode mode,
+                       cudaStream_t stream) {
+  AttentionParams p = base_params(plan);
+  p.q = b.q;
+  p.k = b.k;
+  p.v = b.v;
+  p.o = const_cast<void*>(b.o);
+  p.lse = const_cast<float*>(b.lse);
+  p.dout = b.dout;
+  p.dq = b.dq;
+  p.dk = b.dk;
+  p.dv = b.dv;
+  p.dq_sum = b.dq_sum.data;
+  p.dk_sum = b.dk_sum.data;
+  p.dv_sum = b.dv_sum.data;
+  p.q_sum_rows = b.dq_sum.rows;
+  p.kv_sum_rows = b.dk_sum.rows;
+  p.dq_sum_assign = b.dq_sum.assign;
+  p.dk_sum_assign = b.dk_sum.assign;
+  p.dv_sum_assign = b.dv_sum.assign;
+  p.dq_result = b.dq_sum.result;
+  p.dk_result = b.dk_sum.result;
+  p.dv_result = b.dv_sum.result;
+  p.delta = const_cast<float*>(b.delta);
+  const int d = plan.shape.dim_qk, dv = plan.shape.dim_v;
+  if (d == 32 && dv == 32) return backward_dims<T, 32, 32>(p, mode, stream, plan);
+  if (d == 64 && dv == 64) return backward_dims<T, 64, 64>(p, mode, stream, plan);
+  if (d == 96 && dv == 96) return backward_dims<T, 96, 96>(p, mode, stream, plan);
+  if (d == 128 && dv == 128) return backward_dims<T, 128, 128>(p, mode, stream, plan);
+  if (d == 128 && dv == 64) return backward_dims<T, 128, 64>(p, mode, stream, plan);
+  if (d == 192 && dv == 128) return backward_dims<T, 192, 128>(p, mode, stream, plan);
+  if (d == 256 && dv == 256) return backward_dims<T, 256, 256>(p, mode, stream, plan);
+  return {Status::unsupported, "head dims outside the capability table"};
+}
+
+template <class T, int DV>
+Outcome row_delta_dims(const AttentionShape& shape, const void* o, const void* dout, int64_t rows, float* delta,
+                       cudaStream_t stream) {
+  if (rows == 0) return {};
+  if ((rows + 3) / 4 > 0x7fffffff) return {Status::invalid_argument, "attention_row_delta: too many rows"};
+  attention_row_delta_kernel<T, DV><<<dim3(static_cast<unsigned>((rows + 3) / 4), shape.heads_q), 128, 0, stream>>>(
+      static_cast<const T*>(o), static_cast<const T*>(dout), delta, rows);
+  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return cuda_failure("attention_row_delta_kernel", e);
+  return {};
+}
+
+template <class T>
+Outcome row_delta_typed(const AttentionShape& shape, const void* o, const void* dout, int64_t rows, float* delta,
+                        cudaStream_t stream) {
+  switch (shape.dim_v) {
+    case 32: return row_delta_dims<T, 32>(shape, o, dout, rows, delta, stream);
+    case 64: return row_delta_dims<T, 64>(shape, o, dout, rows, delta, stream);
+    case 96: return row_delta_dims<T, 96>(shape, o, dout, rows, delta, stream);
+    case 128: return row_delta_dims<T, 128>(shape, o, dout, rows, delta, stream);
+    case 256: return row_delta_dims<T, 256>(shape, o, dout, rows, delta, stream);
+    default: break;
+  }
+  return {Status::unsupported, "head dims outside the capability table"};
+}
+
+}  // namespace cpgold::gpu::detail

@@ -1,0 +1,22 @@
+#pragma once
+// Per-dtype launchers (gpu/kernels/attention_bf16.cu, attention_fp16.cu) behind attention_forward/backward/row_delta.
+#include <cuda_runtime_api.h>
+
+#include "gpu/kernels/attention_plan_impl.hpp"
+
+namespace cpgold::gpu::detail {
+
+AttentionParams base_params(const AttentionPlan::Impl& plan);
+
+Outcome launch_forward_bf16(const AttentionPlan::Impl& plan, const ForwardBuffers& buffers, cudaStream_t stream);
+Outcome launch_forward_fp16(const AttentionPlan::Impl& plan, const ForwardBuffers& buffers, cudaStream_t stream);
+Outcome launch_backward_bf16(const AttentionPlan::Impl& plan, const BackwardBuffers& buffers, BackwardMode mode,
+                             cudaStream_t stream);
+Outcome launch_backward_fp16(const AttentionPlan::Impl& plan, const BackwardBuffers& buffers, BackwardMode mode,
+                             cudaStream_t stream);
+Outcome launch_row_delta_bf16(const AttentionShape& shape, const void* o, const void* dout, int64_t rows, float* delta,
+                              cudaStream_t stream);
+Outcome launch_row_delta_fp16(const AttentionShape& shape, const void* o, const void* dout, int64_t rows, float* delta,
+                              cudaStream_t stream);
+
+}  // namespace cpgold::gpu::detail

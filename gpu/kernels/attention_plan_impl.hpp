@@ -1,0 +1,44 @@
+#pragma once
+// Inside of AttentionPlan, shared by the plan builder and the launchers.
+#include <cstdint>
+#include <vector>
+
+#include "gpu/kernels/attention.hpp"
+#include "gpu/kernels/kernel_params.hpp"
+
+namespace cpgold::gpu {
+
+// Tile heights the kernels are built for. Q tiles come in two heights (forward launches may use either); KV tiles
+// in one.
+inline constexpr int kSmallTileRows = 64;
+inline constexpr int kLargeTileRows = 128;
+inline constexpr int kKvTileRows = 64;
+
+// Host half of the plan: what build() computes before uploading (also what host-only tests inspect).
+struct PlanTiles {
+  std::vector<SequenceDesc> sequences;
+  std::vector<RowTile> q_tiles_small, q_tiles_large, kv_tiles;
+};
+
+// Splits the call into sequence descriptors and tile lists (work tiles per segment, pad tiles over the rest).
+// Throws std::invalid_argument when KV rows of two sequences overlap.
+// With outside.leave_q (leave_kv), no pad tiles on the Q (K/V) side.
+PlanTiles make_plan_tiles(const AttentionCall& call, OutsideRows outside = {});
+
+struct AttentionPlan::Impl {
+  AttentionShape shape;
+  Window window;
+  double softmax_scale = 0;
+  int64_t q_rows = 0, kv_rows = 0;
+  OutsideRows outside;
+  // Device arrays (one allocation, owned).
+  void* device_block = nullptr;
+  const SequenceDesc* sequences = nullptr;
+  const RowTile* q_tiles_small = nullptr;
+  const RowTile* q_tiles_large = nullptr;
+  const RowTile* kv_tiles = nullptr;
+  int32_t q_tile_small_count = 0, q_tile_large_count = 0, kv_tile_count = 0;
+  ~Impl();
+};
+
+}  // namespace cpgold::gpu
