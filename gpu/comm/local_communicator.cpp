@@ -12,7 +12,7 @@
 #include <thread>
 #include <tuple>
 
-#include "gpu/kernels/cp_kernels.hpp"
+#include "gpu/comm/block_sum.hpp"
 #include "sim/rendezvous.hpp"
 
 namespace cpgold::gpu {

@@ -346,13 +346,6 @@ __global__ void add_one_kernel(void* x, Elem elem, size_t offset, size_t count) 
   for (size_t e = blockIdx.x * size_t(blockDim.x) + threadIdx.x; e < count; e += size_t(gridDim.x) * blockDim.x)
     store(x, elem, offset + e, load(x, elem, offset + e) + 1.0f);
 }
-__global__ void sum_blocks_kernel(float* out, const float* in, int blocks, size_t count) {
-  for (size_t e = blockIdx.x * size_t(blockDim.x) + threadIdx.x; e < count; e += size_t(gridDim.x) * blockDim.x) {
-    float s = 0.0f;
-    for (int b = 0; b < blocks; ++b) s += in[static_cast<size_t>(b) * count + e];
-    out[e] = s;
-  }
-}
 
 }  // namespace
 
@@ -422,11 +415,6 @@ cudaError_t launch_convert(void* dst, Elem dst_elem, const void* src, Elem src_e
 cudaError_t launch_add_one(void* x, Elem elem, size_t offset, size_t count, cudaStream_t stream) {
   if (count == 0) return cudaSuccess;
   add_one_kernel<<<blocks_for(count), kThreads, 0, stream>>>(x, elem, offset, count);
-  return cudaGetLastError();
-}
-cudaError_t launch_sum_blocks(float* out, const float* in, int blocks, size_t count, cudaStream_t stream) {
-  if (count == 0) return cudaSuccess;
-  sum_blocks_kernel<<<blocks_for(count), kThreads, 0, stream>>>(out, in, blocks, count);
   return cudaGetLastError();
 }
 

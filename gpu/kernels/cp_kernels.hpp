@@ -1,7 +1,7 @@
 #pragma once
 // Data-movement and merge kernels of the GPU CP executors (gpu/cp/cp_executor.*): row gathers and scatters between
 // step, group and rank tensors, float32 accumulation of partials, the fused forward merge of per-step (O_i, LSE_i),
-// dtype conversion, and the reduce-scatter sum. Row index arrays live on the device; a row index < 0 reads as zero.
+// and dtype conversion. Row index arrays live on the device; a row index < 0 reads as zero.
 // Every launcher enqueues on `stream` and returns the launch error (cudaSuccess when there is nothing to do).
 // The row kernels give each row to one warp and move it in the widest of 16/8/4/2-byte vectors that the row width,
 // the offsets and the pointers allow: no per-element index arithmetic beyond the row's base address.
@@ -55,7 +55,5 @@ cudaError_t launch_convert(void* dst, Elem dst_elem, const void* src, Elem src_e
                            cudaStream_t stream);
 // x[offset + i] += 1 for i < count (the checker's self-test corrupts one partial row this way).
 cudaError_t launch_add_one(void* x, Elem elem, size_t offset, size_t count, cudaStream_t stream);
-// out: [count]; out = in[0] + in[1] + ... + in[blocks-1] in this order (in: [blocks, count]).
-cudaError_t launch_sum_blocks(float* out, const float* in, int blocks, size_t count, cudaStream_t stream);
 
 }  // namespace cpgold::gpu
