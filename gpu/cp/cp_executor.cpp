@@ -21,11 +21,6 @@
 
 namespace cpgold::gpu {
 
-std::string attention_phase(sim::PassKind pass, sim::StepSection section) {
-  return std::string(pass == sim::PassKind::forward ? "attention forward, " : "attention backward, ") +
-         std::string(sim::section_name(section));
-}
-
 namespace {
 
 // A CUDA event, destroyed when the last holder lets go (a recorded event may be destroyed before it completes).
