@@ -16,24 +16,14 @@
 #include "gpu/kernels/cp_kernels.hpp"
 #include "gpu/kernels/dtype_bits.hpp"
 #include "gpu/comm/local_communicator.hpp"
+#include "gpu/cp/rank_streams.hpp"
+#include "gpu/cp/rank_timing.hpp"
 #include "gpu/cp/timeline.hpp"
 #include "sim/cp_program.hpp"
 
 namespace cpgold::gpu {
 
 namespace {
-
-// A CUDA event, destroyed when the last holder lets go (a recorded event may be destroyed before it completes).
-struct Event {
-  cudaEvent_t event = nullptr;
-  Event() = default;
-  Event(const Event&) = delete;
-  Event& operator=(const Event&) = delete;
-  ~Event() {
-    if (event) cudaEventDestroy(event);
-  }
-};
-using EventRef = std::shared_ptr<Event>;
 
 // One stream-ordered device allocation, freed on the stream that made it. pending_zero: the program asked for zeros
 // and nothing has been written yet; the zeros are written only if something reads the buffer before a write that
@@ -82,35 +72,7 @@ Elem storage_elem(DType dtype) {
   throw std::invalid_argument("dtype: the GPU CP path runs bf16 or fp16, not " + std::string(dtype_name(dtype)));
 }
 
-// The rank's compute stream: created with the backend, destroyed after every tensor freed on it.
-struct ComputeStream {
-  cudaStream_t stream = nullptr;
-  // priority: 0 = the default, 1 = the device's highest (its blocks are dispatched before waiting default ones).
-  explicit ComputeStream(int priority = 0) {
-    int least = 0, greatest = 0;
-    cudaDeviceGetStreamPriorityRange(&least, &greatest);
-    if (const cudaError_t e = cudaStreamCreateWithPriority(&stream, cudaStreamNonBlocking, priority ? greatest : 0);
-        e != cudaSuccess)
-      throw std::runtime_error(std::string("cudaStreamCreate (rank stream): ") + cudaGetErrorString(e));
-  }
-  ComputeStream(const ComputeStream&) = delete;
-  ComputeStream& operator=(const ComputeStream&) = delete;
-  ~ComputeStream() {
-    cudaStreamSynchronize(stream);
-    cudaStreamDestroy(stream);
-  }
-};
-
-// Three streams per rank: attention, copies and merges run on the backend's compute stream; exchanges run on the
-// communicator's stream; with CpGpuOptions::accumulate_aside the float32 accumulation of the backward partials
-// (scatter_add) runs on the accumulation stream, otherwise on the compute stream. An exchange starts on the
-// communication stream once the compute stream has passed what was enqueued before it (the sent tensors' producers,
-// the receive buffers' allocation); the compute stream waits for the exchange only where the program finishes it, so
-// what the program enqueues in between overlaps it. An accumulation starts once
-// the compute stream has produced its partial; the compute and communication streams wait for it only where they
-// touch its accumulator (DeviceMemory::side_use), so step i's memory-bound accumulation runs beside step i + 1's
-// compute-bound attention. Every tensor is allocated on the compute stream and freed on it, or on the accumulation
-// stream where that stream used it last, only after the exchanges that used it have finished.
+// Streams and their order: gpu/cp/rank_streams.hpp.
 class DeviceRankBackend {
  public:
   using Tensor = DeviceTensor;
@@ -124,63 +86,28 @@ class DeviceRankBackend {
   };
 
   DeviceRankBackend(int rank, Communicator& comm, DType dtype, const CpGpuOptions& options)
-      : rank_(rank), comm_(comm), dtype_(dtype), storage_(storage_elem(dtype)), options_(options),
-        stream_(compute_.stream), side_stream_(accumulate_.stream),
-        comm_stream_(static_cast<cudaStream_t>(comm.stream())) {}
+      : streams_(rank, static_cast<cudaStream_t>(comm.stream()), options.time_exchanges || options.timeline != nullptr),
+        rank_(rank), comm_(comm), dtype_(dtype), storage_(storage_elem(dtype)), options_(options),
+        timing_(streams_, options_) {}
 
   int rank() const { return rank_; }
-  cudaStream_t stream() const { return stream_; }
 
-  // Marks the start of a run on the compute stream (and forgets the previous run's exchange timings).
-  void begin_run() {
-    comm_spans_.clear();
-    wait_spans_.clear();
-    op_spans_.clear();
-    run_begin_ = record(stream_);
-  }
-  // The communication stream waits for the compute stream's last operation, so that the communicator's
-  // synchronize() (bounded, watching the peers) covers the whole run.
-  void join_streams() {
-    cuda(cudaStreamWaitEvent(stream_, record(side_stream_)->event, 0), "cudaStreamWaitEvent (join)");
-    run_end_ = record(stream_);
-    cuda(cudaStreamWaitEvent(comm_stream_, run_end_->event, 0), "cudaStreamWaitEvent (join)");
-  }
-  // Device time of the last run (after join_streams and a synchronize; options.time_exchanges).
-  RankTimes times() const {
-    RankTimes t;
-    if (!options_.time_exchanges || !run_begin_ || !run_end_) return t;
-    t.run_ms = elapsed(run_begin_, run_end_);
-    for (const auto& [a, b] : comm_spans_) t.comm_ms += elapsed(a, b);
-    for (const auto& [a, b] : wait_spans_) t.exposed_ms += elapsed(a, b);
-    t.exchanges = static_cast<int>(comm_spans_.size());
-    return t;
-  }
-
-  // Appends the last run's spans to options.timeline, in milliseconds from `ref` (null: this rank's run start).
-  // After join_streams and a synchronize, so that every event has completed. Nothing with phases (serialised).
-  void collect_timeline(const EventRef& ref) {
-    if (!options_.timeline || options_.phases) return;
-    const EventRef& zero = ref ? ref : run_begin_;
-    std::vector<TimelineSpan> out;
-    for (const OpSpan& x : op_spans_)
-      out.push_back({rank_, x.stream, x.name, elapsed(zero, x.begin), elapsed(zero, x.end)});
-    for (const auto& [a, b] : comm_spans_) out.push_back({rank_, "exchange", "exchange", elapsed(zero, a), elapsed(zero, b)});
-    for (const auto& [a, b] : wait_spans_)
-      out.push_back({rank_, "exchange wait", "wait for exchange", elapsed(zero, a), elapsed(zero, b)});
-    op_spans_.clear();
-    std::lock_guard<std::mutex> lock(options_.timeline->mutex);
-    for (TimelineSpan& x : out) options_.timeline->spans.push_back(std::move(x));
-  }
-  // A timing event on the compute stream (the reference of a timeline).
-  EventRef timing_event() { return record(stream_); }
+  // A run: begin_run, the program, join_streams, the communicator's synchronize(), then times and collect_timeline
+  // (gpu/cp/rank_timing.hpp).
+  void begin_run() { timing_.begin_run(); }
+  void join_streams() { timing_.end_run(streams_.join()); }
+  RankTimes times() const { return timing_.times(); }
+  void collect_timeline(const EventRef& ref) { timing_.collect_timeline(ref); }
+  EventRef timing_event() { return timing_.timing_event(); }
 
   // Host float tensor holding dtype values -> device storage tensor.
   void upload_input(sim::Payload payload, const Tensor3<float>& x) {
     DeviceTensor t = alloc(x.rows, x.heads, x.dim, storage_);
     std::vector<uint16_t> bits(x.values.size());
     for (size_t i = 0; i < bits.size(); ++i) bits[i] = to_bits(dtype_, x.values[i]);
-    cuda(cudaMemcpyAsync(t.data(), bits.data(), t.bytes(), cudaMemcpyHostToDevice, stream_), "upload");
-    cuda(cudaStreamSynchronize(stream_), "upload");
+    streams_.check(cudaMemcpyAsync(t.data(), bits.data(), t.bytes(), cudaMemcpyHostToDevice, streams_.compute()),
+                   "upload");
+    streams_.check(cudaStreamSynchronize(streams_.compute()), "upload");
     inputs_[static_cast<int>(payload)] = std::move(t);
   }
 
@@ -200,7 +127,8 @@ class DeviceRankBackend {
     l.heads = heads;
     l.rows = rows;
     l.mem = raw(l.bytes());
-    timed("lse", l.bytes(), [&] { cuda(launch_fill(l.data(), l.count(), -INFINITY, stream_), "fill"); });
+    timing_.timed("lse", l.bytes(),
+                  [&] { streams_.check(launch_fill(l.data(), l.count(), -INFINITY, streams_.compute()), "fill"); });
     return l;
   }
   sim::Shape shape(const Tensor& x) const { return {x.rows, x.heads, x.dim}; }
@@ -209,10 +137,10 @@ class DeviceRankBackend {
     materialize(x);
     DeviceTensor out = alloc(static_cast<int64_t>(rows.size()), h1 - h0, x.dim, x.elem);
     const auto idx = upload_rows(rows);
-    timed("gather", 2.0 * out.bytes(), [&] {
-      cuda(launch_gather_rows(out.data(), x.data(), rows_ptr(idx), out.rows, x.heads, h0, h1 - h0, x.dim, x.elem,
-                              stream_),
-           "gather");
+    timing_.timed("gather", 2.0 * out.bytes(), [&] {
+      streams_.check(launch_gather_rows(out.data(), x.data(), rows_ptr(idx), out.rows, x.heads, h0, h1 - h0, x.dim,
+                                        x.elem, streams_.compute()),
+                     "gather");
     });
     return out;
   }
@@ -221,10 +149,10 @@ class DeviceRankBackend {
     materialize(dst);
     materialize(src);
     const auto idx = upload_rows(rows);
-    timed("scatter", 2.0 * src.bytes(), [&] {
-      cuda(launch_scatter_rows(dst.data(), src.data(), rows_ptr(idx), static_cast<int64_t>(rows.size()), dst.heads, h0,
-                               src.heads, src.dim, src.elem, stream_),
-           "scatter");
+    timing_.timed("scatter", 2.0 * src.bytes(), [&] {
+      streams_.check(launch_scatter_rows(dst.data(), src.data(), rows_ptr(idx), static_cast<int64_t>(rows.size()),
+                                         dst.heads, h0, src.heads, src.dim, src.elem, streams_.compute()),
+                     "scatter");
     });
   }
   void scatter_add(Tensor& dst, const std::vector<int64_t>& rows, const Tensor& src) {
@@ -234,23 +162,25 @@ class DeviceRankBackend {
     // With accumulate_aside, both are only read and written on the accumulation stream from here on, in program
     // order there: no wait for an earlier accumulation, only for the zero fills (on the compute stream).
     const bool aside = options_.accumulate_aside;
-    const cudaStream_t on = aside ? side_stream_ : stream_;
+    const cudaStream_t on = aside ? streams_.accumulation() : streams_.compute();
     fill_pending_zeros(src);
     const bool assign = start_sum(dst, rows);
     const auto idx = upload_rows(rows);
     // The accumulation stream starts after everything the compute stream has enqueued so far (the partial, the zero
     // fill, the upload of the rows, the exchange that delivered dst).
-    if (aside) cuda(cudaStreamWaitEvent(on, record(stream_)->event, 0), "cudaStreamWaitEvent (accumulation)");
-    timed(
+    if (aside)
+      streams_.check(cudaStreamWaitEvent(on, streams_.record(streams_.compute())->event, 0),
+                     "cudaStreamWaitEvent (accumulation)");
+    timing_.timed(
         "scatter_add", src.bytes() + (assign ? 1.0 : 2.0) * src.count() * 4,
         [&] {
-          cuda(launch_scatter_add(static_cast<float*>(dst.data()), src.data(), src.elem, rows_ptr(idx),
-                                  static_cast<int64_t>(rows.size()), src.heads * src.dim, assign, on),
-               "scatter_add");
+          streams_.check(launch_scatter_add(static_cast<float*>(dst.data()), src.data(), src.elem, rows_ptr(idx),
+                                            static_cast<int64_t>(rows.size()), src.heads * src.dim, assign, on),
+                         "scatter_add");
         },
         on);
     if (!aside) return;
-    const EventRef done = record(side_stream_);
+    const EventRef done = streams_.record(streams_.accumulation());
     for (const auto& m : {dst.mem, src.mem})
       if (m) m->side_use = done;
   }
@@ -260,17 +190,19 @@ class DeviceRankBackend {
     out.rows = static_cast<int64_t>(rows.size());
     out.mem = raw(out.bytes());
     const auto idx = upload_rows(rows);
-    timed("lse", 2.0 * out.bytes(), [&] {
-      cuda(launch_lse_gather(out.data(), x.data(), rows_ptr(idx), out.rows, x.heads, x.rows, stream_), "lse_gather");
+    timing_.timed("lse", 2.0 * out.bytes(), [&] {
+      streams_.check(
+          launch_lse_gather(out.data(), x.data(), rows_ptr(idx), out.rows, x.heads, x.rows, streams_.compute()),
+          "lse_gather");
     });
     return out;
   }
   void lse_scatter(Lse& dst, const std::vector<int64_t>& rows, int h0, const Lse& src) {
     const auto idx = upload_rows(rows);
-    timed("lse", 2.0 * src.bytes(), [&] {
-      cuda(launch_lse_scatter(dst.data(), src.data(), rows_ptr(idx), static_cast<int64_t>(rows.size()), src.heads,
-                              dst.rows, h0, stream_),
-           "lse_scatter");
+    timing_.timed("lse", 2.0 * src.bytes(), [&] {
+      streams_.check(launch_lse_scatter(dst.data(), src.data(), rows_ptr(idx), static_cast<int64_t>(rows.size()),
+                                        src.heads, dst.rows, h0, streams_.compute()),
+                     "lse_scatter");
     });
   }
 
@@ -295,8 +227,8 @@ class DeviceRankBackend {
     r.lse.rows = q.rows;
     r.lse.mem = raw(r.lse.bytes());
     Outcome out;
-    timed(attention_phase(sim::PassKind::forward, t.section).c_str(), 0, [&] {
-      out = attention_forward(plan, {q.data(), k.data(), v.data(), r.o.data(), r.lse.data()}, stream_);
+    timing_.timed(attention_phase(sim::PassKind::forward, t.section).c_str(), 0, [&] {
+      out = attention_forward(plan, {q.data(), k.data(), v.data(), r.o.data(), r.lse.data()}, streams_.compute());
     });
     if (!out.ok()) fail_step(t, "attention_forward", out);
     if (options_.inject && options_.inject->rank == rank_ && options_.inject->step == t.step) corrupt(t, r.o);
@@ -309,11 +241,11 @@ class DeviceRankBackend {
     Backward r{alloc(q.rows, q.heads, q.dim, storage_), alloc(k.rows, k.heads, k.dim, storage_),
                alloc(v.rows, v.heads, v.dim, storage_)};
     Outcome out;
-    timed(attention_phase(sim::PassKind::backward, t.section).c_str(), 0, [&] {
+    timing_.timed(attention_phase(sim::PassKind::backward, t.section).c_str(), 0, [&] {
       out = attention_backward(plan,
                                {q.data(), k.data(), v.data(), o.data(), dout.data(), lse.data(), r.dq.data(),
                                 r.dk.data(), r.dv.data(), {}, {}, {}},
-                               options_.mode, stream_);
+                               options_.mode, streams_.compute());
     });
     if (!out.ok()) fail_step(t, "attention_backward", out);
     return r;
@@ -380,8 +312,8 @@ class DeviceRankBackend {
                                                     kv_in_place ? &rows.kv : nullptr, q, k, v, outside)
                                     : plan_for(t, qx, kx, vx);
     Outcome out;
-    timed(attention_phase(sim::PassKind::backward, t.section).c_str(), 0,
-          [&] { out = attention_backward(plan, buffers, options_.mode, stream_); });
+    timing_.timed(attention_phase(sim::PassKind::backward, t.section).c_str(), 0,
+                  [&] { out = attention_backward(plan, buffers, options_.mode, streams_.compute()); });
     if (!out.ok()) fail_step(t, "attention_backward", out);
     if (end_q) dq = std::move(dq_end);
     if (end_kv) {
@@ -410,10 +342,10 @@ class DeviceRankBackend {
     }
     DeviceTensor out = alloc(o.rows, o.heads, o.dim, storage_);
     bytes += out.bytes() + lse.bytes();
-    timed("merge", bytes, [&] {
-      cuda(launch_merge_forward(out.data(), out.elem, lse.data(), sources.data(), static_cast<int>(sources.size()),
-                                o.rows, o.heads, o.dim, stream_),
-           "forward merge");
+    timing_.timed("merge", bytes, [&] {
+      streams_.check(launch_merge_forward(out.data(), out.elem, lse.data(), sources.data(),
+                                          static_cast<int>(sources.size()), o.rows, o.heads, o.dim, streams_.compute()),
+                     "forward merge");
     });
     o = std::move(out);
   }
@@ -425,8 +357,10 @@ class DeviceRankBackend {
       out.mem->pending_zero = true;
       materialize(out);
     } else {
-      timed("convert", x.bytes() + out.bytes(),
-            [&] { cuda(launch_convert(out.data(), storage_, x.data(), x.elem, x.count(), stream_), "convert"); });
+      timing_.timed("convert", x.bytes() + out.bytes(), [&] {
+        streams_.check(launch_convert(out.data(), storage_, x.data(), x.elem, x.count(), streams_.compute()),
+                       "convert");
+      });
     }
     x = std::move(out);
   }
@@ -446,7 +380,8 @@ class DeviceRankBackend {
     for (const auto& x : sends) {
       const auto& m = x.tensor ? x.tensor->mem : x.lse->mem;
       if (m && m->side_use)
-        cuda(cudaStreamWaitEvent(comm_stream_, m->side_use->event, 0), "cudaStreamWaitEvent (accumulation sent)");
+        streams_.check(cudaStreamWaitEvent(streams_.comm(), m->side_use->event, 0),
+                       "cudaStreamWaitEvent (accumulation sent)");
       else if (x.tensor)
         fill_pending_zeros(*x.tensor);
       p.in_flight.push_back(m);
@@ -457,34 +392,23 @@ class DeviceRankBackend {
       if (x.tensor && x.tensor->mem) x.tensor->mem->pending_zero = false;
       p.in_flight.push_back(x.tensor ? x.tensor->mem : x.lse->mem);
     }
-    cuda(cudaStreamWaitEvent(comm_stream_, record(stream_)->event, 0), "cudaStreamWaitEvent (exchange start)");
-    const EventRef begin = timing_events() ? record(comm_stream_) : nullptr;
-    if (options_.phases) {  // timed into the phase table, rendezvous waits included
-      // Not under device_lock(): the send/recv waits for its peers, and a peer may be waiting for that lock to run
-      // the operation before its own exchange (holding the lock here deadlocked every run of W >= 2).
-      double bytes = 0;
-      for (const auto& x : recvs) bytes += 2.0 * static_cast<double>(x.tensor ? x.tensor->bytes() : x.lse->bytes());
-      cudaEvent_t a = nullptr, z = nullptr;
-      cuda(cudaEventCreate(&a), "cudaEventCreate");
-      cuda(cudaEventCreate(&z), "cudaEventCreate");
-      cuda(cudaEventRecord(a, comm_stream_), "cudaEventRecord");
-      send_recv(sends, recvs);
-      cuda(cudaEventRecord(z, comm_stream_), "cudaEventRecord");
-      add_phase("exchange", bytes, elapsed_ms(a, z));
-    } else {
-      send_recv(sends, recvs);
-    }
-    p.done = record(comm_stream_);
-    if (begin) comm_spans_.emplace_back(begin, p.done);
+    streams_.check(cudaStreamWaitEvent(streams_.comm(), streams_.record(streams_.compute())->event, 0),
+                   "cudaStreamWaitEvent (exchange start)");
+    const EventRef begin = timing_.spans() ? streams_.record(streams_.comm()) : nullptr;
+    double bytes = 0;  // for the phase table
+    for (const auto& x : recvs) bytes += 2.0 * static_cast<double>(x.tensor ? x.tensor->bytes() : x.lse->bytes());
+    timing_.timed_exchange(bytes, [&] { send_recv(sends, recvs); });
+    p.done = streams_.record(streams_.comm());
+    if (begin) timing_.exchange_span(begin, p.done);
     return p;
   }
   // The compute stream waits for the exchange; with timing, the wait's span is the communication not hidden. The
   // buffers are released only after the wait is enqueued (see Pending::in_flight); the sent ones that the
   // accumulation stream wrote last are the compute stream's again (the exchange waited for that accumulation).
   void exchange_finish(Pending& p) {
-    const EventRef before = timing_events() ? record(stream_) : nullptr;
-    cuda(cudaStreamWaitEvent(stream_, p.done->event, 0), "cudaStreamWaitEvent (exchange finish)");
-    if (before) wait_spans_.emplace_back(before, record(stream_));
+    const EventRef before = timing_.spans() ? streams_.record(streams_.compute()) : nullptr;
+    streams_.check(cudaStreamWaitEvent(streams_.compute(), p.done->event, 0), "cudaStreamWaitEvent (exchange finish)");
+    if (before) timing_.wait_span(before, streams_.record(streams_.compute()));
     for (const auto& m : p.in_flight)
       if (m) m->side_use.reset();
     p.in_flight.clear();
@@ -514,70 +438,25 @@ class DeviceRankBackend {
     DeviceTensor f = x;
     if (x.elem != Elem::f32) {
       f = alloc(x.rows, x.heads, x.dim, Elem::f32);
-      cuda(launch_convert(f.data(), Elem::f32, x.data(), x.elem, x.count(), stream_), "convert");
+      streams_.check(launch_convert(f.data(), Elem::f32, x.data(), x.elem, x.count(), streams_.compute()), "convert");
     }
-    cuda(cudaMemcpyAsync(out.values.data(), f.data(), f.bytes(), cudaMemcpyDeviceToHost, stream_), "download");
-    cuda(cudaStreamSynchronize(stream_), "download");
+    streams_.check(cudaMemcpyAsync(out.values.data(), f.data(), f.bytes(), cudaMemcpyDeviceToHost, streams_.compute()),
+                   "download");
+    streams_.check(cudaStreamSynchronize(streams_.compute()), "download");
     return out;
   }
   LseTensor<float> to_host(const Lse& x) {
     LseTensor<float> out(x.heads, x.rows, 0.0f);
     if (x.count() == 0) return out;
-    cuda(cudaMemcpyAsync(out.values.data(), x.data(), x.bytes(), cudaMemcpyDeviceToHost, stream_), "download");
-    cuda(cudaStreamSynchronize(stream_), "download");
+    streams_.check(cudaMemcpyAsync(out.values.data(), x.data(), x.bytes(), cudaMemcpyDeviceToHost, streams_.compute()),
+                   "download");
+    streams_.check(cudaStreamSynchronize(streams_.compute()), "download");
     return out;
   }
 
   sim::Trace<float> trace;
 
  private:
-  // Runs `launch` (enqueues on `stream`, the compute stream by default); with options_.phases, alone on the device
-  // and timed into `phase`.
-  // With options_.timeline (and no phases), only brackets it with events on its stream, for the timeline.
-  template <class F>
-  void timed(const char* phase, double bytes, F&& launch, cudaStream_t stream = nullptr) {
-    if (stream == nullptr) stream = stream_;
-    if (!options_.phases) {
-      if (!options_.timeline) return launch();
-      const EventRef begin = record(stream);
-      launch();
-      op_spans_.push_back({stream == side_stream_ ? "accumulate" : "compute", phase, begin, record(stream)});
-      return;
-    }
-    std::lock_guard<std::mutex> alone(device_lock());
-    cudaEvent_t a = nullptr, z = nullptr;
-    cuda(cudaEventCreate(&a), "cudaEventCreate");
-    cuda(cudaEventCreate(&z), "cudaEventCreate");
-    // Every stream drained (the exchanges' copies of all ranks included, which run outside the lock), so the
-    // operation starts alone; a copy enqueued while it runs can still overlap it.
-    cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
-    cuda(cudaEventRecord(a, stream), "cudaEventRecord");
-    launch();
-    cuda(cudaEventRecord(z, stream), "cudaEventRecord");
-    add_phase(phase, bytes, elapsed_ms(a, z));
-  }
-  // Waits for z, destroys both events, returns the time between them.
-  float elapsed_ms(cudaEvent_t a, cudaEvent_t z) {
-    cuda(cudaEventSynchronize(z), "cudaEventSynchronize");
-    float ms = 0;
-    cuda(cudaEventElapsedTime(&ms, a, z), "cudaEventElapsedTime");
-    cudaEventDestroy(a);
-    cudaEventDestroy(z);
-    return ms;
-  }
-  void add_phase(const char* phase, double bytes, float ms) {
-    std::lock_guard<std::mutex> lock(options_.phases->mutex);
-    PhaseTimes::Entry& e = options_.phases->phases[phase];
-    e.ms += ms;
-    e.bytes += bytes;
-    ++e.calls;
-  }
-  bool timing_events() const { return options_.time_exchanges || options_.timeline != nullptr; }
-  static std::mutex& device_lock() {
-    static std::mutex m;
-    return m;
-  }
-
   // Before an operation of the compute stream reads or writes x: waits for the accumulation stream's use of it (own)
   // and writes its zeros if it is still pending_zero.
   void materialize(const DeviceTensor& x) {
@@ -589,13 +468,16 @@ class DeviceRankBackend {
     if (!x.mem || !x.mem->pending_zero) return;
     x.mem->pending_zero = false;
     if (x.bytes() > 0)
-      timed("zero fill", x.bytes(), [&] { cuda(cudaMemsetAsync(x.data(), 0, x.bytes(), stream_), "cudaMemsetAsync"); });
+      timing_.timed("zero fill", x.bytes(), [&] {
+        streams_.check(cudaMemsetAsync(x.data(), 0, x.bytes(), streams_.compute()), "cudaMemsetAsync");
+      });
   }
   // Before the compute stream (or an exchange it starts) touches a buffer the accumulation stream used last: the
   // compute stream waits for that use, and the buffer is the compute stream's again (freed there).
   void own(const std::shared_ptr<DeviceMemory>& m) {
     if (!m || !m->side_use) return;
-    cuda(cudaStreamWaitEvent(stream_, m->side_use->event, 0), "cudaStreamWaitEvent (accumulation done)");
+    streams_.check(cudaStreamWaitEvent(streams_.compute(), m->side_use->event, 0),
+                   "cudaStreamWaitEvent (accumulation done)");
     m->side_use.reset();
   }
   // Before rows of a float32 sum receive additions: true when this is the first contribution to every row of a fresh
@@ -640,23 +522,11 @@ class DeviceRankBackend {
                            : RecvFrom{x.peer, x.lse->data(), x.lse->bytes()});
     comm_.send_recv(s, r);
   }
-  EventRef record(cudaStream_t stream) {
-    auto ev = std::make_shared<Event>();
-    cuda(cudaEventCreateWithFlags(&ev->event, timing_events() ? cudaEventDefault : cudaEventDisableTiming),
-         "cudaEventCreate");
-    cuda(cudaEventRecord(ev->event, stream), "cudaEventRecord");
-    return ev;
-  }
-  double elapsed(const EventRef& a, const EventRef& b) const {
-    float ms = 0;
-    cuda(cudaEventElapsedTime(&ms, a->event, b->event), "cudaEventElapsedTime");
-    return ms;
-  }
   std::shared_ptr<DeviceMemory> raw(size_t bytes) {
     auto m = std::make_shared<DeviceMemory>();
-    m->stream = stream_;
-    m->side_stream = side_stream_;
-    cuda(cudaMallocAsync(&m->ptr, std::max<size_t>(bytes, 16), stream_), "cudaMallocAsync");
+    m->stream = streams_.compute();
+    m->side_stream = streams_.accumulation();
+    streams_.check(cudaMallocAsync(&m->ptr, std::max<size_t>(bytes, 16), streams_.compute()), "cudaMallocAsync");
     return m;
   }
   DeviceTensor alloc(int64_t rows, int64_t heads, int64_t dim, Elem elem) {
@@ -675,8 +545,9 @@ class DeviceRankBackend {
     if (it != row_cache_.end()) return it->second;
     auto m = raw(rows.size() * sizeof(int64_t));
     if (!rows.empty())
-      cuda(cudaMemcpyAsync(m->ptr, rows.data(), rows.size() * sizeof(int64_t), cudaMemcpyHostToDevice, stream_),
-           "row index upload");
+      streams_.check(cudaMemcpyAsync(m->ptr, rows.data(), rows.size() * sizeof(int64_t), cudaMemcpyHostToDevice,
+                                     streams_.compute()),
+                     "row index upload");
     row_cache_.emplace(rows, m);
     return m;
   }
@@ -693,8 +564,9 @@ class DeviceRankBackend {
     const AttentionShape shape{dtype_, static_cast<int>(o.heads), static_cast<int>(k.heads), static_cast<int>(q.dim),
                                static_cast<int>(o.dim)};
     Outcome out;
-    timed("delta", static_cast<double>(o.bytes() + dout.bytes() + d.bytes()),
-          [&] { out = attention_row_delta(shape, o.data(), dout.data(), o.rows, d.data(), stream_); });
+    timing_.timed("delta", static_cast<double>(o.bytes() + dout.bytes() + d.bytes()), [&] {
+      out = attention_row_delta(shape, o.data(), dout.data(), o.rows, d.data(), streams_.compute());
+    });
     if (!out.ok())
       throw std::runtime_error("rank " + std::to_string(rank_) + " attention_row_delta: " +
                                std::string(status_name(out.status)) + ": " + out.message);
@@ -760,8 +632,9 @@ class DeviceRankBackend {
       for (const RowSegment& seg : s.q)
         if (seg.count > 0) {
           const size_t row_elems = static_cast<size_t>(o.heads * o.dim);
-          cuda(launch_add_one(o.data(), o.elem, static_cast<size_t>(seg.first_row) * row_elems, row_elems, stream_),
-               "inject");
+          streams_.check(launch_add_one(o.data(), o.elem, static_cast<size_t>(seg.first_row) * row_elems, row_elems,
+                                        streams_.compute()),
+                         "inject");
           return;
         }
   }
@@ -769,29 +642,13 @@ class DeviceRankBackend {
     throw std::runtime_error("rank " + std::to_string(rank_) + " step " + std::to_string(t.step) + " " + what + ": " +
                              std::string(status_name(out.status)) + ": " + out.message);
   }
-  void cuda(cudaError_t e, const char* what) const {
-    if (e != cudaSuccess)
-      throw std::runtime_error("rank " + std::to_string(rank_) + " " + what + ": " + cudaGetErrorString(e));
-  }
-
-  ComputeStream compute_;        // first members: destroyed after every tensor freed on them
-  ComputeStream accumulate_{1};  // the accumulation stream, at the highest priority
+  RankStreams streams_;  // first member: destroyed after every tensor freed on its streams
   int rank_;
   Communicator& comm_;
   DType dtype_;
   Elem storage_;
   CpGpuOptions options_;
-  cudaStream_t stream_;       // compute
-  cudaStream_t side_stream_;  // accumulation
-  cudaStream_t comm_stream_;  // the communicator's
-  EventRef run_begin_, run_end_;
-  std::vector<std::pair<EventRef, EventRef>> comm_spans_, wait_spans_;
-  struct OpSpan {
-    const char* stream;
-    std::string name;
-    EventRef begin, end;
-  };
-  std::vector<OpSpan> op_spans_;  // options_.timeline: every timed() operation of the run
+  RankTiming timing_;
   std::map<int, DeviceTensor> inputs_;
   std::map<std::pair<const sim::Tile*, int>, AttentionPlan> plans_;  // plan_in_place, by tile and variant
   struct DeltaCache {
