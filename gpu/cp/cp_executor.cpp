@@ -16,6 +16,8 @@
 #include "gpu/kernels/cp_kernels.hpp"
 #include "gpu/kernels/dtype_bits.hpp"
 #include "gpu/comm/local_communicator.hpp"
+#include "gpu/cp/device_tensor.hpp"
+#include "gpu/cp/rank_memory.hpp"
 #include "gpu/cp/rank_streams.hpp"
 #include "gpu/cp/rank_timing.hpp"
 #include "gpu/cp/timeline.hpp"
@@ -24,53 +26,6 @@
 namespace cpgold::gpu {
 
 namespace {
-
-// One stream-ordered device allocation, freed on the stream that made it. pending_zero: the program asked for zeros
-// and nothing has been written yet; the zeros are written only if something reads the buffer before a write that
-// covers all of it (a receive, a first accumulation over every row, the forward merge), so buffers that are fully
-// overwritten are never filled. Shared by every copy of a tensor, so all of them see the write.
-// side_use: the accumulation stream read or wrote the buffer last (that operation's end event) and no other stream
-// has waited for it since; while it is set the buffer is freed on the accumulation stream, and any other stream
-// waits for the event before touching the buffer (DeviceRankBackend::own).
-struct DeviceMemory {
-  void* ptr = nullptr;
-  cudaStream_t stream = nullptr;       // the compute stream that allocated it
-  cudaStream_t side_stream = nullptr;  // that rank's accumulation stream
-  EventRef side_use;
-  bool pending_zero = false;
-  DeviceMemory() = default;
-  DeviceMemory(const DeviceMemory&) = delete;
-  DeviceMemory& operator=(const DeviceMemory&) = delete;
-  ~DeviceMemory() {
-    if (ptr) cudaFreeAsync(ptr, side_use ? side_stream : stream);
-  }
-};
-
-// [rows, heads, dim] row-major on the device; copies share the allocation (the program never writes a tensor it
-// did not create).
-struct DeviceTensor {
-  std::shared_ptr<DeviceMemory> mem;
-  int64_t rows = 0, heads = 0, dim = 0;
-  Elem elem = Elem::f32;
-  void* data() const { return mem ? mem->ptr : nullptr; }
-  size_t count() const { return static_cast<size_t>(rows * heads * dim); }
-  size_t bytes() const { return count() * elem_bytes(elem); }
-};
-
-// [heads, rows] float32 on the device.
-struct DeviceLse {
-  std::shared_ptr<DeviceMemory> mem;
-  int64_t heads = 0, rows = 0;
-  float* data() const { return mem ? static_cast<float*>(mem->ptr) : nullptr; }
-  size_t count() const { return static_cast<size_t>(heads * rows); }
-  size_t bytes() const { return count() * sizeof(float); }
-};
-
-Elem storage_elem(DType dtype) {
-  if (dtype == DType::bf16) return Elem::bf16;
-  if (dtype == DType::fp16) return Elem::fp16;
-  throw std::invalid_argument("dtype: the GPU CP path runs bf16 or fp16, not " + std::string(dtype_name(dtype)));
-}
 
 // Streams and their order: gpu/cp/rank_streams.hpp.
 class DeviceRankBackend {
@@ -88,7 +43,7 @@ class DeviceRankBackend {
   DeviceRankBackend(int rank, Communicator& comm, DType dtype, const CpGpuOptions& options)
       : streams_(rank, static_cast<cudaStream_t>(comm.stream()), options.time_exchanges || options.timeline != nullptr),
         rank_(rank), comm_(comm), dtype_(dtype), storage_(storage_elem(dtype)), options_(options),
-        timing_(streams_, options_) {}
+        timing_(streams_, options_), memory_(streams_, timing_) {}
 
   int rank() const { return rank_; }
 
@@ -102,13 +57,7 @@ class DeviceRankBackend {
 
   // Host float tensor holding dtype values -> device storage tensor.
   void upload_input(sim::Payload payload, const Tensor3<float>& x) {
-    DeviceTensor t = alloc(x.rows, x.heads, x.dim, storage_);
-    std::vector<uint16_t> bits(x.values.size());
-    for (size_t i = 0; i < bits.size(); ++i) bits[i] = to_bits(dtype_, x.values[i]);
-    streams_.check(cudaMemcpyAsync(t.data(), bits.data(), t.bytes(), cudaMemcpyHostToDevice, streams_.compute()),
-                   "upload");
-    streams_.check(cudaStreamSynchronize(streams_.compute()), "upload");
-    inputs_[static_cast<int>(payload)] = std::move(t);
+    inputs_[static_cast<int>(payload)] = memory_.upload(x, dtype_, storage_);
   }
 
   const Tensor& input(sim::Payload payload) const {
@@ -118,15 +67,10 @@ class DeviceRankBackend {
     return it->second;
   }
   Tensor zeros(int64_t rows, int64_t heads, int64_t dim, sim::BufferKind kind) {
-    DeviceTensor t = alloc(rows, heads, dim, kind == sim::BufferKind::storage ? storage_ : Elem::f32);
-    t.mem->pending_zero = true;
-    return t;
+    return memory_.zeros(rows, heads, dim, kind == sim::BufferKind::storage ? storage_ : Elem::f32);
   }
   Lse lse_empty(int64_t heads, int64_t rows) {
-    DeviceLse l;
-    l.heads = heads;
-    l.rows = rows;
-    l.mem = raw(l.bytes());
+    DeviceLse l = memory_.alloc_lse(heads, rows);
     timing_.timed("lse", l.bytes(),
                   [&] { streams_.check(launch_fill(l.data(), l.count(), -INFINITY, streams_.compute()), "fill"); });
     return l;
@@ -134,25 +78,26 @@ class DeviceRankBackend {
   sim::Shape shape(const Tensor& x) const { return {x.rows, x.heads, x.dim}; }
 
   Tensor gather(const Tensor& x, const std::vector<int64_t>& rows, int h0, int h1) {
-    materialize(x);
-    DeviceTensor out = alloc(static_cast<int64_t>(rows.size()), h1 - h0, x.dim, x.elem);
-    const auto idx = upload_rows(rows);
+    memory_.materialize(x);
+    DeviceTensor out = memory_.alloc(static_cast<int64_t>(rows.size()), h1 - h0, x.dim, x.elem);
+    const auto idx = memory_.upload_rows(rows);
     timing_.timed("gather", 2.0 * out.bytes(), [&] {
-      streams_.check(launch_gather_rows(out.data(), x.data(), rows_ptr(idx), out.rows, x.heads, h0, h1 - h0, x.dim,
-                                        x.elem, streams_.compute()),
+      streams_.check(launch_gather_rows(out.data(), x.data(), RankMemory::rows_ptr(idx), out.rows, x.heads, h0, h1 - h0,
+                                        x.dim, x.elem, streams_.compute()),
                      "gather");
     });
     return out;
   }
   void scatter(Tensor& dst, const std::vector<int64_t>& rows, int h0, const Tensor& src) {
     if (dst.elem != src.elem) throw std::logic_error("rank " + std::to_string(rank_) + ": scatter between element types");
-    materialize(dst);
-    materialize(src);
-    const auto idx = upload_rows(rows);
+    memory_.materialize(dst);
+    memory_.materialize(src);
+    const auto idx = memory_.upload_rows(rows);
     timing_.timed("scatter", 2.0 * src.bytes(), [&] {
-      streams_.check(launch_scatter_rows(dst.data(), src.data(), rows_ptr(idx), static_cast<int64_t>(rows.size()),
-                                         dst.heads, h0, src.heads, src.dim, src.elem, streams_.compute()),
-                     "scatter");
+      streams_.check(
+          launch_scatter_rows(dst.data(), src.data(), RankMemory::rows_ptr(idx), static_cast<int64_t>(rows.size()),
+                              dst.heads, h0, src.heads, src.dim, src.elem, streams_.compute()),
+          "scatter");
     });
   }
   void scatter_add(Tensor& dst, const std::vector<int64_t>& rows, const Tensor& src) {
@@ -163,9 +108,9 @@ class DeviceRankBackend {
     // order there: no wait for an earlier accumulation, only for the zero fills (on the compute stream).
     const bool aside = options_.accumulate_aside;
     const cudaStream_t on = aside ? streams_.accumulation() : streams_.compute();
-    fill_pending_zeros(src);
-    const bool assign = start_sum(dst, rows);
-    const auto idx = upload_rows(rows);
+    memory_.fill_pending_zeros(src);
+    const bool assign = memory_.start_sum(dst, rows);
+    const auto idx = memory_.upload_rows(rows);
     // The accumulation stream starts after everything the compute stream has enqueued so far (the partial, the zero
     // fill, the upload of the rows, the exchange that delivered dst).
     if (aside)
@@ -174,9 +119,10 @@ class DeviceRankBackend {
     timing_.timed(
         "scatter_add", src.bytes() + (assign ? 1.0 : 2.0) * src.count() * 4,
         [&] {
-          streams_.check(launch_scatter_add(static_cast<float*>(dst.data()), src.data(), src.elem, rows_ptr(idx),
-                                            static_cast<int64_t>(rows.size()), src.heads * src.dim, assign, on),
-                         "scatter_add");
+          streams_.check(
+              launch_scatter_add(static_cast<float*>(dst.data()), src.data(), src.elem, RankMemory::rows_ptr(idx),
+                                 static_cast<int64_t>(rows.size()), src.heads * src.dim, assign, on),
+              "scatter_add");
         },
         on);
     if (!aside) return;
@@ -185,23 +131,20 @@ class DeviceRankBackend {
       if (m) m->side_use = done;
   }
   Lse lse_gather(const Lse& x, const std::vector<int64_t>& rows) {
-    DeviceLse out;
-    out.heads = x.heads;
-    out.rows = static_cast<int64_t>(rows.size());
-    out.mem = raw(out.bytes());
-    const auto idx = upload_rows(rows);
+    DeviceLse out = memory_.alloc_lse(x.heads, static_cast<int64_t>(rows.size()));
+    const auto idx = memory_.upload_rows(rows);
     timing_.timed("lse", 2.0 * out.bytes(), [&] {
-      streams_.check(
-          launch_lse_gather(out.data(), x.data(), rows_ptr(idx), out.rows, x.heads, x.rows, streams_.compute()),
-          "lse_gather");
+      streams_.check(launch_lse_gather(out.data(), x.data(), RankMemory::rows_ptr(idx), out.rows, x.heads, x.rows,
+                                       streams_.compute()),
+                     "lse_gather");
     });
     return out;
   }
   void lse_scatter(Lse& dst, const std::vector<int64_t>& rows, int h0, const Lse& src) {
-    const auto idx = upload_rows(rows);
+    const auto idx = memory_.upload_rows(rows);
     timing_.timed("lse", 2.0 * src.bytes(), [&] {
-      streams_.check(launch_lse_scatter(dst.data(), src.data(), rows_ptr(idx), static_cast<int64_t>(rows.size()),
-                                        src.heads, dst.rows, h0, streams_.compute()),
+      streams_.check(launch_lse_scatter(dst.data(), src.data(), RankMemory::rows_ptr(idx),
+                                        static_cast<int64_t>(rows.size()), src.heads, dst.rows, h0, streams_.compute()),
                      "lse_scatter");
     });
   }
@@ -221,11 +164,8 @@ class DeviceRankBackend {
   }
   Forward forward_with(const AttentionPlan& plan, const sim::Tile& t, const Tensor& q, const Tensor& k,
                        const Tensor& v) {
-    for (const Tensor* x : {&q, &k, &v}) materialize(*x);
-    Forward r{alloc(q.rows, q.heads, v.dim, storage_), {}};
-    r.lse.heads = q.heads;
-    r.lse.rows = q.rows;
-    r.lse.mem = raw(r.lse.bytes());
+    for (const Tensor* x : {&q, &k, &v}) memory_.materialize(*x);
+    Forward r{memory_.alloc(q.rows, q.heads, v.dim, storage_), memory_.alloc_lse(q.heads, q.rows)};
     Outcome out;
     timing_.timed(attention_phase(sim::PassKind::forward, t.section).c_str(), 0, [&] {
       out = attention_forward(plan, {q.data(), k.data(), v.data(), r.o.data(), r.lse.data()}, streams_.compute());
@@ -236,10 +176,10 @@ class DeviceRankBackend {
   }
   Backward backward(const sim::Tile& t, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o,
                     const Lse& lse, const Tensor& dout) {
-    for (const Tensor* x : {&q, &k, &v, &o, &dout}) materialize(*x);
+    for (const Tensor* x : {&q, &k, &v, &o, &dout}) memory_.materialize(*x);
     const AttentionPlan& plan = plan_for(t, q, k, v);
-    Backward r{alloc(q.rows, q.heads, q.dim, storage_), alloc(k.rows, k.heads, k.dim, storage_),
-               alloc(v.rows, v.heads, v.dim, storage_)};
+    Backward r{memory_.alloc(q.rows, q.heads, q.dim, storage_), memory_.alloc(k.rows, k.heads, k.dim, storage_),
+               memory_.alloc(v.rows, v.heads, v.dim, storage_)};
     Outcome out;
     timing_.timed(attention_phase(sim::PassKind::backward, t.section).c_str(), 0, [&] {
       out = attention_backward(plan,
@@ -263,7 +203,7 @@ class DeviceRankBackend {
   void backward_sum(const sim::Tile& t, const sim::StepRows& rows, const Tensor& q, const Tensor& k, const Tensor& v,
                     const Tensor& o, const Lse& lse, const Tensor& dout, Tensor& dq, Tensor& dk, Tensor& dv,
                     sim::SumEnds ends) {
-    for (const Tensor* x : {&q, &k, &v, &o, &dout}) materialize(*x);
+    for (const Tensor* x : {&q, &k, &v, &o, &dout}) memory_.materialize(*x);
     const DeviceLse& rank_delta = delta_of(o, dout, q, k);
     const bool q_in_place = rows.q_half && reads_halves(), kv_in_place = rows.kv_half && reads_halves();
     Tensor qx = q, ox = o, dox = dout, kx = k, vx = v;
@@ -283,9 +223,9 @@ class DeviceRankBackend {
       if (dst.elem != Elem::f32 || dst.heads * dst.dim != like.heads * like.dim ||
           static_cast<int64_t>(map.size()) != like.rows)
         throw std::logic_error("rank " + std::to_string(rank_) + ": backward_sum into a sum of another shape");
-      own(dst.mem);
-      const bool assign = start_sum(dst, map);
-      return RowSum{static_cast<float*>(dst.data()), rows_ptr(upload_rows(map)), assign};
+      memory_.own(dst.mem);
+      const bool assign = memory_.start_sum(dst, map);
+      return RowSum{static_cast<float*>(dst.data()), RankMemory::rows_ptr(memory_.upload_rows(map)), assign};
     };
     const std::vector<int64_t>& q_map = q_in_place ? identity_rows(q.rows) : rows.q;
     const std::vector<int64_t>& kv_map = kv_in_place ? identity_rows(k.rows) : rows.kv;
@@ -296,12 +236,12 @@ class DeviceRankBackend {
     const bool end_kv = ends.dkv && !rows.kv_half && options_.last_sum_in_dtype;
     Tensor dq_end, dk_end, dv_end;
     if (end_q) {
-      dq_end = alloc(dq.rows, dq.heads, dq.dim, storage_);
+      dq_end = memory_.alloc(dq.rows, dq.heads, dq.dim, storage_);
       buffers.dq_sum.result = dq_end.data();
     }
     if (end_kv) {
-      dk_end = alloc(dk.rows, dk.heads, dk.dim, storage_);
-      dv_end = alloc(dv.rows, dv.heads, dv.dim, storage_);
+      dk_end = memory_.alloc(dk.rows, dk.heads, dk.dim, storage_);
+      dv_end = memory_.alloc(dv.rows, dv.heads, dv.dim, storage_);
       buffers.dk_sum.result = dk_end.data();
       buffers.dv_sum.result = dv_end.data();
     }
@@ -333,14 +273,15 @@ class DeviceRankBackend {
     std::vector<std::shared_ptr<DeviceMemory>> idx;
     double bytes = 0;
     for (const auto& part : parts) {
-      materialize(*part.o);
+      memory_.materialize(*part.o);
       if (part.o->heads != o.heads || part.o->dim != o.dim || part.lse->heads != lse.heads)
         throw std::logic_error("rank " + std::to_string(rank_) + ": forward partial heads/dims differ from O");
-      idx.push_back(upload_rows(source_rows(part.rows, o.rows)));
-      sources.push_back({part.o->data(), part.lse->data(), rows_ptr(idx.back()), part.lse->rows, part.o->elem});
+      idx.push_back(memory_.upload_rows(source_rows(part.rows, o.rows)));
+      sources.push_back(
+          {part.o->data(), part.lse->data(), RankMemory::rows_ptr(idx.back()), part.lse->rows, part.o->elem});
       bytes += part.o->bytes() + part.lse->bytes() + o.rows * 8.0;
     }
-    DeviceTensor out = alloc(o.rows, o.heads, o.dim, storage_);
+    DeviceTensor out = memory_.alloc(o.rows, o.heads, o.dim, storage_);
     bytes += out.bytes() + lse.bytes();
     timing_.timed("merge", bytes, [&] {
       streams_.check(launch_merge_forward(out.data(), out.elem, lse.data(), sources.data(),
@@ -351,11 +292,11 @@ class DeviceRankBackend {
   }
   void finalize(Tensor& x) {
     if (x.elem == storage_) return;
-    own(x.mem);
-    DeviceTensor out = alloc(x.rows, x.heads, x.dim, storage_);
+    memory_.own(x.mem);
+    DeviceTensor out = memory_.alloc(x.rows, x.heads, x.dim, storage_);
     if (x.mem && x.mem->pending_zero) {
       out.mem->pending_zero = true;
-      materialize(out);
+      memory_.materialize(out);
     } else {
       timing_.timed("convert", x.bytes() + out.bytes(), [&] {
         streams_.check(launch_convert(out.data(), storage_, x.data(), x.elem, x.count(), streams_.compute()),
@@ -383,12 +324,12 @@ class DeviceRankBackend {
         streams_.check(cudaStreamWaitEvent(streams_.comm(), m->side_use->event, 0),
                        "cudaStreamWaitEvent (accumulation sent)");
       else if (x.tensor)
-        fill_pending_zeros(*x.tensor);
+        memory_.fill_pending_zeros(*x.tensor);
       p.in_flight.push_back(m);
     }
     // A receive overwrites its whole buffer (the communicator checks the sizes match).
     for (const auto& x : recvs) {
-      if (x.tensor) own(x.tensor->mem);
+      if (x.tensor) memory_.own(x.tensor->mem);
       if (x.tensor && x.tensor->mem) x.tensor->mem->pending_zero = false;
       p.in_flight.push_back(x.tensor ? x.tensor->mem : x.lse->mem);
     }
@@ -431,70 +372,12 @@ class DeviceRankBackend {
   }
 
   // Device -> host float (values of the element type); synchronises the rank's stream.
-  Tensor3<float> to_host(const Tensor& x) {
-    Tensor3<float> out(x.rows, x.heads, x.dim);
-    if (x.count() == 0) return out;
-    materialize(x);
-    DeviceTensor f = x;
-    if (x.elem != Elem::f32) {
-      f = alloc(x.rows, x.heads, x.dim, Elem::f32);
-      streams_.check(launch_convert(f.data(), Elem::f32, x.data(), x.elem, x.count(), streams_.compute()), "convert");
-    }
-    streams_.check(cudaMemcpyAsync(out.values.data(), f.data(), f.bytes(), cudaMemcpyDeviceToHost, streams_.compute()),
-                   "download");
-    streams_.check(cudaStreamSynchronize(streams_.compute()), "download");
-    return out;
-  }
-  LseTensor<float> to_host(const Lse& x) {
-    LseTensor<float> out(x.heads, x.rows, 0.0f);
-    if (x.count() == 0) return out;
-    streams_.check(cudaMemcpyAsync(out.values.data(), x.data(), x.bytes(), cudaMemcpyDeviceToHost, streams_.compute()),
-                   "download");
-    streams_.check(cudaStreamSynchronize(streams_.compute()), "download");
-    return out;
-  }
+  Tensor3<float> to_host(const Tensor& x) { return memory_.to_host(x); }
+  LseTensor<float> to_host(const Lse& x) { return memory_.to_host(x); }
 
   sim::Trace<float> trace;
 
  private:
-  // Before an operation of the compute stream reads or writes x: waits for the accumulation stream's use of it (own)
-  // and writes its zeros if it is still pending_zero.
-  void materialize(const DeviceTensor& x) {
-    own(x.mem);
-    fill_pending_zeros(x);
-  }
-  // Writes the zeros of a tensor still pending_zero (before anything reads it or writes part of it).
-  void fill_pending_zeros(const DeviceTensor& x) {
-    if (!x.mem || !x.mem->pending_zero) return;
-    x.mem->pending_zero = false;
-    if (x.bytes() > 0)
-      timing_.timed("zero fill", x.bytes(), [&] {
-        streams_.check(cudaMemsetAsync(x.data(), 0, x.bytes(), streams_.compute()), "cudaMemsetAsync");
-      });
-  }
-  // Before the compute stream (or an exchange it starts) touches a buffer the accumulation stream used last: the
-  // compute stream waits for that use, and the buffer is the compute stream's again (freed there).
-  void own(const std::shared_ptr<DeviceMemory>& m) {
-    if (!m || !m->side_use) return;
-    streams_.check(cudaStreamWaitEvent(streams_.compute(), m->side_use->event, 0),
-                   "cudaStreamWaitEvent (accumulation done)");
-    m->side_use.reset();
-  }
-  // Before rows of a float32 sum receive additions: true when this is the first contribution to every row of a fresh
-  // zero sum, which is then written, not added (0 + x, the same bits), and never filled; otherwise its pending zeros
-  // are written first.
-  bool start_sum(DeviceTensor& dst, const std::vector<int64_t>& rows) {
-    const bool assign = dst.mem && dst.mem->pending_zero && covers_every_row(rows, dst.rows);
-    if (!assign) fill_pending_zeros(dst);
-    if (dst.mem) dst.mem->pending_zero = false;
-    return assign;
-  }
-  static bool covers_every_row(const std::vector<int64_t>& rows, int64_t n) {
-    if (static_cast<int64_t>(rows.size()) != n) return false;
-    for (int64_t i = 0; i < n; ++i)
-      if (rows[static_cast<size_t>(i)] != i) return false;
-    return true;
-  }
   // [n] for the merge: the partial's row holding merged row r, -1 where the partial has none. rows: [partial rows].
   std::vector<int64_t> source_rows(const std::vector<int64_t>& rows, int64_t n) const {
     std::vector<int64_t> src(static_cast<size_t>(n), -1);
@@ -522,45 +405,11 @@ class DeviceRankBackend {
                            : RecvFrom{x.peer, x.lse->data(), x.lse->bytes()});
     comm_.send_recv(s, r);
   }
-  std::shared_ptr<DeviceMemory> raw(size_t bytes) {
-    auto m = std::make_shared<DeviceMemory>();
-    m->stream = streams_.compute();
-    m->side_stream = streams_.accumulation();
-    streams_.check(cudaMallocAsync(&m->ptr, std::max<size_t>(bytes, 16), streams_.compute()), "cudaMallocAsync");
-    return m;
-  }
-  DeviceTensor alloc(int64_t rows, int64_t heads, int64_t dim, Elem elem) {
-    DeviceTensor t;
-    t.rows = rows;
-    t.heads = heads;
-    t.dim = dim;
-    t.elem = elem;
-    t.mem = raw(t.bytes());
-    return t;
-  }
-  // Row index arrays are uploaded once per distinct content and kept for later steps and runs: an upload from
-  // pageable memory synchronises the stream, which would serialise every gather and scatter with the host.
-  std::shared_ptr<DeviceMemory> upload_rows(const std::vector<int64_t>& rows) {
-    auto it = row_cache_.find(rows);
-    if (it != row_cache_.end()) return it->second;
-    auto m = raw(rows.size() * sizeof(int64_t));
-    if (!rows.empty())
-      streams_.check(cudaMemcpyAsync(m->ptr, rows.data(), rows.size() * sizeof(int64_t), cudaMemcpyHostToDevice,
-                                     streams_.compute()),
-                     "row index upload");
-    row_cache_.emplace(rows, m);
-    return m;
-  }
-  static const int64_t* rows_ptr(const std::shared_ptr<DeviceMemory>& m) { return static_cast<const int64_t*>(m->ptr); }
-
   // rowsum(dO * O) of every row of the rank's O and dO (attention_row_delta), computed once per pair of tensors and
   // kept (with them) until another pair asks.
   const DeviceLse& delta_of(const Tensor& o, const Tensor& dout, const Tensor& q, const Tensor& k) {
     if (delta_.o == o.mem && delta_.dout == dout.mem && delta_.delta.mem) return delta_.delta;
-    DeviceLse d;
-    d.heads = o.heads;
-    d.rows = o.rows;
-    d.mem = raw(d.bytes());
+    DeviceLse d = memory_.alloc_lse(o.heads, o.rows);
     const AttentionShape shape{dtype_, static_cast<int>(o.heads), static_cast<int>(k.heads), static_cast<int>(q.dim),
                                static_cast<int>(o.dim)};
     Outcome out;
@@ -649,6 +498,7 @@ class DeviceRankBackend {
   Elem storage_;
   CpGpuOptions options_;
   RankTiming timing_;
+  RankMemory memory_;
   std::map<int, DeviceTensor> inputs_;
   std::map<std::pair<const sim::Tile*, int>, AttentionPlan> plans_;  // plan_in_place, by tile and variant
   struct DeltaCache {
@@ -656,14 +506,6 @@ class DeviceRankBackend {
     DeviceLse delta;
   } delta_;
   std::map<int64_t, std::vector<int64_t>> identities_;
-  struct RowsHash {
-    size_t operator()(const std::vector<int64_t>& rows) const {
-      uint64_t h = 1469598103934665603ull ^ rows.size();
-      for (int64_t r : rows) h = (h ^ static_cast<uint64_t>(r)) * 1099511628211ull;
-      return static_cast<size_t>(h);
-    }
-  };
-  std::unordered_map<std::vector<int64_t>, std::shared_ptr<DeviceMemory>, RowsHash> row_cache_;
 };
 
 // Each rank starts with only its own rows of the global inputs (thd_get_partitioned_indices).
