@@ -2,9 +2,10 @@
 // The one CP orchestration: what ONE rank does (shard exchange, per-step attention, merge, reverse exchange) for
 // every comm type, written over a backend that supplies storage, the attention call and the exchange. The CPU
 // simulator (sim/executor.cpp) and the GPU executor (gpu/cp/cp_executor.*: W ranks on one device, or one rank per GPU
-// over NCCL) instantiate it; every rank runs it on its own thread (run_rank_threads) or process. The Plan is the
-// only source of the steps: tiles say what to compute, messages say what moves where, and a rank only ever reads
-// tensors it holds or has received (ownership is checked against the messages).
+// over NCCL; its backend is gpu/cp/device_rank_backend.hpp) instantiate it; every rank runs it on its own thread
+// (run_rank_threads) or process. The Plan is the only source of the steps: tiles say what to compute, messages say
+// what moves where, and a rank only ever reads tensors it holds or has received (ownership is checked against the
+// messages).
 //
 // Backend B (one object per rank):
 //   using Tensor, Lse;                   rows-major [rows, heads, dim] tensor; LSE [heads, rows]

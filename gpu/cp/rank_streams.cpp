@@ -42,8 +42,7 @@ EventRef RankStreams::join() const {
 }
 
 void RankStreams::check(cudaError_t e, const char* what) const {
-  if (e != cudaSuccess)
-    throw std::runtime_error("rank " + std::to_string(rank_) + " " + what + ": " + cudaGetErrorString(e));
+  if (e != cudaSuccess) throw std::runtime_error(who() + " " + what + ": " + cudaGetErrorString(e));
 }
 
 }  // namespace cpgold::gpu

@@ -13,6 +13,7 @@
 #include <cuda_runtime_api.h>
 
 #include <memory>
+#include <string>
 
 namespace cpgold::gpu {
 
@@ -52,6 +53,8 @@ class RankStreams {
   EventRef join() const;
   // Throws std::runtime_error "rank R <what>: <CUDA error>" unless e is cudaSuccess.
   void check(cudaError_t e, const char* what) const;
+  // "rank R": how errors name the rank.
+  std::string who() const { return "rank " + std::to_string(rank_); }
 
  private:
   // A stream of the rank's own: created with it, destroyed after every tensor freed on it (members of the backend
