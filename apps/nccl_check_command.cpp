@@ -15,8 +15,8 @@
 
 #if CPGOLD_HAVE_NCCL
 #include "gpu/comm/nccl_communicator.hpp"
-#include "gpu/verify/nccl_exchange_check.hpp"
 #include "gpu/comm/nccl_ranks.hpp"
+#include "gpu/verify/nccl_exchange_check.hpp"
 #endif
 
 namespace cpgold::app {

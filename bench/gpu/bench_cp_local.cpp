@@ -31,8 +31,8 @@
 
 #include "bench/gpu/bench_checks.hpp"
 #include "bench/gpu/varlen_lengths.hpp"
-#include "gpu/kernels/attention.hpp"
 #include "gpu/cp/cp_executor.hpp"
+#include "gpu/kernels/attention.hpp"
 #include "reference/attention_call.hpp"
 #include "sim/case_inputs.hpp"
 #include "sim/case_spec.hpp"

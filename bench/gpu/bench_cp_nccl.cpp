@@ -23,11 +23,11 @@
 #include <vector>
 
 #include "bench/gpu/varlen_lengths.hpp"
-#include "gpu/kernels/attention.hpp"
-#include "gpu/cp/cp_executor.hpp"
 #include "gpu/comm/local_communicator.hpp"
 #include "gpu/comm/nccl_communicator.hpp"
 #include "gpu/comm/nccl_ranks.hpp"
+#include "gpu/cp/cp_executor.hpp"
+#include "gpu/kernels/attention.hpp"
 #include "reference/attention_call.hpp"
 #include "sim/case_inputs.hpp"
 #include "sim/case_spec.hpp"

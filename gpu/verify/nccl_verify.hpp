@@ -7,11 +7,11 @@
 #include <string>
 #include <vector>
 
-#include "gpu/kernels/attention.hpp"
 #include "gpu/comm/communicator.hpp"
+#include "gpu/comm/nccl_ranks.hpp"
+#include "gpu/kernels/attention.hpp"
 #include "gpu/verify/fixture_verify.hpp"
 #include "gpu/verify/nccl_exchange_check.hpp"
-#include "gpu/comm/nccl_ranks.hpp"
 #include "sim/case_inputs.hpp"
 #include "sim/executor.hpp"
 #include "sim/plan.hpp"

@@ -23,9 +23,9 @@
 #include "fixtures/golden_run.hpp"
 #include "fixtures/suites.hpp"
 #include "gpu/comm/communicator.hpp"
+#include "gpu/comm/local_communicator.hpp"
 #include "gpu/cp/cp_executor.hpp"
 #include "gpu/verify/fixture_verify.hpp"
-#include "gpu/comm/local_communicator.hpp"
 #include "sim/case_inputs.hpp"
 #include "sim/cp_program.hpp"
 

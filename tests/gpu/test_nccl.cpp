@@ -13,11 +13,11 @@
 #include <thread>
 #include <vector>
 
-#include "gpu/kernels/attention.hpp"
 #include "gpu/comm/case_agreement.hpp"
-#include "gpu/verify/nccl_exchange_check.hpp"
 #include "gpu/comm/nccl_ranks.hpp"
 #include "gpu/comm/rank_channel.hpp"
+#include "gpu/kernels/attention.hpp"
+#include "gpu/verify/nccl_exchange_check.hpp"
 #include "reference/input_error.hpp"
 
 using namespace cpgold;
