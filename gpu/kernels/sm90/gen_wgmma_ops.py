@@ -69,6 +69,33 @@ def main():
                 out.append('        : "memory");')
                 out.append("  }")
                 out.append("};")
+    # Appended after the forward's wrappers: SS with A MN-major (imm-trans-a = 1), e.g. dS stored [keys][queries]
+    # read as the A = dS [queries][keys] of dQ = dS K in the backward.
+    out.append("")
+    out.append("// WgmmaTA<N, T, TransB>::ss(d, a_desc, b_desc, scale_d): as Wgmma::ss with A MN-major (imm-trans-a = 1): A")
+    out.append("//   (64 x 16) stored with M contiguous (e.g. [K][M] rows of an SW128 tile), through an MN-major descriptor.")
+    out.append("template <int N, class T, int TransB>")
+    out.append("struct WgmmaTA;")
+    for n in SHAPES:
+        regs, ops = accumulators(n)
+        na = n // 2
+        for ctype, ptx in TYPES:
+            for trans in (0, 1):
+                out.append("")
+                out.append("template <>")
+                out.append(f"struct WgmmaTA<{n}, {ctype}, {trans}> {{")
+                out.append(f"  static __device__ __forceinline__ void ss(float (&d)[{na}], uint64_t a_desc, uint64_t b_desc, int scale_d) {{")
+                out.append("    asm volatile(")
+                out.append('        "{\\n.reg .pred p;\\n"')
+                out.append(f'        "setp.ne.b32 p, %{na + 2}, 0;\\n"')
+                out.append(f'        "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx}.{ptx} "')
+                out.append(f'        "{{{regs}}}, "')
+                out.append(f'        "%{na}, %{na + 1}, p, 1, 1, 1, {trans};\\n}}\\n"')
+                out.append(f"        : {ops}")
+                out.append('        : "l"(a_desc), "l"(b_desc), "r"(scale_d)')
+                out.append('        : "memory");')
+                out.append("  }")
+                out.append("};")
     out.append("")
     out.append("}  // namespace cpgold::gpu::sm90")
     print("\n".join(out))

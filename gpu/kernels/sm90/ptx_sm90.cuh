@@ -287,4 +287,23 @@ __device__ __forceinline__ void accumulators_to_a(uint32_t (&a)[KT][4], const fl
   }
 }
 
+// ---------------------------------------------------------------------------------------------------------------
+// Added for the backward (gpu/kernels/sm90/attention_backward_sm90.cuh).
+
+// 4 bytes global -> shared (cp.async.ca: 4-byte copies must go through L1); with valid == false nothing is read and
+// the 4 bytes are zero-filled. Used for per-row float32 values (LSE, delta) whose rows need not be 16-byte aligned.
+__device__ __forceinline__ void cp_async_4(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 4 : 0)
+               : "memory");
+}
+
+// Descriptor of an MN-major A (imm-trans-a = 1: A [M][K] stored as K-rows of M contiguous elements, e.g. dS^T
+// [keys][queries] read as A = dS) at K-rows k0 .. k0 + 15 of an SW128 tile of `rows` K-rows whose columns are the M
+// dimension: the same canonical layout as an MN-major B (CUTLASS builds both with one function): K-rows 128 bytes
+// apart, 8-row groups SBO = 1024 apart, 64-element M blocks LBO = rows * 128 apart.
+__device__ __forceinline__ uint64_t desc_mn_major_a(uint32_t tile, int rows, int k0, uint32_t lbo = 0,
+                                                    uint32_t sbo = 1024) {
+  return make_desc_sw128(tile + k0 * 128, lbo == 0 ? static_cast<uint32_t>(rows * 128) : lbo, sbo);
+}
+
 }  // namespace cpgold::gpu::sm90

@@ -1,0 +1,1371 @@
+// Self-checking program for the Hopper (sm_90a) wgmma attention backward (gpu/kernels/sm90/attention_backward_sm90.cuh):
+// unit tests of the operand forms the backward adds, the backward on varlen THD batches against a float64 CPU
+// reference, and timing against the mma.sync backward (gpu/attention_kernels.cuh) in the same run. Built and run by
+// bench/hopper_backward.sh (nvcc directly, -gencode=arch=compute_90a,code=sm_90a); docs/hopper-kernels.md, "Backward".
+//
+// Stages (each result line reads "RESULT|stage|name|PASS or FAIL|detail"; the summary table comes last):
+//   unit      one warpgroup wgmma products against a CPU product: the transposed-A SS form of dQ = dS K (A = dS read
+//             from a [keys][queries] tile through the transpose bit, B = one 64-column block of an MN-major K tile),
+//             the S^T = K Q^T form (A = rows 64..127 of the K tile, N = 64 queries), the dV += P^T dO form (RS, B
+//             MN-major, K = 64 queries, N = 128); a failing product probes other descriptor offsets.
+//   backward  atomic and deterministic modes on varlen batches (fresh normal data per case, NaN in every pad row of
+//             Q, K, V, O, dO and LSE/delta of pad rows, outputs poisoned with NaN): dQ, dK, dV against the float64
+//             reference (relative Frobenius error, max abs error), pad rows exactly 0, rows without any visible pair
+//             exactly 0, no non-finite value; a rerun bitwise identical for dK/dV (both modes) and dQ
+//             (deterministic); the summing form (deterministic) bit-exact against sum + float(the plain outputs).
+//   timing    causal and full, d 128 bf16, 16 heads, 16k and 64k tokens: the mma.sync backward (atomic and
+//             deterministic) and the sm90 backward (both modes), O and LSE from the sm90 forward; outputs compared with
+//             the mma.sync backward's; CUDA events, median of --reps; TFLOP/s count 2.5 x 4 d per visible pair.
+//
+// Options: --reps N, --skip-timing, --exclude a,b, --seed S. Exit status: 0 all passed, 1 a check failed, 4 a CUDA
+// call failed (context lost), 5 a kernel hung.
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "gpu/kernels/sm90/attention_backward_sm90.cuh"
+#if __has_include("gpu/attention_kernels.cuh")
+#include "gpu/attention_kernels.cuh"
+#define HF_HAVE_MMA_SYNC_FORWARD 1
+#endif
+
+namespace hf {
+
+using cpgold::gpu::AttentionParams;
+using cpgold::gpu::RowTile;
+using cpgold::gpu::SequenceDesc;
+namespace sm90 = cpgold::gpu::sm90;
+using bf16 = __nv_bfloat16;
+
+// ---------------------------------------------------------------------------------------------------------------
+// Reporting.
+
+struct Result {
+  std::string stage, name;
+  bool pass;
+  std::string detail;
+};
+std::vector<Result> g_results;
+std::vector<std::string> g_timing_rows;
+std::vector<std::string> g_exclude;
+std::string g_current = "setup";  // what runs now, named on a fatal error
+
+bool excluded(const std::string& name) {
+  return std::find(g_exclude.begin(), g_exclude.end(), name) != g_exclude.end();
+}
+
+void record(const std::string& stage, const std::string& name, bool pass, const std::string& detail) {
+  g_results.push_back({stage, name, pass, detail});
+  std::printf("RESULT|%s|%s|%s|%s\n", stage.c_str(), name.c_str(), pass ? "PASS" : "FAIL", detail.c_str());
+  std::fflush(stdout);
+}
+
+bool passed(const std::string& stage, const std::string& name) {
+  for (const Result& r : g_results)
+    if (r.stage == stage && r.name == name) return r.pass;
+  return false;
+}
+
+void print_summary() {
+  std::printf("\n==== summary ====\n");
+  int pass = 0, fail = 0;
+  for (const Result& r : g_results) {
+    // Passing lines shortened (the full ones are the RESULT lines above); failing ones in full.
+    const std::string detail = r.pass && r.detail.size() > 96 ? r.detail.substr(0, 93) + "..." : r.detail;
+    std::printf("%-7s %-4s %-52s %s\n", r.stage.c_str(), r.pass ? "PASS" : "FAIL", r.name.c_str(), detail.c_str());
+    (r.pass ? pass : fail)++;
+  }
+  if (!g_timing_rows.empty()) {
+    std::printf("\n==== timing ====\n");
+    for (const std::string& s : g_timing_rows) std::printf("%s\n", s.c_str());
+  }
+  std::printf("\n%d passed, %d failed\n", pass, fail);
+  std::fflush(stdout);
+}
+
+[[noreturn]] void fatal(const std::string& what, int code) {
+  std::printf("FATAL while running %s: %s\n", g_current.c_str(), what.c_str());
+  std::printf("FAULTED %s\n", g_current.c_str());
+  print_summary();
+  std::exit(code);
+}
+
+void check(cudaError_t e, const char* call, int line) {
+  if (e != cudaSuccess) fatal(std::string(call) + " (line " + std::to_string(line) + "): " + cudaGetErrorString(e), 4);
+}
+#define CK(call) ::hf::check((call), #call, __LINE__)
+
+// Waits for all work on the device with a wall-clock limit: a kernel that never ends (a deadlock the mbarrier
+// watchdog cannot see) is reported by name instead of hanging the run.
+void sync_or_die(double seconds = 120.0) {
+  cudaEvent_t ev;
+  CK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+  CK(cudaEventRecord(ev, 0));
+  const auto t0 = std::chrono::steady_clock::now();
+  for (;;) {
+    const cudaError_t e = cudaEventQuery(ev);
+    if (e == cudaSuccess) break;
+    if (e != cudaErrorNotReady) check(e, "cudaEventQuery", __LINE__);
+    if (std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() > seconds) {
+      std::printf("HANG: the device did not finish within %.0f s\n", seconds);
+      std::printf("FAULTED %s\n", g_current.c_str());
+      print_summary();
+      std::fflush(stdout);
+      std::_Exit(5);
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+  CK(cudaEventDestroy(ev));
+  CK(cudaGetLastError());
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Host element types.
+
+uint16_t float_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+float bf16_to_float(uint16_t h) {
+  const uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+uint16_t float_to_half(float f) {
+  const __half h = __float2half_rn(f);
+  uint16_t b;
+  std::memcpy(&b, &h, 2);
+  return b;
+}
+float half_to_float(uint16_t b) {
+  __half h;
+  std::memcpy(&h, &b, 2);
+  return __half2float(h);
+}
+uint16_t to_bits(float f, bool fp16) { return fp16 ? float_to_half(f) : float_to_bf16(f); }
+float from_bits(uint16_t b, bool fp16) { return fp16 ? half_to_float(b) : bf16_to_float(b); }
+uint16_t nan_bits(bool fp16) { return fp16 ? 0x7e00 : 0x7fc0; }
+
+template <class T>
+struct DeviceBuffer {
+  T* ptr = nullptr;
+  size_t count = 0;
+  DeviceBuffer() = default;
+  explicit DeviceBuffer(size_t n) : count(n) {
+    if (n > 0) CK(cudaMalloc(&ptr, n * sizeof(T)));
+  }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  ~DeviceBuffer() {
+    if (ptr != nullptr) cudaFree(ptr);
+  }
+  void reset(size_t n) {
+    if (ptr != nullptr) CK(cudaFree(ptr));
+    ptr = nullptr;
+    count = n;
+    if (n > 0) CK(cudaMalloc(&ptr, n * sizeof(T)));
+  }
+  void upload(const std::vector<T>& h) {
+    if (!h.empty()) CK(cudaMemcpy(ptr, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
+  }
+  std::vector<T> download() const {
+    std::vector<T> h(count);
+    if (count > 0) CK(cudaMemcpy(h.data(), ptr, count * sizeof(T), cudaMemcpyDeviceToHost));
+    return h;
+  }
+};
+
+// Watchdog flag of the kernels' mbarrier waits (gpu/kernels/sm90/ptx_sm90.cuh).
+struct DeviceWatchdog {
+  DeviceBuffer<int> flag{8};
+  sm90::Watchdog arm() {
+    CK(cudaMemset(flag.ptr, 0, 8 * sizeof(int)));
+    return sm90::Watchdog{flag.ptr};
+  }
+  // "" or a description of the wait that timed out.
+  std::string report() const {
+    const std::vector<int> f = flag.download();
+    if (f[0] == 0) return {};
+    static const char* names[] = {"?", "Q full", "K full", "V full", "stage empty", "test barrier", "K/V tile full",
+                                  "Q stage full", "dO stage full", "Q/dO full", "K stage full", "V stage full", "?"};
+    const int code = f[0] >= 1 && f[0] <= 11 ? f[0] : 0;
+    return std::string("watchdog: a wait on '") + names[code] + "' timed out (block " + std::to_string(f[1]) + "," +
+           std::to_string(f[2]) + ", thread " + std::to_string(f[3]) + ", iteration " + std::to_string(f[4]) + ")";
+  }
+};
+
+std::string fmt(const char* f, double v) {
+  char b[64];
+  std::snprintf(b, sizeof b, f, v);
+  return b;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Unit tests: kernels.
+
+__device__ __forceinline__ uint8_t* aligned_smem(uint8_t* raw, uint32_t& addr) {
+  const uint32_t a = sm90::smem_u32(raw);
+  addr = (a + 1023u) & ~1023u;
+  return raw + (addr - a);
+}
+
+// One warpgroup: D (64 x N, float) = A (rows a_row0 .. a_row0 + 63 of an A_ROWS x KTILE tile, row-major in `a`) times
+// B over KSTEPS k-steps of 16. TRANS_B = 0: b is B^T [N][KTILE] (K-major); 1: b is B [KTILE][N] (MN-major).
+// A_REGS: A from registers (fragments read straight from global memory by the documented layout), else from
+// shared memory. Descriptor offsets are run-time arguments so that the test can probe alternatives.
+template <int N, int KTILE, int KSTEPS, int A_ROWS, int TRANS_B, bool A_REGS>
+__global__ void __launch_bounds__(128)
+    unit_wgmma(const bf16* a, int a_row0, const bf16* b, float* d, uint32_t lbo_a, uint32_t sbo_a, uint32_t lbo_b,
+               uint32_t sbo_b) {
+  extern __shared__ uint8_t raw[];
+  uint32_t smem;
+  aligned_smem(raw, smem);
+  const uint32_t a_tile = smem;
+  const uint32_t b_tile = smem + A_ROWS * KTILE * 2;
+  const int tid = threadIdx.x;
+  if constexpr (!A_REGS) sm90::load_tile_sw128_cp_async<A_ROWS, KTILE, 128>(a_tile, a, KTILE, A_ROWS, a, tid);
+  if constexpr (TRANS_B == 0)
+    sm90::load_tile_sw128_cp_async<N, KTILE, 128>(b_tile, b, KTILE, N, b, tid);
+  else
+    sm90::load_tile_sw128_cp_async<KTILE, N, 128>(b_tile, b, N, KTILE, b, tid);
+  sm90::cp_async_wait_all();
+  sm90::fence_proxy_async();
+  __syncthreads();
+
+  const int warp = tid / 32, lane = tid % 32, g = lane / 4, c = lane % 4;
+  uint32_t af[KSTEPS][4];
+  if constexpr (A_REGS) {
+    const uint16_t* ab = reinterpret_cast<const uint16_t*>(a);
+    auto pair = [&](int row, int col) {
+      const int r = a_row0 + 16 * warp + row;
+      return static_cast<uint32_t>(ab[r * KTILE + col]) | (static_cast<uint32_t>(ab[r * KTILE + col + 1]) << 16);
+    };
+#pragma unroll
+    for (int k = 0; k < KSTEPS; ++k) {
+      af[k][0] = pair(g, 16 * k + 2 * c);
+      af[k][1] = pair(g + 8, 16 * k + 2 * c);
+      af[k][2] = pair(g, 16 * k + 8 + 2 * c);
+      af[k][3] = pair(g + 8, 16 * k + 8 + 2 * c);
+    }
+  }
+  float acc[N / 2];
+#pragma unroll
+  for (int i = 0; i < N / 2; ++i) acc[i] = 0.f;
+  sm90::fence_registers(acc);
+  if constexpr (A_REGS) sm90::fence_registers(af);
+  sm90::wgmma_fence();
+#pragma unroll
+  for (int k = 0; k < KSTEPS; ++k) {
+    const uint64_t bd = TRANS_B ? sm90::desc_mn_major(b_tile, KTILE, 16 * k, lbo_b, sbo_b)
+                                : sm90::desc_k_major(b_tile, N, 0, 16 * k, lbo_b, sbo_b);
+    if constexpr (A_REGS)
+      sm90::Wgmma<N, bf16, TRANS_B>::rs(acc, af[k], bd, k > 0 ? 1 : 0);
+    else
+      sm90::Wgmma<N, bf16, TRANS_B>::ss(acc, sm90::desc_k_major(a_tile, A_ROWS, a_row0, 16 * k, lbo_a, sbo_a), bd,
+                                        k > 0 ? 1 : 0);
+  }
+  sm90::wgmma_commit();
+  sm90::wgmma_wait<0>();
+  sm90::fence_registers(acc);
+  if constexpr (A_REGS) sm90::fence_registers(af);
+#pragma unroll
+  for (int j = 0; j < N / 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) d[(16 * warp + g + 8 * (e / 2)) * N + 8 * j + 2 * c + (e % 2)] = acc[4 * j + e];
+}
+
+std::vector<uint16_t> random_bf16(size_t n, std::mt19937_64& rng, float scale = 1.f) {
+  std::normal_distribution<float> nd(0.f, scale);
+  std::vector<uint16_t> v(n);
+  for (auto& x : v) x = float_to_bf16(nd(rng));
+  return v;
+}
+
+template <class Kernel>
+void set_smem(Kernel k, int bytes) {
+  CK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+}
+
+
+struct GemmProbe {
+  uint32_t lbo_a, sbo_a, lbo_b, sbo_b;
+};
+
+// Runs unit_wgmma once; returns the max abs error against the CPU product (and the max |ref|).
+template <int N, int KTILE, int KSTEPS, int A_ROWS, int TRANS_B, bool A_REGS>
+double run_gemm(const std::vector<uint16_t>& a, const std::vector<uint16_t>& b, int a_row0, GemmProbe pr,
+                double& max_ref, int& first_bad) {
+  DeviceBuffer<uint16_t> da(a.size()), db(b.size());
+  DeviceBuffer<float> dd(64 * N);
+  da.upload(a);
+  db.upload(b);
+  CK(cudaMemset(dd.ptr, 0xff, dd.count * sizeof(float)));
+  auto kernel = unit_wgmma<N, KTILE, KSTEPS, A_ROWS, TRANS_B, A_REGS>;
+  // 64 KB of slack past the tiles: a probed descriptor with other offsets reads inside the allocation.
+  const int smem = A_ROWS * KTILE * 2 + N * KTILE * 2 + 1024 + 65536;
+  set_smem(kernel, smem);
+  kernel<<<1, 128, smem>>>(reinterpret_cast<const bf16*>(da.ptr), a_row0, reinterpret_cast<const bf16*>(db.ptr),
+                           dd.ptr, pr.lbo_a, pr.sbo_a, pr.lbo_b, pr.sbo_b);
+  CK(cudaGetLastError());
+  sync_or_die();
+  const std::vector<float> d = dd.download();
+  double worst = 0;
+  max_ref = 0;
+  first_bad = -1;
+  for (int m = 0; m < 64; ++m)
+    for (int n = 0; n < N; ++n) {
+      double ref = 0;
+      for (int k = 0; k < 16 * KSTEPS; ++k) {
+        const double av = bf16_to_float(a[(a_row0 + m) * KTILE + k]);
+        const double bv = bf16_to_float(TRANS_B ? b[k * N + n] : b[n * KTILE + k]);
+        ref += av * bv;
+      }
+      const double err = std::isfinite(d[m * N + n]) ? std::fabs(d[m * N + n] - ref) : 1e30;
+      if (err > 1e-3 && first_bad < 0) first_bad = m * N + n;
+      worst = std::max(worst, err);
+      max_ref = std::max(max_ref, std::fabs(ref));
+    }
+  return worst;
+}
+
+template <int N, int KTILE, int KSTEPS, int A_ROWS, int TRANS_B, bool A_REGS>
+void unit_gemm(const std::string& name, const std::string& what, int a_row0, std::mt19937_64& rng) {
+  if (excluded(name)) return;
+  g_current = name;
+  const std::vector<uint16_t> a = random_bf16(static_cast<size_t>(A_ROWS) * KTILE, rng);
+  const std::vector<uint16_t> b = random_bf16(static_cast<size_t>(N) * KTILE, rng);
+  const uint32_t mn_lbo = KTILE * 128;  // MN-major B: distance between 64-column blocks of the [KTILE][N] tile
+  const GemmProbe chosen{16, 1024, TRANS_B ? mn_lbo : 16u, 1024};
+  double max_ref;
+  int first_bad;
+  const double err = run_gemm<N, KTILE, KSTEPS, A_ROWS, TRANS_B, A_REGS>(a, b, a_row0, chosen, max_ref, first_bad);
+  const bool ok = err <= 1e-3;
+  std::string detail = what + ": max abs err " + fmt("%.3g", err) + " (max |ref| " + fmt("%.3g", max_ref) + ")";
+  if (!ok && first_bad >= 0)
+    detail += ", first bad at row " + std::to_string(first_bad / N) + " col " + std::to_string(first_bad % N);
+  record("unit", name, ok, detail);
+  if (!ok) {
+    // Probe other descriptor offsets: which one would match names the field that is wrong.
+    std::vector<GemmProbe> probes;
+    for (uint32_t sbo : {512u, 1024u, 2048u, 128u, 256u})
+      for (uint32_t lbo : {16u, 128u, 1024u, mn_lbo, 2 * mn_lbo, 8192u}) {
+        probes.push_back({16, 1024, lbo, sbo});
+        if (!A_REGS) probes.push_back({lbo, sbo, TRANS_B ? mn_lbo : 16u, 1024});
+      }
+    std::string found;
+    for (const GemmProbe& pr : probes) {
+      double mr;
+      int fb;
+      if (run_gemm<N, KTILE, KSTEPS, A_ROWS, TRANS_B, A_REGS>(a, b, a_row0, pr, mr, fb) <= 1e-3)
+        found += " {A lbo " + std::to_string(pr.lbo_a) + " sbo " + std::to_string(pr.sbo_a) + ", B lbo " +
+                 std::to_string(pr.lbo_b) + " sbo " + std::to_string(pr.sbo_b) + "}";
+    }
+    record("unit", name + "-probe", false,
+           found.empty() ? "no probed descriptor offsets match" : "offsets that would match:" + found);
+  }
+}
+
+struct Case {
+  std::string name;
+  bool fp16 = false;
+  int d = 128;
+  int heads_q = 2, heads_kv = 2;
+  int wl = -1, wr = -1;  // window (wr = 0, wl = -1: causal)
+  std::vector<SequenceDesc> seqs;
+  int64_t q_rows = 0, kv_rows = 0;
+  uint64_t seed = 1;
+};
+
+SequenceDesc one_segment(int64_t q_row, int q_len, int64_t kv_row, int kv_len) {
+  SequenceDesc s{};
+  s.q_first_row[0] = q_row;
+  s.q_count[0] = q_len;
+  s.kv_first_row[0] = kv_row;
+  s.kv_count[0] = kv_len;
+  s.length_q = q_len;
+  s.length_kv = kv_len;
+  return s;
+}
+
+// Sequences (q length, kv length) laid out one after the other with `pad` rows after each (none after the last).
+Case make_case(std::string name, const std::vector<std::pair<int, int>>& lens, int pad, bool causal) {
+  Case c;
+  c.name = std::move(name);
+  if (causal) c.wr = 0;
+  for (size_t i = 0; i < lens.size(); ++i) {
+    c.seqs.push_back(one_segment(c.q_rows, lens[i].first, c.kv_rows, lens[i].second));
+    const int gap = i + 1 < lens.size() ? pad : 0;
+    c.q_rows += lens[i].first + gap;
+    c.kv_rows += lens[i].second + gap;
+  }
+  return c;
+}
+
+std::vector<Case> forward_cases() {
+  std::vector<Case> cases;
+  const std::vector<int> mixed = {1, 17, 100, 128, 129, 4096, 0, 1000};  // the last ends at the tensor end
+  std::vector<std::pair<int, int>> same;
+  for (int l : mixed) same.push_back({l, l});
+  cases.push_back(make_case("full-mixed", same, 5, false));
+  cases.push_back(make_case("causal-mixed", same, 5, true));
+  cases.push_back(make_case("causal-q-ne-kv", {{100, 40}, {17, 300}, {50, 0}, {129, 129}, {1000, 1000}, {3, 700}}, 7,
+                            true));
+  {
+    Case c = make_case("gqa4-2-window-96-0", {{300, 300}, {777, 777}, {64, 64}, {1, 1}}, 3, false);
+    c.heads_q = 4;
+    c.wl = 96;
+    c.wr = 0;
+    cases.push_back(c);
+  }
+  {
+    Case c = make_case("band-40-24-q-ne-kv", {{300, 500}, {200, 130}, {129, 257}}, 2, false);
+    c.wl = 40;
+    c.wr = 24;
+    cases.push_back(c);
+  }
+  {
+    // Two segments per sequence as a context-parallel rank holds them (length 1000, 4 chunks of 250: chunks 0 and 3
+    // of Q and KV, causal), and a sequence whose Q is chunk 2 alone against all 1000 keys in two KV segments.
+    Case c;
+    c.name = "causal-two-segments";
+    c.wr = 0;
+    SequenceDesc a{};
+    a.q_first_row[0] = 0, a.q_count[0] = 250, a.q_position[0] = 0;
+    a.q_first_row[1] = 250, a.q_count[1] = 250, a.q_position[1] = 750;
+    a.kv_first_row[0] = 0, a.kv_count[0] = 250, a.kv_position[0] = 0;
+    a.kv_first_row[1] = 250, a.kv_count[1] = 250, a.kv_position[1] = 750;
+    a.length_q = a.length_kv = 1000;
+    SequenceDesc b{};
+    b.q_first_row[0] = 503, b.q_count[0] = 250, b.q_position[0] = 500;
+    b.kv_first_row[0] = 503, b.kv_count[0] = 600, b.kv_position[0] = 0;
+    b.kv_first_row[1] = 1110, b.kv_count[1] = 400, b.kv_position[1] = 600;
+    b.length_q = b.length_kv = 1000;
+    c.seqs = {a, b};
+    c.q_rows = 753 + 4;
+    c.kv_rows = 1510;
+    cases.push_back(c);
+  }
+  {
+    std::vector<std::pair<int, int>> l64;
+    for (int l : {1, 17, 100, 128, 129, 2048, 0, 1000}) l64.push_back({l, l});
+    Case c = make_case("d64-causal-mixed", l64, 5, true);
+    c.d = 64;
+    cases.push_back(c);
+  }
+  {
+    Case c = make_case("fp16-full", {{1, 1}, {129, 129}, {1000, 1000}, {2048, 2048}}, 3, false);
+    c.fp16 = true;
+    cases.push_back(c);
+  }
+  for (size_t i = 0; i < cases.size(); ++i) cases[i].seed = 1000 + i;
+  return cases;
+}
+
+// Row tiles of `rows` rows over the Q segments, then pad tiles over the rows no segment covers.
+std::vector<RowTile> q_tiles(const Case& c, int rows) {
+  std::vector<RowTile> tiles;
+  std::vector<uint8_t> covered(c.q_rows, 0);
+  for (size_t s = 0; s < c.seqs.size(); ++s)
+    for (int g = 0; g < 2; ++g) {
+      const SequenceDesc& q = c.seqs[s];
+      for (int r0 = 0; r0 < q.q_count[g]; r0 += rows) {
+        tiles.push_back({q.q_first_row[g] + r0, std::min(rows, q.q_count[g] - r0), q.q_position[g] + r0,
+                         static_cast<int32_t>(s), g});
+      }
+      for (int r = 0; r < q.q_count[g]; ++r) covered[q.q_first_row[g] + r] = 1;
+    }
+  for (int64_t r = 0; r < c.q_rows;) {
+    if (covered[r]) {
+      ++r;
+      continue;
+    }
+    int64_t e = r;
+    while (e < c.q_rows && !covered[e] && e - r < rows) ++e;
+    tiles.push_back({r, static_cast<int32_t>(e - r), 0, -1, 0});
+    r = e;
+  }
+  return tiles;
+}
+
+bool visible(const Case& c, int64_t delta, int64_t qp, int64_t kp) {
+  return (c.wl < 0 || kp >= qp + delta - c.wl) && (c.wr < 0 || kp <= qp + delta + c.wr);
+}
+
+template <class F>
+void parallel_for(int64_t n, F f) {
+  const int threads = std::max(1u, std::min(64u, std::thread::hardware_concurrency()));
+  std::atomic<int64_t> next{0};
+  std::vector<std::thread> pool;
+  for (int t = 0; t < threads; ++t)
+    pool.emplace_back([&] {
+      for (int64_t i; (i = next.fetch_add(1)) < n;) f(i);
+    });
+  for (auto& t : pool) t.join();
+}
+
+__global__ void fill_normal(uint16_t* x, int64_t n, uint64_t seed, bool fp16) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    uint64_t z = seed ^ (static_cast<uint64_t>(i) * 0x9E3779B97F4A7C15ull);
+    float s = 0.f;
+    for (int k = 0; k < 4; ++k) {  // sum of 4 uniforms, scaled to unit variance
+      z ^= z >> 33;
+      z *= 0xff51afd7ed558ccdull;
+      z ^= z >> 33;
+      z *= 0xc4ceb9fe1a85ec53ull;
+      z ^= z >> 33;
+      s += static_cast<float>(z >> 40) * (1.f / 16777216.f);
+    }
+    const float f = (s - 2.f) * 1.7320508f;
+    x[i] = fp16 ? __half_as_ushort(__float2half_rn(f)) : __bfloat16_as_ushort(__float2bfloat16_rn(f));
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Unit test of the transposed-A form: D (64 x 64) = A B with A [64][K] given as at [K][64] (stored as an SW128 tile of
+// K rows x 64 columns: M contiguous) read through desc_mn_major_a and WgmmaTA (imm-trans-a = 1), and B = column block
+// `bblock` of b [K][128] (MN-major, an SW128 tile of K rows x 128 columns). This is dQ = dS K of the atomic backward
+// (at = dS^T [keys][queries], b = K [keys][d]).
+template <int KSTEPS>
+__global__ void __launch_bounds__(128)
+    unit_wgmma_ta(const bf16* at, const bf16* b, int bblock, float* d, uint32_t lbo_a, uint32_t sbo_a, uint32_t lbo_b,
+                  uint32_t sbo_b) {
+  constexpr int K = 16 * KSTEPS;
+  extern __shared__ uint8_t raw[];
+  uint32_t smem;
+  aligned_smem(raw, smem);
+  const uint32_t a_tile = smem, b_tile = smem + K * 64 * 2;
+  const int tid = threadIdx.x;
+  sm90::load_tile_sw128_cp_async<K, 64, 128>(a_tile, at, 64, K, at, tid);
+  sm90::load_tile_sw128_cp_async<K, 128, 128>(b_tile, b, 128, K, b, tid);
+  sm90::cp_async_wait_all();
+  sm90::fence_proxy_async();
+  __syncthreads();
+  const int warp = tid / 32, lane = tid % 32, g = lane / 4, c = lane % 4;
+  float acc[32];
+#pragma unroll
+  for (int i = 0; i < 32; ++i) acc[i] = 0.f;
+  sm90::fence_registers(acc);
+  sm90::wgmma_fence();
+#pragma unroll
+  for (int k = 0; k < KSTEPS; ++k)
+    sm90::WgmmaTA<64, bf16, 1>::ss(acc, sm90::desc_mn_major_a(a_tile, K, 16 * k, lbo_a, sbo_a),
+                                   sm90::desc_mn_major(b_tile + bblock * K * 128, K, 16 * k, lbo_b, sbo_b),
+                                   k > 0 ? 1 : 0);
+  sm90::wgmma_commit();
+  sm90::wgmma_wait<0>();
+  sm90::fence_registers(acc);
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) d[(16 * warp + g + 8 * (e / 2)) * 64 + 8 * j + 2 * c + (e % 2)] = acc[4 * j + e];
+}
+
+template <int KSTEPS>
+double run_gemm_ta(const std::vector<uint16_t>& at, const std::vector<uint16_t>& b, int bblock, GemmProbe pr,
+                   double& max_ref, int& first_bad) {
+  constexpr int K = 16 * KSTEPS;
+  DeviceBuffer<uint16_t> da(at.size()), db(b.size());
+  DeviceBuffer<float> dd(64 * 64);
+  da.upload(at);
+  db.upload(b);
+  CK(cudaMemset(dd.ptr, 0xff, dd.count * sizeof(float)));
+  auto kernel = unit_wgmma_ta<KSTEPS>;
+  const int smem = K * 64 * 2 + K * 128 * 2 + 1024 + 65536;
+  set_smem(kernel, smem);
+  kernel<<<1, 128, smem>>>(reinterpret_cast<const bf16*>(da.ptr), reinterpret_cast<const bf16*>(db.ptr), bblock,
+                           dd.ptr, pr.lbo_a, pr.sbo_a, pr.lbo_b, pr.sbo_b);
+  CK(cudaGetLastError());
+  sync_or_die();
+  const std::vector<float> d = dd.download();
+  double worst = 0;
+  max_ref = 0;
+  first_bad = -1;
+  for (int m = 0; m < 64; ++m)
+    for (int n = 0; n < 64; ++n) {
+      double ref = 0;
+      for (int k = 0; k < K; ++k)
+        ref += static_cast<double>(bf16_to_float(at[k * 64 + m])) * bf16_to_float(b[k * 128 + 64 * bblock + n]);
+      const double err = std::isfinite(d[m * 64 + n]) ? std::fabs(d[m * 64 + n] - ref) : 1e30;
+      if (err > 1e-3 && first_bad < 0) first_bad = m * 64 + n;
+      worst = std::max(worst, err);
+      max_ref = std::max(max_ref, std::fabs(ref));
+    }
+  return worst;
+}
+
+template <int KSTEPS>
+void unit_gemm_ta(const std::string& name, const std::string& what, int bblock, std::mt19937_64& rng) {
+  if (excluded(name)) return;
+  g_current = name;
+  constexpr int K = 16 * KSTEPS;
+  const std::vector<uint16_t> at = random_bf16(static_cast<size_t>(K) * 64, rng);
+  const std::vector<uint16_t> b = random_bf16(static_cast<size_t>(K) * 128, rng);
+  const GemmProbe chosen{K * 128, 1024, K * 128, 1024};
+  double max_ref;
+  int first_bad;
+  const double err = run_gemm_ta<KSTEPS>(at, b, bblock, chosen, max_ref, first_bad);
+  const bool ok = err <= 1e-3;
+  std::string detail = what + ": max abs err " + fmt("%.3g", err) + " (max |ref| " + fmt("%.3g", max_ref) + ")";
+  if (!ok && first_bad >= 0)
+    detail += ", first bad at row " + std::to_string(first_bad / 64) + " col " + std::to_string(first_bad % 64);
+  record("unit", name, ok, detail);
+  if (!ok) {
+    std::string found;
+    for (uint32_t sbo : {1024u, 512u, 2048u, 128u, 256u, 8192u})
+      for (uint32_t lbo : {16u, 128u, 1024u, 8192u, static_cast<uint32_t>(K * 128), 2u * K * 128}) {
+        double mr;
+        int fb;
+        const GemmProbe pr{lbo, sbo, K * 128, 1024};
+        if (run_gemm_ta<KSTEPS>(at, b, bblock, pr, mr, fb) <= 1e-3)
+          found += " {A lbo " + std::to_string(lbo) + " sbo " + std::to_string(sbo) + "}";
+      }
+    record("unit", name + "-probe", false,
+           found.empty() ? "no probed A descriptor offsets match" : "offsets that would match:" + found);
+  }
+}
+
+void run_unit_tests(std::mt19937_64& rng) {
+  std::printf("\n==== unit tests ====\n");
+  // The forms of the dK/dV pass.
+  unit_gemm<64, 128, 8, 128, 0, false>("bwd-ss-st-m64n64-k128-rows64",
+                                       "S^T = K Q^T: A = rows 64..127 of a 128-row K tile, N = 64 queries", 64, rng);
+  unit_gemm<128, 64, 4, 64, 1, true>("bwd-rs-bmn-m64n128-k64", "dV += P^T dO: RS, B = dO MN-major, K = 64 queries",
+                                     0, rng);
+  unit_gemm<64, 64, 4, 64, 1, true>("bwd-rs-bmn-m64n64-k64", "dV += P^T dO at d 64", 0, rng);
+  // dQ = dS K through the transpose bit.
+  unit_gemm_ta<8>("bwd-ss-ta-m64n64-k128-b0", "dQ = dS K: A MN-major (transpose bit), 128 keys, K block 0", 0, rng);
+  unit_gemm_ta<8>("bwd-ss-ta-m64n64-k128-b1", "dQ = dS K: A MN-major (transpose bit), 128 keys, K block 1", 1, rng);
+  unit_gemm_ta<1>("bwd-ss-ta-m64n64k16", "one m64n64k16 SS product with A MN-major", 0, rng);
+  // The forms of the deterministic dQ pass: S = Q K^T (N = 64), dQ += dS K (RS, K MN-major, N = 128, K = 64 keys).
+  unit_gemm<64, 128, 8, 128, 0, false>("bwd-ss-s-m64n64-k128-rows64", "S = Q K^T, rows 64..127 of a 128-row Q tile",
+                                       64, rng);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Backward: cases and the float64 CPU reference.
+
+std::vector<Case> backward_cases() {
+  std::vector<Case> cases;
+  const std::vector<int> mixed = {1, 17, 100, 128, 129, 1500, 0, 700};  // the last ends at the tensor end
+  std::vector<std::pair<int, int>> same;
+  for (int l : mixed) same.push_back({l, l});
+  cases.push_back(make_case("full-mixed", same, 5, false));
+  cases.push_back(make_case("causal-mixed", same, 5, true));
+  cases.push_back(make_case("causal-q-ne-kv", {{100, 40}, {17, 300}, {50, 0}, {129, 129}, {600, 600}, {3, 700}}, 7,
+                            true));
+  {
+    Case c = make_case("gqa4-2-window-96-0", {{300, 300}, {777, 777}, {64, 64}, {1, 1}}, 3, false);
+    c.heads_q = 4;
+    c.wl = 96;
+    c.wr = 0;
+    cases.push_back(c);
+  }
+  {
+    Case c = make_case("band-40-24-q-ne-kv", {{300, 500}, {200, 130}, {129, 257}}, 2, false);
+    c.wl = 40;
+    c.wr = 24;
+    cases.push_back(c);
+  }
+  {
+    // A context-parallel rank's two chunks (length 1000, chunks 0 and 3 of 4) and a Q chunk against two KV segments.
+    Case c;
+    c.name = "causal-two-segments";
+    c.wr = 0;
+    SequenceDesc a{};
+    a.q_first_row[0] = 0, a.q_count[0] = 250, a.q_position[0] = 0;
+    a.q_first_row[1] = 250, a.q_count[1] = 250, a.q_position[1] = 750;
+    a.kv_first_row[0] = 0, a.kv_count[0] = 250, a.kv_position[0] = 0;
+    a.kv_first_row[1] = 250, a.kv_count[1] = 250, a.kv_position[1] = 750;
+    a.length_q = a.length_kv = 1000;
+    SequenceDesc b{};
+    b.q_first_row[0] = 503, b.q_count[0] = 250, b.q_position[0] = 500;
+    b.kv_first_row[0] = 503, b.kv_count[0] = 600, b.kv_position[0] = 0;
+    b.kv_first_row[1] = 1110, b.kv_count[1] = 400, b.kv_position[1] = 600;
+    b.length_q = b.length_kv = 1000;
+    c.seqs = {a, b};
+    c.q_rows = 753 + 4;
+    c.kv_rows = 1510;
+    cases.push_back(c);
+  }
+  {
+    Case c = make_case("fp16-causal", {{1, 1}, {129, 129}, {1000, 1000}, {300, 300}}, 3, true);
+    c.fp16 = true;
+    cases.push_back(c);
+  }
+  {
+    std::vector<std::pair<int, int>> l64;
+    for (int l : {1, 17, 100, 128, 129, 1000, 0, 300}) l64.push_back({l, l});
+    Case c = make_case("d64-causal-mixed", l64, 5, true);
+    c.d = 64;
+    cases.push_back(c);
+  }
+  for (size_t i = 0; i < cases.size(); ++i) cases[i].seed = 2000 + i;
+  return cases;
+}
+
+// Row tiles over the KV segments (then pad tiles), as q_tiles does for Q.
+std::vector<RowTile> kv_tiles(const Case& c, int rows) {
+  Case t = c;
+  for (SequenceDesc& s : t.seqs)
+    for (int g = 0; g < 2; ++g) {
+      s.q_first_row[g] = s.kv_first_row[g];
+      s.q_count[g] = s.kv_count[g];
+      s.q_position[g] = s.kv_position[g];
+    }
+  t.q_rows = c.kv_rows;
+  return q_tiles(t, rows);
+}
+
+struct BwdHost {
+  std::vector<uint16_t> q, k, v, o, dout;       // dtype bits; NaN in pad rows
+  std::vector<float> lse;                        // [heads_q][q_rows] float32 (NaN in pad rows)
+  std::vector<double> dq, dk, dv;                // reference
+  std::vector<uint8_t> q_valid, kv_valid;        // rows inside a segment
+  std::vector<uint8_t> dq_zero, dkv_zero;        // [row][head]: no visible pair (the output must be exactly 0)
+};
+
+BwdHost make_bwd_host(const Case& c) {
+  BwdHost h;
+  std::mt19937_64 rng(c.seed);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  const int d = c.d, hq = c.heads_q, hk = c.heads_kv, group = hq / hk;
+  const uint16_t nanb = nan_bits(c.fp16);
+  h.q.assign(static_cast<size_t>(c.q_rows) * hq * d, nanb);
+  h.o = h.q;
+  h.dout = h.q;
+  h.k.assign(static_cast<size_t>(c.kv_rows) * hk * d, nanb);
+  h.v = h.k;
+  h.lse.assign(static_cast<size_t>(hq) * c.q_rows, NAN);
+  h.q_valid.assign(c.q_rows, 0);
+  h.kv_valid.assign(c.kv_rows, 0);
+  for (const SequenceDesc& s : c.seqs)
+    for (int g = 0; g < 2; ++g) {
+      for (int r = 0; r < s.q_count[g]; ++r) h.q_valid[s.q_first_row[g] + r] = 1;
+      for (int r = 0; r < s.kv_count[g]; ++r) h.kv_valid[s.kv_first_row[g] + r] = 1;
+    }
+  for (int64_t r = 0; r < c.q_rows; ++r)
+    if (h.q_valid[r])
+      for (int i = 0; i < hq * d; ++i) {
+        h.q[r * hq * d + i] = to_bits(nd(rng), c.fp16);
+        h.dout[r * hq * d + i] = to_bits(nd(rng), c.fp16);
+      }
+  for (int64_t r = 0; r < c.kv_rows; ++r)
+    if (h.kv_valid[r])
+      for (int i = 0; i < hk * d; ++i) {
+        h.k[r * hk * d + i] = to_bits(nd(rng), c.fp16);
+        h.v[r * hk * d + i] = to_bits(nd(rng), c.fp16);
+      }
+  h.dq.assign(h.q.size(), 0.0);
+  h.dk.assign(h.k.size(), 0.0);
+  h.dv.assign(h.k.size(), 0.0);
+  h.dq_zero.assign(static_cast<size_t>(c.q_rows) * hq, 1);
+  h.dkv_zero.assign(static_cast<size_t>(c.kv_rows) * hk, 1);
+  auto F = [&](uint16_t b) { return static_cast<double>(from_bits(b, c.fp16)); };
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+  // One item per (sequence, kv head): its dK/dV rows are its own, and so are the dQ rows of its query heads.
+  const int64_t items = static_cast<int64_t>(c.seqs.size()) * hk;
+  parallel_for(items, [&](int64_t item) {
+    const SequenceDesc& s = c.seqs[item / hk];
+    const int kvh = static_cast<int>(item % hk);
+    const int64_t delta = static_cast<int64_t>(s.length_kv) - s.length_q;
+    std::vector<int64_t> qr, qp, kr, kp;
+    for (int g = 0; g < 2; ++g) {
+      for (int i = 0; i < s.q_count[g]; ++i) qr.push_back(s.q_first_row[g] + i), qp.push_back(s.q_position[g] + i);
+      for (int j = 0; j < s.kv_count[g]; ++j) kr.push_back(s.kv_first_row[g] + j), kp.push_back(s.kv_position[g] + j);
+    }
+    const size_t nk = kr.size();
+    std::vector<double> kf(nk * d), vf(nk * d), sc(nk), pr(nk), qv(d), dov(d);
+    for (size_t j = 0; j < nk; ++j)
+      for (int x = 0; x < d; ++x) {
+        kf[j * d + x] = F(h.k[(kr[j] * hk + kvh) * d + x]);
+        vf[j * d + x] = F(h.v[(kr[j] * hk + kvh) * d + x]);
+      }
+    std::vector<double> o(d);
+    for (int hh = kvh * group; hh < (kvh + 1) * group; ++hh)
+      for (size_t i = 0; i < qr.size(); ++i) {
+        const int64_t base = (qr[i] * hq + hh) * d;
+        for (int x = 0; x < d; ++x) qv[x] = F(h.q[base + x]), dov[x] = F(h.dout[base + x]);
+        double m = -INFINITY;
+        std::vector<size_t> vis;
+        for (size_t j = 0; j < nk; ++j) {
+          if (!visible(c, delta, qp[i], kp[j])) continue;
+          double dot = 0;
+          for (int x = 0; x < d; ++x) dot += qv[x] * kf[j * d + x];
+          sc[j] = dot * scale;
+          m = std::max(m, sc[j]);
+          vis.push_back(j);
+        }
+        const int64_t li = static_cast<int64_t>(hh) * c.q_rows + qr[i];
+        if (vis.empty()) {  // O = 0, LSE = -inf: P = 0 everywhere, dQ = 0
+          for (int x = 0; x < d; ++x) h.o[base + x] = to_bits(0.f, c.fp16);
+          h.lse[li] = -INFINITY;
+          continue;
+        }
+        h.dq_zero[qr[i] * hq + hh] = 0;
+        double sum = 0;
+        for (size_t j : vis) sum += std::exp(sc[j] - m);
+        const double lse = m + std::log(sum);
+        std::fill(o.begin(), o.end(), 0.0);
+        for (size_t j : vis) {
+          pr[j] = std::exp(sc[j] - lse);
+          for (int x = 0; x < d; ++x) o[x] += pr[j] * vf[j * d + x];
+        }
+        // The kernel's inputs: O rounded to the dtype, LSE as float32; delta from them (as the kernel computes it).
+        double dl = 0;
+        for (int x = 0; x < d; ++x) {
+          h.o[base + x] = to_bits(static_cast<float>(o[x]), c.fp16);
+          dl += F(h.o[base + x]) * dov[x];
+        }
+        h.lse[li] = static_cast<float>(lse);
+        for (size_t j : vis) {
+          double dp = 0;
+          for (int x = 0; x < d; ++x) dp += dov[x] * vf[j * d + x];
+          const double ds = pr[j] * (dp - dl);
+          const int64_t kb = (kr[j] * hk + kvh) * d;
+          h.dkv_zero[kr[j] * hk + kvh] = 0;
+          for (int x = 0; x < d; ++x) {
+            h.dq[base + x] += scale * ds * kf[j * d + x];
+            h.dk[kb + x] += scale * ds * qv[x];
+            h.dv[kb + x] += pr[j] * dov[x];
+          }
+        }
+      }
+  });
+  return h;
+}
+
+// Device copy of a backward case.
+struct BwdDevice {
+  DeviceBuffer<uint16_t> q, k, v, o, dout, dq, dk, dv;
+  DeviceBuffer<float> lse, delta, dq_accum;
+  DeviceBuffer<SequenceDesc> seqs;
+  DeviceBuffer<RowTile> qt128, kvt128, qt64, kvt64;
+  int qt128_n = 0, kvt128_n = 0, qt64_n = 0, kvt64_n = 0;
+  AttentionParams base{};
+  int d;
+  BwdDevice(const Case& c)
+      : q(static_cast<size_t>(c.q_rows) * c.heads_q * c.d),
+        k(static_cast<size_t>(c.kv_rows) * c.heads_kv * c.d),
+        v(k.count),
+        o(q.count),
+        dout(q.count),
+        dq(q.count),
+        dk(k.count),
+        dv(k.count),
+        lse(static_cast<size_t>(c.heads_q) * c.q_rows),
+        delta(lse.count),
+        dq_accum(q.count),
+        seqs(c.seqs.size()),
+        d(c.d) {
+    seqs.upload(c.seqs);
+    auto put = [](DeviceBuffer<RowTile>& b, int& n, const std::vector<RowTile>& t) {
+      n = static_cast<int>(t.size());
+      b.reset(t.size());
+      b.upload(t);
+    };
+    put(qt128, qt128_n, q_tiles(c, 128));
+    put(kvt128, kvt128_n, kv_tiles(c, 128));
+    put(qt64, qt64_n, q_tiles(c, 64));
+    put(kvt64, kvt64_n, kv_tiles(c, 64));
+    base.q = q.ptr;
+    base.k = k.ptr;
+    base.v = v.ptr;
+    base.o = o.ptr;
+    base.lse = lse.ptr;
+    base.dout = dout.ptr;
+    base.dq = dq.ptr;
+    base.dk = dk.ptr;
+    base.dv = dv.ptr;
+    base.dq_accum = dq_accum.ptr;
+    base.delta = delta.ptr;
+    base.q_rows = c.q_rows;
+    base.kv_rows = c.kv_rows;
+    base.heads_q = c.heads_q;
+    base.heads_kv = c.heads_kv;
+    base.group = c.heads_q / c.heads_kv;
+    base.window_left = c.wl;
+    base.window_right = c.wr;
+    base.softmax_scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(c.d)));
+    base.scale_log2 = base.softmax_scale * 1.4426950408889634f;
+    base.sequences = seqs.ptr;
+  }
+  AttentionParams params(int tile_rows) const {
+    AttentionParams p = base;
+    p.q_tiles = tile_rows == 64 ? qt64.ptr : qt128.ptr;
+    p.q_tile_count = tile_rows == 64 ? qt64_n : qt128_n;
+    p.kv_tiles = tile_rows == 64 ? kvt64.ptr : kvt128.ptr;
+    p.kv_tile_count = tile_rows == 64 ? kvt64_n : kvt128_n;
+    return p;
+  }
+  void poison() {
+    CK(cudaMemset(dq.ptr, 0xff, dq.count * 2));  // NaN in bf16 and fp16
+    CK(cudaMemset(dk.ptr, 0xff, dk.count * 2));
+    CK(cudaMemset(dv.ptr, 0xff, dv.count * 2));
+    CK(cudaMemset(delta.ptr, 0xff, delta.count * 4));
+    CK(cudaMemset(dq_accum.ptr, 0xff, dq_accum.count * 4));
+  }
+};
+
+struct BwdVariant {
+  std::string name;
+  int d;
+  bool fp16;
+  bool atomic;
+  bool mma_sync = false;
+  int tile_rows = 128;
+  std::function<std::string(const AttentionParams&, sm90::Watchdog)> launch;
+};
+
+template <class T, int D, bool ATOMIC>
+BwdVariant sm90_variant(const std::string& name) {
+  BwdVariant v;
+  v.name = name;
+  v.d = D;
+  v.fp16 = std::is_same_v<T, __half>;
+  v.atomic = ATOMIC;
+  v.launch = [](const AttentionParams& p, sm90::Watchdog dog) {
+    return sm90::launch_backward_sm90<T, D, ATOMIC>(p, dog, 0);
+  };
+  return v;
+}
+
+#ifdef HF_HAVE_MMA_SYNC_FORWARD
+// The mma.sync backward (gpu/attention_kernels.cuh) launched as gpu/attention_launch.cuh does (64-row tiles).
+template <class T, int D, bool ATOMIC>
+BwdVariant mma_sync_variant_bwd(const std::string& name) {
+  BwdVariant v;
+  v.name = name;
+  v.d = D;
+  v.fp16 = std::is_same_v<T, __half>;
+  v.atomic = ATOMIC;
+  v.mma_sync = true;
+  v.tile_rows = 64;
+  v.launch = [](const AttentionParams& p, sm90::Watchdog) -> std::string {
+    namespace dt = cpgold::gpu::detail;
+    using Cfg = dt::BackwardConfig<T, D, D>;
+    auto err = [](const char* w) -> std::string {
+      const cudaError_t e = cudaGetLastError();
+      return e == cudaSuccess ? std::string() : std::string(w) + ": " + cudaGetErrorString(e);
+    };
+    if (p.q_tile_count > 0)
+      dt::attention_backward_delta_kernel<T, D><<<dim3(p.q_tile_count, p.heads_q), 128>>>(p);
+    if (auto e = err("delta"); !e.empty()) return e;
+    auto dkdv = dt::attention_backward_dkdv_kernel<T, D, D, ATOMIC, 1>;
+    if (cudaError_t e = cudaFuncSetAttribute(dkdv, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
+        e != cudaSuccess)
+      return std::string("cudaFuncSetAttribute: ") + cudaGetErrorString(e);
+    const int64_t elems = p.q_rows * p.heads_q * D;
+    if (ATOMIC && elems > 0)
+      if (cudaError_t e = cudaMemsetAsync(p.dq_accum, 0, elems * 4); e != cudaSuccess) return "memset";
+    if (p.kv_tile_count > 0) dkdv<<<dim3(p.kv_tile_count, p.heads_kv), Cfg::kThreads, Cfg::kSmemBytes>>>(p);
+    if (auto e = err("dkdv"); !e.empty()) return e;
+    if (ATOMIC) {
+      if (elems > 0)
+        dt::attention_backward_convert_dq_kernel<T>
+            <<<static_cast<int>(std::min<int64_t>((elems + 255) / 256, 132 * 16)), 256>>>(p, elems);
+    } else {
+      using Dq = dt::DqConfig<T, D, D>;
+      auto dqk = dt::attention_backward_dq_kernel<T, D, D>;
+      if (cudaError_t e = cudaFuncSetAttribute(dqk, cudaFuncAttributeMaxDynamicSharedMemorySize, Dq::kSmemBytes);
+          e != cudaSuccess)
+        return std::string("cudaFuncSetAttribute: ") + cudaGetErrorString(e);
+      if (p.q_tile_count > 0) dqk<<<dim3(p.q_tile_count, p.heads_q), Dq::kThreads, Dq::kSmemBytes>>>(p);
+    }
+    return err("dq");
+  };
+  return v;
+}
+#endif
+
+std::vector<BwdVariant> all_bwd_variants() {
+  std::vector<BwdVariant> v;
+  v.push_back(sm90_variant<bf16, 128, true>("sm90-bwd-atomic"));
+  v.push_back(sm90_variant<bf16, 128, false>("sm90-bwd-deterministic"));
+  v.push_back(sm90_variant<__half, 128, true>("sm90-bwd-atomic-fp16"));
+  v.push_back(sm90_variant<__half, 128, false>("sm90-bwd-deterministic-fp16"));
+  v.push_back(sm90_variant<bf16, 64, true>("sm90-bwd-atomic-d64"));
+  v.push_back(sm90_variant<bf16, 64, false>("sm90-bwd-deterministic-d64"));
+#ifdef HF_HAVE_MMA_SYNC_FORWARD
+  v.push_back(mma_sync_variant_bwd<bf16, 128, true>("mma-sync-bwd-atomic"));
+  v.push_back(mma_sync_variant_bwd<bf16, 128, false>("mma-sync-bwd-deterministic"));
+#endif
+  return v;
+}
+
+std::string run_bwd_once(const BwdVariant& v, BwdDevice& dd, DeviceWatchdog& dog, const AttentionParams& p) {
+  dd.poison();
+  if (std::string e = v.launch(p, dog.arm()); !e.empty()) return e;
+  sync_or_die();
+  return dog.report();
+}
+
+struct TensorCheck {
+  bool pass = true;
+  std::string detail;
+};
+
+// One output tensor [rows][heads][d] against the reference: relative Frobenius error and max abs error over the valid
+// rows; every element of an invalid row exactly +0 bits; every row without a visible pair exactly 0; no non-finite.
+TensorCheck check_tensor(const char* what, const Case& c, const std::vector<uint16_t>& got,
+                         const std::vector<double>& ref, const std::vector<uint8_t>& valid,
+                         const std::vector<uint8_t>& zero_rows, int heads) {
+  TensorCheck t;
+  double e2 = 0, r2 = 0, max_abs = 0, max_ref = 0;
+  int64_t nonfinite = 0, pad_bad = 0, zero_bad = 0;
+  const int d = c.d;
+  const int64_t rows = static_cast<int64_t>(valid.size());
+  for (int64_t r = 0; r < rows; ++r)
+    for (int h = 0; h < heads; ++h) {
+      const int64_t base = (r * heads + h) * d;
+      if (!valid[r]) {
+        for (int x = 0; x < d; ++x) pad_bad += got[base + x] != 0;
+        continue;
+      }
+      const bool must_zero = zero_rows[r * heads + h] != 0;
+      for (int x = 0; x < d; ++x) {
+        const float g = from_bits(got[base + x], c.fp16);
+        if (!std::isfinite(g)) {
+          ++nonfinite;
+          continue;
+        }
+        if (must_zero && g != 0.f) ++zero_bad;
+        const double e = g - ref[base + x];
+        e2 += e * e;
+        r2 += ref[base + x] * ref[base + x];
+        max_abs = std::max(max_abs, std::fabs(e));
+        max_ref = std::max(max_ref, std::fabs(ref[base + x]));
+      }
+    }
+  const double rel = std::sqrt(e2 / std::max(r2, 1e-300));
+  const double rel_tol = c.fp16 ? 6e-3 : 2.5e-2;
+  const double abs_tol = (c.fp16 ? 2e-2 : 8e-2) * std::max(max_ref, 1e-6);
+  t.pass = nonfinite == 0 && pad_bad == 0 && zero_bad == 0 && rel <= rel_tol && max_abs <= abs_tol;
+  t.detail = std::string(what) + " rel " + fmt("%.2e", rel) + " max abs " + fmt("%.2e", max_abs) + " (max |ref| " +
+             fmt("%.2e", max_ref) + ")" + (nonfinite ? ", non-finite " + std::to_string(nonfinite) : "") +
+             (pad_bad ? ", pad not 0: " + std::to_string(pad_bad) : "") +
+             (zero_bad ? ", no-pair rows not 0: " + std::to_string(zero_bad) : "");
+  return t;
+}
+
+// Summing form (deterministic mode): a float32 sum preloaded with random values and a row map that reverses the
+// rows; after the summing run, sum[map[r]] must equal old[map[r]] + float(plain output[r]) bit for bit (assign = 0),
+// and a second run with assign = 1 and a result tensor must write dtype(0 + value) = the plain output to the result
+// at map[r] and leave the sum alone.
+void check_summing(const BwdVariant& v, const Case& c, BwdDevice& dd, DeviceWatchdog& dog,
+                   const std::vector<uint16_t>& dq1, const std::vector<uint16_t>& dk1,
+                   const std::vector<uint16_t>& dv1, const std::string& test) {
+  std::mt19937_64 rng(c.seed + 77);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  const size_t nq = dd.q.count, nk = dd.k.count;
+  std::vector<float> old_q(nq), old_k(nk), old_v(nk);
+  for (auto& x : old_q) x = nd(rng);
+  for (auto& x : old_k) x = nd(rng);
+  for (auto& x : old_v) x = nd(rng);
+  std::vector<int64_t> qmap(c.q_rows), kmap(c.kv_rows);
+  for (int64_t r = 0; r < c.q_rows; ++r) qmap[r] = c.q_rows - 1 - r;
+  for (int64_t r = 0; r < c.kv_rows; ++r) kmap[r] = c.kv_rows - 1 - r;
+  DeviceBuffer<float> sq(nq), sk(nk), sv(nk);
+  DeviceBuffer<int64_t> mq(qmap.size()), mk(kmap.size());
+  sq.upload(old_q), sk.upload(old_k), sv.upload(old_v), mq.upload(qmap), mk.upload(kmap);
+  AttentionParams p = dd.params(v.tile_rows);
+  p.dq_sum = sq.ptr, p.dk_sum = sk.ptr, p.dv_sum = sv.ptr;
+  p.q_sum_rows = mq.ptr, p.kv_sum_rows = mk.ptr;
+  if (std::string e = run_bwd_once(v, dd, dog, p); !e.empty()) {
+    record("backward", test + " summing", false, e);
+    return;
+  }
+  const std::vector<float> gq = sq.download(), gk = sk.download(), gv = sv.download();
+  int64_t bad = 0;
+  const int d = c.d;
+  auto cmp = [&](const std::vector<float>& got, const std::vector<float>& old, const std::vector<uint16_t>& plain,
+                 const std::vector<int64_t>& map, int heads) {
+    const int64_t w = static_cast<int64_t>(heads) * d;
+    for (size_t r = 0; r < map.size(); ++r)
+      for (int64_t x = 0; x < w; ++x) {
+        const float want = old[map[r] * w + x] + from_bits(plain[r * w + x], c.fp16);
+        bad += std::memcmp(&want, &got[map[r] * w + x], 4) != 0;
+      }
+  };
+  cmp(gq, old_q, dq1, qmap, c.heads_q);
+  cmp(gk, old_k, dk1, kmap, c.heads_kv);
+  cmp(gv, old_v, dv1, kmap, c.heads_kv);
+  // assign = 1 with result tensors: result[map[r]] = dtype(0 + value) = plain[r]; the sums untouched.
+  DeviceBuffer<uint16_t> rq(nq), rk(nk), rv(nk);
+  CK(cudaMemset(rq.ptr, 0xff, nq * 2));
+  CK(cudaMemset(rk.ptr, 0xff, nk * 2));
+  CK(cudaMemset(rv.ptr, 0xff, nk * 2));
+  p.dq_sum_assign = p.dk_sum_assign = p.dv_sum_assign = 1;
+  p.dq_result = rq.ptr, p.dk_result = rk.ptr, p.dv_result = rv.ptr;
+  int64_t bad2 = 0, touched = 0;
+  if (std::string e = run_bwd_once(v, dd, dog, p); !e.empty()) {
+    record("backward", test + " summing", false, e);
+    return;
+  }
+  const std::vector<uint16_t> hq = rq.download(), hk = rk.download(), hv = rv.download();
+  auto cmp2 = [&](const std::vector<uint16_t>& got, const std::vector<uint16_t>& plain, const std::vector<int64_t>& map,
+                  int heads) {
+    const int64_t w = static_cast<int64_t>(heads) * d;
+    for (size_t r = 0; r < map.size(); ++r)
+      for (int64_t x = 0; x < w; ++x) {
+        // dtype(0 + float(v)) == v, except that -0 becomes +0.
+        const uint16_t want = from_bits(plain[r * w + x], c.fp16) == 0.f ? 0 : plain[r * w + x];
+        bad2 += got[map[r] * w + x] != want;
+      }
+  };
+  cmp2(hq, dq1, qmap, c.heads_q);
+  cmp2(hk, dk1, kmap, c.heads_kv);
+  cmp2(hv, dv1, kmap, c.heads_kv);
+  touched += sq.download() != gq;
+  touched += sk.download() != gk;
+  touched += sv.download() != gv;
+  record("backward", test + " summing", bad == 0 && bad2 == 0 && touched == 0,
+         "sum != old + float(plain): " + std::to_string(bad) + " elements; result != plain: " + std::to_string(bad2) +
+             "; sums written with a result tensor: " + std::to_string(touched));
+}
+
+void run_backward_tests(const std::vector<BwdVariant>& variants) {
+  std::printf("\n==== backward ====\n");
+  DeviceWatchdog dog;
+  for (const Case& c : backward_cases()) {
+    g_current = "reference";
+    const auto t0 = std::chrono::steady_clock::now();
+    const BwdHost h = make_bwd_host(c);
+    std::printf("case %s: %lld q rows, %lld kv rows, %d/%d heads, d %d, %s, window (%d, %d); reference %.1f s\n",
+                c.name.c_str(), static_cast<long long>(c.q_rows), static_cast<long long>(c.kv_rows), c.heads_q,
+                c.heads_kv, c.d, c.fp16 ? "fp16" : "bf16", c.wl, c.wr,
+                std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    std::fflush(stdout);
+    BwdDevice dd(c);
+    dd.q.upload(h.q), dd.k.upload(h.k), dd.v.upload(h.v), dd.o.upload(h.o), dd.dout.upload(h.dout);
+    dd.lse.upload(h.lse);
+    for (const BwdVariant& v : variants) {
+      if (v.d != c.d || v.fp16 != c.fp16 || excluded(v.name)) continue;
+      g_current = v.name;
+      const std::string test = v.name + " / " + c.name;
+      std::printf("running %s\n", test.c_str());
+      std::fflush(stdout);
+      const AttentionParams p = dd.params(v.tile_rows);
+      if (std::string e = run_bwd_once(v, dd, dog, p); !e.empty()) {
+        record("backward", test, false, e);
+        continue;
+      }
+      const std::vector<uint16_t> dq1 = dd.dq.download(), dk1 = dd.dk.download(), dv1 = dd.dv.download();
+      const TensorCheck a = check_tensor("dQ", c, dq1, h.dq, h.q_valid, h.dq_zero, c.heads_q);
+      const TensorCheck b = check_tensor("dK", c, dk1, h.dk, h.kv_valid, h.dkv_zero, c.heads_kv);
+      const TensorCheck e = check_tensor("dV", c, dv1, h.dv, h.kv_valid, h.dkv_zero, c.heads_kv);
+      if (std::string err = run_bwd_once(v, dd, dog, p); !err.empty()) {
+        record("backward", test, false, "rerun: " + err);
+        continue;
+      }
+      const bool same_kv = dd.dk.download() == dk1 && dd.dv.download() == dv1;
+      const bool same_q = dd.dq.download() == dq1;
+      const bool rerun_ok = same_kv && (v.atomic || same_q);
+      record("backward", test, a.pass && b.pass && e.pass && rerun_ok,
+             a.detail + "; " + b.detail + "; " + e.detail + "; rerun dK/dV " + (same_kv ? "identical" : "DIFFERS") +
+                 ", dQ " + (same_q ? "identical" : (v.atomic ? "differs (atomic order)" : "DIFFERS")));
+      if (!v.atomic && !v.mma_sync) check_summing(v, c, dd, dog, dq1, dk1, dv1, test);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Timing.
+
+// Relative Frobenius difference and max abs difference of two dtype tensors (host side).
+std::string host_diff(const std::vector<uint16_t>& a, const std::vector<uint16_t>& b, bool& ok) {
+  double e2 = 0, r2 = 0, mx = 0;
+  int64_t bad = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    const double x = bf16_to_float(a[i]), y = bf16_to_float(b[i]);
+    if (!std::isfinite(x) || !std::isfinite(y)) {
+      ++bad;
+      continue;
+    }
+    e2 += (x - y) * (x - y);
+    r2 += y * y;
+    mx = std::max(mx, std::fabs(x - y));
+  }
+  const double rel = std::sqrt(e2 / std::max(r2, 1e-300));
+  ok = bad == 0 && rel <= 2.5e-2;
+  return fmt("%.2e", rel) + (bad ? " non-finite " + std::to_string(bad) : "");
+}
+
+void run_timing(const std::vector<BwdVariant>& variants, int reps) {
+  std::printf("\n==== timing ====\n");
+  static const int cycle[] = {512, 1536, 2560, 3584, 1024, 3072, 2048, 4096};
+  const int heads = 16, d = 128;
+  char line[512];
+  std::snprintf(line, sizeof line, "%-7s %-6s %-28s %9s %9s %8s  %s", "mask", "tokens", "kernel", "ms", "TFLOP/s",
+                "vs mma", "rel diff to mma-sync-bwd-atomic (dQ / dK / dV)");
+  g_timing_rows.push_back(line);
+  using FwdCfg = sm90::ForwardSm90Config<bf16, 128, 2, 128, sm90::Loader::tma>;
+  for (int64_t total : {16384, 65536})
+    for (bool causal : {true, false}) {
+      Case c;
+      c.name = std::string(causal ? "causal" : "full") + "-" + std::to_string(total);
+      c.heads_q = c.heads_kv = heads;
+      c.d = d;
+      if (causal) c.wr = 0;
+      double pairs = 0;
+      for (int i = 0; c.q_rows < total; ++i) {
+        const int len = static_cast<int>(std::min<int64_t>(cycle[i % 8], total - c.q_rows));
+        c.seqs.push_back(one_segment(c.q_rows, len, c.q_rows, len));
+        c.q_rows += len;
+        pairs += causal ? 0.5 * len * (len + 1.0) : 1.0 * len * len;
+      }
+      c.kv_rows = c.q_rows;
+      const double flops = 2.5 * 4.0 * d * pairs * heads;
+      g_current = "timing-setup";
+      BwdDevice dd(c);
+      fill_normal<<<1024, 256>>>(dd.q.ptr, static_cast<int64_t>(dd.q.count), 11 + total + causal, false);
+      fill_normal<<<1024, 256>>>(dd.k.ptr, static_cast<int64_t>(dd.k.count), 22 + total + causal, false);
+      fill_normal<<<1024, 256>>>(dd.v.ptr, static_cast<int64_t>(dd.v.count), 33 + total + causal, false);
+      fill_normal<<<1024, 256>>>(dd.dout.ptr, static_cast<int64_t>(dd.dout.count), 44 + total + causal, false);
+      CK(cudaGetLastError());
+      {
+        AttentionParams pf = dd.params(128);
+        sm90::ForwardTensorMaps maps;
+        std::memset(&maps, 0, sizeof maps);
+        if (std::string e = sm90::encode_forward_maps<FwdCfg>(pf, maps); !e.empty()) fatal(e, 4);
+        if (std::string e = sm90::launch_forward_sm90<FwdCfg>(pf, maps, sm90::Watchdog{}, 0); !e.empty()) fatal(e, 4);
+      }
+      sync_or_die();
+      std::vector<uint16_t> base_q, base_k, base_v;
+      double base_ms = 0;
+      DeviceWatchdog dog;
+      std::vector<const BwdVariant*> order;
+      for (const BwdVariant& v : variants)
+        if (v.mma_sync && v.d == d && !v.fp16) order.push_back(&v);
+      for (const BwdVariant& v : variants)
+        if (!v.mma_sync && v.d == d && !v.fp16) order.push_back(&v);
+      for (const BwdVariant* vp : order) {
+        const BwdVariant& v = *vp;
+        if (excluded(v.name)) continue;
+        g_current = v.name;
+        std::printf("running %s on %s\n", v.name.c_str(), c.name.c_str());
+        std::fflush(stdout);
+        const AttentionParams p = dd.params(v.tile_rows);
+        if (std::string e = run_bwd_once(v, dd, dog, p); !e.empty()) {
+          record("timing", v.name + " / " + c.name, false, e);
+          continue;
+        }
+        std::string check = "-";
+        if (base_q.empty() && v.mma_sync && v.atomic) {
+          base_q = dd.dq.download(), base_k = dd.dk.download(), base_v = dd.dv.download();
+        } else if (!base_q.empty()) {
+          bool o1, o2, o3;
+          check = host_diff(dd.dq.download(), base_q, o1) + " / " + host_diff(dd.dk.download(), base_k, o2) + " / " +
+                  host_diff(dd.dv.download(), base_v, o3);
+          record("timing", v.name + " / " + c.name + " agrees with mma-sync-bwd-atomic", o1 && o2 && o3, check);
+        }
+        const sm90::Watchdog off{};
+        for (int w = 0; w < 3; ++w)
+          if (std::string e = v.launch(p, off); !e.empty()) fatal(e, 4);
+        sync_or_die();
+        std::vector<cudaEvent_t> ev(2 * reps);
+        for (auto& e : ev) CK(cudaEventCreate(&e));
+        for (int r = 0; r < reps; ++r) {
+          CK(cudaEventRecord(ev[2 * r], 0));
+          if (std::string e = v.launch(p, off); !e.empty()) fatal(e, 4);
+          CK(cudaEventRecord(ev[2 * r + 1], 0));
+        }
+        sync_or_die();
+        std::vector<float> ms(reps);
+        for (int r = 0; r < reps; ++r) CK(cudaEventElapsedTime(&ms[r], ev[2 * r], ev[2 * r + 1]));
+        for (auto& e : ev) CK(cudaEventDestroy(e));
+        std::sort(ms.begin(), ms.end());
+        const double med = ms[reps / 2];
+        if (v.mma_sync && v.atomic) base_ms = med;
+        const double tflops = flops / (med * 1e-3) / 1e12;
+        std::snprintf(line, sizeof line, "%-7s %-6lld %-28s %9.3f %9.1f %8s  %s (min %.3f, max %.3f ms)",
+                      causal ? "causal" : "full", static_cast<long long>(total), v.name.c_str(), med, tflops,
+                      base_ms > 0 ? fmt("%.2fx", base_ms / med).c_str() : "-", check.c_str(), ms.front(), ms.back());
+        g_timing_rows.push_back(line);
+        std::printf("TIMING|%s\n", line);
+        std::fflush(stdout);
+      }
+    }
+}
+
+}  // namespace hf
+
+int main(int argc, char** argv) {
+  using namespace hf;
+  int reps = 20;
+  bool timing = true;
+  uint64_t seed = 20261202;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--reps" && i + 1 < argc) {
+      reps = std::atoi(argv[++i]);
+    } else if (a == "--skip-timing") {
+      timing = false;
+    } else if (a == "--seed" && i + 1 < argc) {
+      seed = std::strtoull(argv[++i], nullptr, 10);
+    } else if (a == "--exclude" && i + 1 < argc) {
+      std::string list = argv[++i];
+      for (size_t p = 0; p <= list.size();) {
+        const size_t q = list.find(',', p);
+        const std::string name = list.substr(p, q == std::string::npos ? std::string::npos : q - p);
+        if (!name.empty()) g_exclude.push_back(name);
+        if (q == std::string::npos) break;
+        p = q + 1;
+      }
+    } else {
+      std::fprintf(stderr, "hopper_backward: unknown argument '%s' (options: --reps N, --skip-timing, --seed S, "
+                           "--exclude a,b)\n", a.c_str());
+      return 2;
+    }
+  }
+  if (reps < 5) {
+    std::fprintf(stderr, "hopper_backward: --reps %d: at least 5\n", reps);
+    return 2;
+  }
+  int dev = 0;
+  CK(cudaGetDevice(&dev));
+  cudaDeviceProp prop{};
+  CK(cudaGetDeviceProperties(&prop, dev));
+  int driver = 0, runtime = 0;
+  CK(cudaDriverGetVersion(&driver));
+  CK(cudaRuntimeGetVersion(&runtime));
+  std::printf("device %s (sm_%d%d, %d SMs, %.0f KB shared memory per block opt-in), driver %d, runtime %d\n", prop.name,
+              prop.major, prop.minor, prop.multiProcessorCount, prop.sharedMemPerBlockOptin / 1024.0, driver, runtime);
+  if (prop.major != 9 || prop.minor != 0) {
+    std::printf("this program needs a compute capability 9.0 GPU (sm_90a code)\n");
+    return 2;
+  }
+  if (!g_exclude.empty()) {
+    std::printf("excluded:");
+    for (const auto& e : g_exclude) std::printf(" %s", e.c_str());
+    std::printf("\n");
+  }
+  std::mt19937_64 rng(seed);
+  run_unit_tests(rng);
+  const std::vector<BwdVariant> variants = all_bwd_variants();
+  run_backward_tests(variants);
+  if (timing) run_timing(variants, reps);
+  print_summary();
+  for (const Result& r : g_results)
+    if (!r.pass) return 1;
+  return 0;
+}

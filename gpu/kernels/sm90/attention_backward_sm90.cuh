@@ -1,0 +1,901 @@
+#pragma once
+// Varlen attention backward (dQ, dK, dV) for Hopper (sm_90a) with warpgroup MMA, on AttentionParams
+// (gpu/kernel_params.hpp): the contract of the mma.sync backward of gpu/attention_kernels.cuh (rows outside every
+// segment get dK = dV = 0, or +0 in the summing form; a row with LSE -inf has P = 0; NaN/Inf in pad rows never reach
+// arithmetic; GQA; windows; two Q and two KV segments per sequence; atomic or deterministic dQ; the summing form).
+//
+// Version history (docs/hopper-kernels.md, "Backward", has the derivations):
+//   v1  FlashAttention-3's split. dK/dV pass: one CTA per (key tile of 128 rows, kv head): a producer warpgroup
+//       (cp.async, zero-fill past a segment) and two consumer warpgroups of 64 keys each. The CTA loads its K and V
+//       tile once and loops over the query heads of the group and the 64-row Q blocks the mask lets through (Q, dO,
+//       LSE, delta of a block in a 2-stage mbarrier ring). Per block, each consumer computes the transposed products
+//       S^T = K Q^T and dP^T = V dO^T (64 keys x 64 queries, wgmma SS, all operands K-major), so that P^T and
+//       dS^T sit in registers with the keys as rows: they are the A operands (register fragments) of
+//       dV += P^T dO and dK += dS^T Q (wgmma RS, dO and Q through MN-major descriptors, as the forward's V). dK/dV
+//       accumulate in registers (bitwise reproducible). Atomic mode: dS^T (dtype) is staged in shared memory as
+//       [keys][queries] and consumer w computes dQ columns 64 w .. 64 w + 63 of the block, dQ = dS K by wgmma SS
+//       with A = dS through the descriptor transpose bit (MN-major A) and K MN-major, then float2 atomics into the
+//       float32 workspace. Deterministic mode: a Q-stationary pass (one CTA per (128-row Q tile, head), K/V of 64
+//       keys in a 2-stage ring): S = Q K^T, dP = dO V^T (SS), dS in registers as the A of dQ += dS K (RS, K
+//       MN-major), the key blocks in a fixed order.
+//
+// Conventions as in attention_forward_sm90.cuh: tid = thread index in its warpgroup, warp = tid / 32, lane = 4 g + c;
+// accumulator element 4 j + e of a 64 x N product is row 16 warp + g + 8 (e / 2), column 8 j + 2 c + e % 2.
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <type_traits>
+
+#include "gpu/kernel_params.hpp"
+#include "gpu/kernels/sm90/attention_forward_sm90.cuh"
+#include "gpu/kernels/sm90/ptx_sm90.cuh"
+#include "gpu/kernels/sm90/wgmma_ops.cuh"
+
+namespace cpgold::gpu::sm90 {
+
+// Watchdog codes of the backward's waits (after the forward's WaitCode values).
+enum BackwardWaitCode : int { kWaitKV = 6, kWaitQStage = 7, kWaitDoStage = 8, kWaitQdO = 9, kWaitKStage = 10,
+                              kWaitVStage = 11, kWaitEmptyStage = 12 };
+
+// dK/dV pass: kBlockN = 128 keys (two consumer warpgroups of 64 keys), Q blocks of kBlockM = 64 rows.
+template <class T_, int D_, bool ATOMIC_DQ>
+struct BackwardSm90Config {
+  using T = T_;
+  static constexpr int D = D_;
+  static constexpr bool kAtomicDq = ATOMIC_DQ;
+  static constexpr int kConsumers = 2;
+  static constexpr int kBlockN = 64 * kConsumers;
+  static constexpr int kBlockM = 64;
+  static constexpr int kStages = 2;
+  static constexpr int kThreads = 128 * (kConsumers + 1);
+  static constexpr int kConsumerThreads = 128 * kConsumers;
+  static constexpr int kKVBytes = kBlockN * D * 2;  // the K tile, the V tile
+  static constexpr int kQBytes = kBlockM * D * 2;   // one Q or dO stage
+  static constexpr int kDsBytes = kBlockN * kBlockM * 2;
+  static constexpr int kOffK = 0;
+  static constexpr int kOffV = kOffK + kKVBytes;
+  static constexpr int kOffQ = kOffV + kKVBytes;
+  static constexpr int kOffDo = kOffQ + kStages * kQBytes;
+  static constexpr int kOffDs = kOffDo + kStages * kQBytes;  // 2 buffers (atomic mode only)
+  static constexpr int kOffLse = kOffDs + (ATOMIC_DQ ? 2 * kDsBytes : 0);
+  static constexpr int kOffDelta = kOffLse + kStages * kBlockM * 4;
+  static constexpr int kOffBarriers = kOffDelta + kStages * kBlockM * 4;
+  static constexpr int kBarriers = 1 + 3 * kStages;  // kv_full, then the ring: full_k (Q, LSE), full_v (dO, delta), empty
+  static constexpr int kSmemBytes = kOffBarriers + kBarriers * 8 + 1024;
+  static constexpr int kLaunchRegs = (65536 / kThreads) / 8 * 8;  // 168
+  static constexpr int kProducerRegs = 40;
+  static constexpr int kConsumerRegs = 232;
+  static_assert(128 * kProducerRegs + 128 * kConsumers * kConsumerRegs <= kLaunchRegs * kThreads, "register split");
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory per block");
+  static_assert(D == 64 || D == 128, "head dim 64 or 128");
+  static_assert(kQBytes % 1024 == 0 && kKVBytes % 1024 == 0 && kDsBytes % 1024 == 0, "1024-aligned tiles");
+};
+
+// Deterministic dQ pass: Q tiles of kBlockM = 128 rows (two consumer warpgroups), K/V blocks of 64 keys.
+template <class T_, int D_>
+struct BackwardDqSm90Config {
+  using T = T_;
+  static constexpr int D = D_;
+  static constexpr int kConsumers = 2;
+  static constexpr int kBlockM = 64 * kConsumers;
+  static constexpr int kBlockN = 64;
+  static constexpr int kStages = 2;
+  static constexpr int kThreads = 128 * (kConsumers + 1);
+  static constexpr int kConsumerThreads = 128 * kConsumers;
+  static constexpr int kQBytes = kBlockM * D * 2;
+  static constexpr int kKVBytes = kBlockN * D * 2;
+  static constexpr int kOffQ = 0;
+  static constexpr int kOffDo = kOffQ + kQBytes;
+  static constexpr int kOffK = kOffDo + kQBytes;
+  static constexpr int kOffV = kOffK + kStages * kKVBytes;
+  static constexpr int kOffBarriers = kOffV + kStages * kKVBytes;
+  static constexpr int kBarriers = 1 + 3 * kStages;  // q_full (Q and dO), then the ring
+  static constexpr int kSmemBytes = kOffBarriers + kBarriers * 8 + 1024;
+  static constexpr int kLaunchRegs = (65536 / kThreads) / 8 * 8;
+  static constexpr int kProducerRegs = 40;
+  static constexpr int kConsumerRegs = 232;
+  static_assert(128 * kProducerRegs + 128 * kConsumers * kConsumerRegs <= kLaunchRegs * kThreads, "register split");
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory per block");
+};
+
+namespace detail {
+
+// Query indices [lo, hi] of a Q segment (position q_pos, q_count rows) that some key position in [kp_lo, kp_hi]
+// sees: kp >= qp + delta - wl and kp <= qp + delta + wr, i.e. kp_lo - delta - wr <= qp <= kp_hi - delta + wl.
+__device__ __forceinline__ void visible_query_range(int wl, int wr, int64_t delta, int64_t kp_lo, int64_t kp_hi,
+                                                    int q_pos, int q_count, int& lo, int& hi) {
+  int64_t l = 0, h = q_count - 1;
+  if (wr >= 0) l = max(l, kp_lo - delta - wr - q_pos);
+  if (wl >= 0) h = min(h, kp_hi - delta + wl - q_pos);
+  lo = static_cast<int>(l);
+  hi = static_cast<int>(max(h, l - 1));
+}
+
+// The Q blocks a key tile visits: for each query head of the group (in order), segment 0's blocks then segment 1's.
+// Producer and consumers derive the same list.
+template <int BLOCK_M>
+struct QueryBlocks {
+  int first[2];
+  int count[2];
+  int per_head;
+  int total;
+  __device__ __forceinline__ QueryBlocks(const AttentionParams& p, const SequenceDesc& seq, const RowTile& tile) {
+    const int64_t delta = static_cast<int64_t>(seq.length_kv) - seq.length_q;
+    const int64_t kp_lo = tile.position, kp_hi = static_cast<int64_t>(tile.position) + tile.rows - 1;
+#pragma unroll
+    for (int s = 0; s < 2; ++s) {
+      first[s] = 0;
+      count[s] = 0;
+      if (seq.q_count[s] <= 0) continue;
+      int lo, hi;
+      visible_query_range(p.window_left, p.window_right, delta, kp_lo, kp_hi, seq.q_position[s], seq.q_count[s], lo,
+                          hi);
+      if (lo > hi) continue;
+      first[s] = lo / BLOCK_M;
+      count[s] = hi / BLOCK_M - lo / BLOCK_M + 1;
+    }
+    per_head = count[0] + count[1];
+    total = per_head * p.group;
+  }
+  __device__ __forceinline__ int head_offset(int it) const { return it / per_head; }
+  __device__ __forceinline__ int segment(int it) const { return it % per_head < count[0] ? 0 : 1; }
+  __device__ __forceinline__ int row0(int it) const {
+    const int r = it % per_head;
+    return (r < count[0] ? first[0] + r : first[1] + r - count[0]) * BLOCK_M;
+  }
+};
+
+// Masks a transposed score tile (rows: this thread's two keys, key indices kidx0 and kidx0 + 8 of a segment at
+// kv_pos with kv_count rows; columns: query indices qrow0 + x of a segment at q_pos with q_count rows). Visible:
+// key valid, query valid, kp >= qp + delta - wl, kp <= qp + delta + wr (a -1 side unbounded).
+template <int N>
+__device__ __forceinline__ void apply_mask_transposed(float (&s)[N / 2], int wl, int wr, int64_t delta, int kidx0,
+                                                      int kv_pos, int kv_count, int qrow0, int q_pos, int q_count,
+                                                      int c) {
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int kidx = kidx0 + 8 * half;
+    const int64_t kp = static_cast<int64_t>(kv_pos) + kidx;
+    const int64_t qbase = static_cast<int64_t>(q_pos) + qrow0;  // position of column 0
+    int64_t lo = wr >= 0 ? kp - delta - wr - qbase : -1;
+    int64_t hi = static_cast<int64_t>(q_count) - 1 - qrow0;
+    if (wl >= 0 && kp - delta + wl - qbase < hi) hi = kp - delta + wl - qbase;
+    if (kidx >= kv_count) hi = -1;
+    const int lo32 = static_cast<int>(lo < -1 ? int64_t{-1} : (lo > N ? int64_t{N} : lo));
+    const int hi32 = static_cast<int>(hi < -1 ? int64_t{-1} : (hi > N ? int64_t{N} : hi));
+#pragma unroll
+    for (int j = 0; j < N / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int x = 8 * j + 2 * c + e;
+        if (x < lo32 || x > hi32) s[4 * j + 2 * half + e] = -INFINITY;
+      }
+    }
+  }
+}
+
+// LSE of a row in the exp2 domain; -inf (no visible key) becomes +inf so that P = exp2(s - inf) = 0, never NaN.
+__device__ __forceinline__ float lse_to_log2(float lse) { return lse == -INFINITY ? INFINITY : lse * kLog2e; }
+
+// Writes `rows` rows of an SW128 staging tile (ROWS x D, dtype) to a THD tensor, or adds them in float32 to rows
+// map[r] of a float32 sum (summing form: sum = (assign ? 0 : sum) + float(value), or dtype(that) to `result`
+// instead of the sum). `col0`: the head's first column in a row of `stride` elements. THREADS threads, index tid.
+template <class T, int ROWS, int D, int THREADS>
+__device__ __forceinline__ void store_staged_rows(const uint8_t* stage, int rows, T* out, int64_t stride,
+                                                  int64_t col0, float* sum, const int64_t* map, bool assign,
+                                                  T* result, int tid) {
+  if (sum == nullptr) {
+    constexpr int kChunks = D / 8;
+    for (int i = tid; i < rows * kChunks; i += THREADS) {
+      const int r = i / kChunks, ch = i % kChunks;
+      *reinterpret_cast<uint4*>(out + r * stride + col0 + ch * 8) =
+          *reinterpret_cast<const uint4*>(stage + sw128_offset(ROWS, r, ch * 8));
+    }
+    return;
+  }
+  constexpr int kChunks = D / 4;
+  for (int i = tid; i < rows * kChunks; i += THREADS) {
+    const int r = i / kChunks, c4 = (i % kChunks) * 4;
+    const int64_t off = map[r] * stride + col0 + c4;
+    float4 y = assign ? make_float4(0.f, 0.f, 0.f, 0.f) : *reinterpret_cast<const float4*>(sum + off);
+    const uint2 v = *reinterpret_cast<const uint2*>(stage + sw128_offset(ROWS, r, c4));
+    T e[4];
+    memcpy(e, &v, 8);
+    y.x += static_cast<float>(e[0]);
+    y.y += static_cast<float>(e[1]);
+    y.z += static_cast<float>(e[2]);
+    y.w += static_cast<float>(e[3]);
+    if (result == nullptr) {
+      *reinterpret_cast<float4*>(sum + off) = y;
+    } else {
+      const uint2 w = make_uint2(pack2<T>(y.x, y.y), pack2<T>(y.z, y.w));
+      *reinterpret_cast<uint2*>(result + off) = w;
+    }
+  }
+}
+
+// Rows outside every segment: zeros, or +0 in the summing form (assign: the sum becomes 0).
+template <class T, int D, int THREADS>
+__device__ __forceinline__ void store_zero_rows(int64_t first_row, int rows, T* out, int64_t stride, int64_t col0,
+                                                float* sum, const int64_t* map, bool assign, T* result, int tid) {
+  if (sum == nullptr) {
+    constexpr int kChunks = D / 8;
+    for (int i = tid; i < rows * kChunks; i += THREADS)
+      *reinterpret_cast<uint4*>(out + (first_row + i / kChunks) * stride + col0 + (i % kChunks) * 8) =
+          make_uint4(0, 0, 0, 0);
+    return;
+  }
+  constexpr int kChunks = D / 4;
+  for (int i = tid; i < rows * kChunks; i += THREADS) {
+    const int64_t off = map[first_row + i / kChunks] * stride + col0 + (i % kChunks) * 4;
+    float4 y = assign ? make_float4(0.f, 0.f, 0.f, 0.f) : *reinterpret_cast<const float4*>(sum + off);
+    y.x += 0.f;
+    y.y += 0.f;
+    y.z += 0.f;
+    y.w += 0.f;
+    if (result == nullptr)
+      *reinterpret_cast<float4*>(sum + off) = y;
+    else
+      *reinterpret_cast<uint2*>(result + off) = make_uint2(pack2<T>(y.x, y.y), pack2<T>(y.z, y.w));
+  }
+}
+
+// Stages a warpgroup's 64 x D float accumulators (times `scale`, as dtype) in rows row0 .. row0 + 63 of an SW128
+// tile of ROWS rows.
+template <class T, int ROWS, int D>
+__device__ __forceinline__ void stage_accumulators(uint8_t* tile, int row0, const float (&acc)[D / 2], float scale,
+                                                   int warp, int g, int c) {
+#pragma unroll
+  for (int j = 0; j < D / 8; ++j) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = row0 + 16 * warp + g + 8 * half;
+      *reinterpret_cast<uint32_t*>(tile + sw128_offset(ROWS, r, 8 * j + 2 * c)) =
+          pack2<T>(acc[4 * j + 2 * half] * scale, acc[4 * j + 2 * half + 1] * scale);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// dK/dV pass.
+
+template <class Cfg>
+__device__ __forceinline__ void bwd_produce(const AttentionParams& p, const Watchdog& dog, const RowTile& kv_tile,
+                                            const SequenceDesc& seq, const QueryBlocks<Cfg::kBlockM>& qb,
+                                            uint32_t smem, uint32_t kv_full, Ring<Cfg::kStages> ring, int kv_head) {
+  using T = typename Cfg::T;
+  constexpr int D = Cfg::D;
+  constexpr int BM = Cfg::kBlockM;
+  const int tid = threadIdx.x;
+  if (qb.total == 0) return;
+  const int64_t q_stride = static_cast<int64_t>(p.heads_q) * D;
+  const int64_t kv_stride = static_cast<int64_t>(p.heads_kv) * D;
+  const T* q = static_cast<const T*>(p.q);
+  const T* dout = static_cast<const T*>(p.dout);
+  const T* k = static_cast<const T*>(p.k);
+  const T* v = static_cast<const T*>(p.v);
+  const int64_t kv_off = kv_tile.first_row * kv_stride + static_cast<int64_t>(kv_head) * D;
+  load_tile_sw128_cp_async<Cfg::kBlockN, D, 128>(smem + Cfg::kOffK, k + kv_off, kv_stride, kv_tile.rows, k, tid);
+  load_tile_sw128_cp_async<Cfg::kBlockN, D, 128>(smem + Cfg::kOffV, v + kv_off, kv_stride, kv_tile.rows, v, tid);
+  mbar_arrive_on_cp_async(kv_full);
+#pragma unroll 1
+  for (int it = 0; it < qb.total; ++it) {
+    const int stage = ring.stage(it);
+    ring.producer_acquire(it, dog);
+    const int head = kv_head * p.group + qb.head_offset(it);
+    const int s = qb.segment(it);
+    const int row0 = qb.row0(it);
+    const int valid = min(BM, seq.q_count[s] - row0);
+    const int64_t first_row = seq.q_first_row[s] + row0;
+    const int64_t q_off = first_row * q_stride + static_cast<int64_t>(head) * D;
+    load_tile_sw128_cp_async<BM, D, 128>(smem + Cfg::kOffQ + stage * Cfg::kQBytes, q + q_off, q_stride, valid, q, tid);
+    const int64_t lse_index = static_cast<int64_t>(head) * p.q_rows + first_row;
+    if (tid < BM) {
+      const bool ok = tid < valid;
+      cp_async_4(smem + Cfg::kOffLse + (stage * BM + tid) * 4, ok ? p.lse + lse_index + tid : p.lse, ok);
+    }
+    mbar_arrive_on_cp_async(ring.full_k(it));
+    load_tile_sw128_cp_async<BM, D, 128>(smem + Cfg::kOffDo + stage * Cfg::kQBytes, dout + q_off, q_stride, valid,
+                                         dout, tid);
+    if (tid < BM) {
+      const bool ok = tid < valid;
+      cp_async_4(smem + Cfg::kOffDelta + (stage * BM + tid) * 4, ok ? p.delta + lse_index + tid : p.delta, ok);
+    }
+    mbar_arrive_on_cp_async(ring.full_v(it));
+  }
+  cp_async_wait_all();
+}
+
+template <class Cfg>
+__device__ __forceinline__ void bwd_consume(const AttentionParams& p, const Watchdog& dog, const RowTile& kv_tile,
+                                            const SequenceDesc& seq, const QueryBlocks<Cfg::kBlockM>& qb,
+                                            uint32_t smem, uint8_t* smem_ptr, uint32_t kv_full,
+                                            Ring<Cfg::kStages> ring, int kv_head, int cw) {
+  using T = typename Cfg::T;
+  constexpr int D = Cfg::D;
+  constexpr int BM = Cfg::kBlockM;
+  constexpr int BN = Cfg::kBlockN;
+  const int tid = threadIdx.x - 128 * (cw + 1);
+  const int warp = tid / 32, lane = tid % 32;
+  const int g = lane / 4, c = lane % 4;
+  const int64_t delta_pos = static_cast<int64_t>(seq.length_kv) - seq.length_q;
+  const int kv_pos = seq.kv_position[kv_tile.segment];
+  const int kv_count = seq.kv_count[kv_tile.segment];
+  const int key0 = kv_tile.position - kv_pos;  // the tile's first key index in its segment
+  const int64_t kp_lo = kv_tile.position, kp_hi = static_cast<int64_t>(kv_tile.position) + kv_tile.rows - 1;
+  const bool keys_full = kv_tile.rows == BN;
+  const float sl2 = p.scale_log2;
+  const uint32_t k_tile = smem + Cfg::kOffK, v_tile = smem + Cfg::kOffV;
+  const int64_t q_stride = static_cast<int64_t>(p.heads_q) * D;
+
+  float dk[D / 2], dv[D / 2];
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) dk[i] = dv[i] = 0.f;
+
+  if (qb.total > 0) {
+    mbar_wait(kv_full, 0, dog, kWaitKV, -1);
+    fence_proxy_async();
+  }
+#pragma unroll 1
+  for (int it = 0; it < qb.total; ++it) {
+    const int stage = ring.stage(it);
+    const int head = kv_head * p.group + qb.head_offset(it);
+    const int s_idx = qb.segment(it);
+    const int row0 = qb.row0(it);
+    const int q_count = seq.q_count[s_idx];
+    const int q_pos = seq.q_position[s_idx];
+    const int valid = min(BM, q_count - row0);
+    const uint32_t q_tile = smem + Cfg::kOffQ + stage * Cfg::kQBytes;
+    const uint32_t do_tile = smem + Cfg::kOffDo + stage * Cfg::kQBytes;
+    const float* lse_s = reinterpret_cast<const float*>(smem_ptr + Cfg::kOffLse) + stage * BM;
+    const float* delta_s = reinterpret_cast<const float*>(smem_ptr + Cfg::kOffDelta) + stage * BM;
+
+    // S^T = K Q^T and dP^T = V dO^T: 64 keys (this warpgroup's rows of the K/V tile) x 64 queries.
+    float st[BM / 2], dpt[BM / 2];
+#pragma unroll
+    for (int i = 0; i < BM / 2; ++i) st[i] = dpt[i] = 0.f;
+    mbar_wait(ring.full_k(it), ring.parity(it), dog, kWaitQStage, it);
+    fence_proxy_async();
+    fence_registers(st);
+    fence_registers(dpt);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk)
+      Wgmma<BM, T, 0>::ss(st, desc_k_major(k_tile, BN, 64 * cw, 16 * kk), desc_k_major(q_tile, BM, 0, 16 * kk),
+                          kk > 0 ? 1 : 0);
+    wgmma_commit();
+    mbar_wait(ring.full_v(it), ring.parity(it), dog, kWaitDoStage, it);
+    fence_proxy_async();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk)
+      Wgmma<BM, T, 0>::ss(dpt, desc_k_major(v_tile, BN, 64 * cw, 16 * kk), desc_k_major(do_tile, BM, 0, 16 * kk),
+                          kk > 0 ? 1 : 0);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_registers(st);
+    fence_registers(dpt);
+
+    const int64_t qp_lo = static_cast<int64_t>(q_pos) + row0, qp_hi = qp_lo + valid - 1;
+    const bool full = keys_full && valid == BM &&
+                      tile_fully_visible(p.window_left, p.window_right, delta_pos, qp_lo, qp_hi, kp_lo, kp_hi);
+    if (!full)
+      apply_mask_transposed<BM>(st, p.window_left, p.window_right, delta_pos, key0 + 64 * cw + 16 * warp + g, kv_pos,
+                                kv_count, row0, q_pos, q_count, c);
+    // P^T = exp2(S^T scale log2e - LSE log2e) and dS^T = P^T (dP^T - delta), per query column.
+#pragma unroll
+    for (int j = 0; j < BM / 8; ++j) {
+      const float2 l = *reinterpret_cast<const float2*>(lse_s + 8 * j + 2 * c);
+      const float2 dl = *reinterpret_cast<const float2*>(delta_s + 8 * j + 2 * c);
+      const float l0 = lse_to_log2(l.x), l1 = lse_to_log2(l.y);
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int i0 = 4 * j + 2 * half;
+        const float p0 = exp2f(fmaf(st[i0], sl2, -l0));
+        const float p1 = exp2f(fmaf(st[i0 + 1], sl2, -l1));
+        st[i0] = p0;
+        st[i0 + 1] = p1;
+        dpt[i0] = p0 * (dpt[i0] - dl.x);
+        dpt[i0 + 1] = p1 * (dpt[i0 + 1] - dl.y);
+      }
+    }
+    uint32_t pa[BM / 16][4], dsa[BM / 16][4];
+    accumulators_to_a<T, BM / 16>(pa, st);
+    accumulators_to_a<T, BM / 16>(dsa, dpt);
+
+    // dV += P^T dO, dK += dS^T Q (RS; dO and Q MN-major: K = queries, N = d).
+    fence_registers(dk);
+    fence_registers(dv);
+    fence_registers(pa);
+    fence_registers(dsa);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < BM / 16; ++kk) Wgmma<D, T, 1>::rs(dv, pa[kk], desc_mn_major(do_tile, BM, 16 * kk), 1);
+#pragma unroll
+    for (int kk = 0; kk < BM / 16; ++kk) Wgmma<D, T, 1>::rs(dk, dsa[kk], desc_mn_major(q_tile, BM, 16 * kk), 1);
+    wgmma_commit();
+
+    if constexpr (Cfg::kAtomicDq) {
+      // dS^T (dtype) into buffer it % 2 as [keys][queries]: the A fragment registers are (key g.., query 16k + 2c..).
+      // Buffer it % 2 was last read by the dQ products of iteration it - 2, which every consumer finished before it
+      // arrived at the barrier of iteration it - 1.
+      uint8_t* ds_ptr = smem_ptr + Cfg::kOffDs + (it % 2) * Cfg::kDsBytes;
+      const int kr = 64 * cw + 16 * warp + g;
+#pragma unroll
+      for (int k = 0; k < BM / 16; ++k) {
+        *reinterpret_cast<uint32_t*>(ds_ptr + sw128_offset(BN, kr, 16 * k + 2 * c)) = dsa[k][0];
+        *reinterpret_cast<uint32_t*>(ds_ptr + sw128_offset(BN, kr + 8, 16 * k + 2 * c)) = dsa[k][1];
+        *reinterpret_cast<uint32_t*>(ds_ptr + sw128_offset(BN, kr, 16 * k + 8 + 2 * c)) = dsa[k][2];
+        *reinterpret_cast<uint32_t*>(ds_ptr + sw128_offset(BN, kr + 8, 16 * k + 8 + 2 * c)) = dsa[k][3];
+      }
+      fence_proxy_async();
+      named_barrier_sync(1, Cfg::kConsumerThreads);
+      // dQ[:, 64 cw ..] (64 queries x 64 columns) = dS K[:, 64 cw ..]: A = dS through the transpose bit (the
+      // [keys][queries] tile is MN-major for A = dS [queries][keys]), B = K column block cw, MN-major (K = keys).
+      const uint32_t ds_tile = smem + Cfg::kOffDs + (it % 2) * Cfg::kDsBytes;
+      float dq[32];
+#pragma unroll
+      for (int i = 0; i < 32; ++i) dq[i] = 0.f;
+      fence_registers(dq);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < BN / 16; ++kk)
+        WgmmaTA<64, T, 1>::ss(dq, desc_mn_major_a(ds_tile, BN, 16 * kk),
+                              desc_mn_major(k_tile + (D == 128 ? cw * BN * 128 : 0), BN, 16 * kk), kk > 0 ? 1 : 0);
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_registers(dq);
+      fence_registers(dk);
+      fence_registers(dv);
+      fence_registers(pa);
+      fence_registers(dsa);
+      ring.release(it);
+      // d = 64: both warpgroups computed the same 64 columns; warpgroup 1 adds nothing.
+      if (D == 128 || cw == 0) {
+        const int64_t first_row = seq.q_first_row[s_idx] + row0;
+        float* dq_rows = p.dq_accum + first_row * q_stride + static_cast<int64_t>(head) * D + (D == 128 ? 64 * cw : 0);
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int r = 16 * warp + g + 8 * half;
+          if (r < valid) {
+#pragma unroll
+            for (int j = 0; j < 8; ++j)
+              atomicAdd(reinterpret_cast<float2*>(dq_rows + r * q_stride + 8 * j + 2 * c),
+                        make_float2(dq[4 * j + 2 * half], dq[4 * j + 2 * half + 1]));
+          }
+        }
+      }
+    } else {
+      wgmma_wait<0>();
+      fence_registers(dk);
+      fence_registers(dv);
+      fence_registers(pa);
+      fence_registers(dsa);
+      ring.release(it);
+    }
+  }
+
+  // Epilogue: dK = scale dS^T Q, dV = P^T dO staged as dtype in this warpgroup's rows of the K and V tiles (every
+  // wgmma read of K and V is complete once both warpgroups pass the barrier: the other's dQ products read all of K),
+  // then written (or added, summing form) for the tile's valid rows.
+  named_barrier_sync(1, Cfg::kConsumerThreads);
+  uint8_t* k_ptr = smem_ptr + Cfg::kOffK;
+  uint8_t* v_ptr = smem_ptr + Cfg::kOffV;
+  stage_accumulators<T, BN, D>(k_ptr, 64 * cw, dk, p.softmax_scale, warp, g, c);
+  stage_accumulators<T, BN, D>(v_ptr, 64 * cw, dv, 1.f, warp, g, c);
+  named_barrier_sync(2 + cw, 128);
+  const int rows = max(0, min(64, kv_tile.rows - 64 * cw));
+  const int64_t kv_stride = static_cast<int64_t>(p.heads_kv) * D;
+  const bool summing = p.dk_sum != nullptr;
+  const int64_t first = kv_tile.first_row + 64 * cw;
+  // Staging rows 64 cw ..: offset the tile by 64 cw rows (column blocks are BN rows apart, so read through the
+  // BN-row formula with the row shifted).
+  const uint8_t* k_rows = k_ptr;
+  const uint8_t* v_rows = v_ptr;
+  if (!summing) {
+    T* dk_out = static_cast<T*>(p.dk) + first * kv_stride;
+    T* dv_out = static_cast<T*>(p.dv) + first * kv_stride;
+    constexpr int kChunks = D / 8;
+    for (int i = tid; i < rows * kChunks; i += 128) {
+      const int r = i / kChunks, ch = i % kChunks;
+      const int64_t off = r * kv_stride + static_cast<int64_t>(kv_head) * D + ch * 8;
+      *reinterpret_cast<uint4*>(dk_out + off) =
+          *reinterpret_cast<const uint4*>(k_rows + sw128_offset(BN, 64 * cw + r, ch * 8));
+      *reinterpret_cast<uint4*>(dv_out + off) =
+          *reinterpret_cast<const uint4*>(v_rows + sw128_offset(BN, 64 * cw + r, ch * 8));
+    }
+  } else {
+    constexpr int kChunks = D / 4;
+    const int64_t* map = p.kv_sum_rows + first;
+    for (int i = tid; i < rows * kChunks; i += 128) {
+      const int r = i / kChunks, c4 = (i % kChunks) * 4;
+      const int64_t off = map[r] * kv_stride + static_cast<int64_t>(kv_head) * D + c4;
+#pragma unroll
+      for (int which = 0; which < 2; ++which) {
+        float* sum = which == 0 ? p.dk_sum : p.dv_sum;
+        const bool assign = (which == 0 ? p.dk_sum_assign : p.dv_sum_assign) != 0;
+        T* result = static_cast<T*>(which == 0 ? p.dk_result : p.dv_result);
+        const uint8_t* st_rows = which == 0 ? k_rows : v_rows;
+        float4 y = assign ? make_float4(0.f, 0.f, 0.f, 0.f) : *reinterpret_cast<const float4*>(sum + off);
+        const uint2 raw = *reinterpret_cast<const uint2*>(st_rows + sw128_offset(BN, 64 * cw + r, c4));
+        T e[4];
+        memcpy(e, &raw, 8);
+        y.x += static_cast<float>(e[0]);
+        y.y += static_cast<float>(e[1]);
+        y.z += static_cast<float>(e[2]);
+        y.w += static_cast<float>(e[3]);
+        if (result == nullptr)
+          *reinterpret_cast<float4*>(sum + off) = y;
+        else
+          *reinterpret_cast<uint2*>(result + off) = make_uint2(pack2<T>(y.x, y.y), pack2<T>(y.z, y.w));
+      }
+    }
+  }
+}
+
+}  // namespace detail
+
+// One CTA per (key tile of p.kv_tiles with kBlockN = 128 rows, kv head); grid (kv_tile_count, heads_kv).
+template <class Cfg>
+__global__ void __launch_bounds__(Cfg::kThreads, 1)
+    attention_backward_dkdv_sm90_kernel(const AttentionParams p, const Watchdog dog) {
+  using T = typename Cfg::T;
+  constexpr int D = Cfg::D;
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t raw = smem_u32(smem_raw);
+  const uint32_t smem = (raw + 1023u) & ~1023u;
+  uint8_t* smem_ptr = smem_raw + (smem - raw);
+
+  const RowTile kv_tile = p.kv_tiles[blockIdx.x];
+  const int kv_head = blockIdx.y;
+  if (kv_tile.sequence < 0) {  // K/V rows outside every segment: dK = dV = 0 (or +0)
+    const int64_t stride = static_cast<int64_t>(p.heads_kv) * D;
+    const int64_t col0 = static_cast<int64_t>(kv_head) * D;
+    detail::store_zero_rows<T, D, Cfg::kThreads>(kv_tile.first_row, kv_tile.rows, static_cast<T*>(p.dk), stride,
+                                                 col0, p.dk_sum, p.kv_sum_rows, p.dk_sum_assign != 0,
+                                                 static_cast<T*>(p.dk_result), threadIdx.x);
+    detail::store_zero_rows<T, D, Cfg::kThreads>(kv_tile.first_row, kv_tile.rows, static_cast<T*>(p.dv), stride,
+                                                 col0, p.dv_sum, p.kv_sum_rows, p.dv_sum_assign != 0,
+                                                 static_cast<T*>(p.dv_result), threadIdx.x);
+    return;
+  }
+  const SequenceDesc& seq = p.sequences[kv_tile.sequence];
+  const detail::QueryBlocks<Cfg::kBlockM> qb(p, seq, kv_tile);
+  const uint32_t kv_full = smem + Cfg::kOffBarriers;
+  const Ring<Cfg::kStages> ring{smem + Cfg::kOffBarriers + 8};
+  if (threadIdx.x == 0) {
+    mbar_init(kv_full, 128);
+    ring.init(128, Cfg::kConsumerThreads);
+    fence_mbarrier_init();
+  }
+  __syncthreads();
+  if (threadIdx.x < 128) {
+    setmaxnreg_dec<Cfg::kProducerRegs>();
+    detail::bwd_produce<Cfg>(p, dog, kv_tile, seq, qb, smem, kv_full, ring, kv_head);
+  } else {
+    setmaxnreg_inc<Cfg::kConsumerRegs>();
+    detail::bwd_consume<Cfg>(p, dog, kv_tile, seq, qb, smem, smem_ptr, kv_full, ring, kv_head, threadIdx.x / 128 - 1);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Deterministic dQ pass.
+
+namespace detail {
+
+template <class Cfg>
+__device__ __forceinline__ void dq_produce(const AttentionParams& p, const Watchdog& dog, const RowTile& tile,
+                                           const SequenceDesc& seq, const KeyBlocks<Cfg::kBlockN>& kb,
+                                           uint32_t smem, uint32_t q_full, Ring<Cfg::kStages> ring, int head) {
+  using T = typename Cfg::T;
+  constexpr int D = Cfg::D;
+  const int tid = threadIdx.x;
+  if (kb.total == 0) return;
+  const int kv_head = head / p.group;
+  const int64_t q_stride = static_cast<int64_t>(p.heads_q) * D;
+  const int64_t kv_stride = static_cast<int64_t>(p.heads_kv) * D;
+  const T* q = static_cast<const T*>(p.q);
+  const T* dout = static_cast<const T*>(p.dout);
+  const T* k = static_cast<const T*>(p.k);
+  const T* v = static_cast<const T*>(p.v);
+  const int64_t q_off = tile.first_row * q_stride + static_cast<int64_t>(head) * D;
+  load_tile_sw128_cp_async<Cfg::kBlockM, D, 128>(smem + Cfg::kOffQ, q + q_off, q_stride, tile.rows, q, tid);
+  load_tile_sw128_cp_async<Cfg::kBlockM, D, 128>(smem + Cfg::kOffDo, dout + q_off, q_stride, tile.rows, dout, tid);
+  mbar_arrive_on_cp_async(q_full);
+#pragma unroll 1
+  for (int it = 0; it < kb.total; ++it) {
+    const int stage = ring.stage(it);
+    ring.producer_acquire(it, dog);
+    const int s = kb.segment(it);
+    const int key0 = kb.key0(it);
+    const int valid = min(Cfg::kBlockN, seq.kv_count[s] - key0);
+    const int64_t off = (seq.kv_first_row[s] + key0) * kv_stride + static_cast<int64_t>(kv_head) * D;
+    load_tile_sw128_cp_async<Cfg::kBlockN, D, 128>(smem + Cfg::kOffK + stage * Cfg::kKVBytes, k + off, kv_stride,
+                                                   valid, k, tid);
+    mbar_arrive_on_cp_async(ring.full_k(it));
+    load_tile_sw128_cp_async<Cfg::kBlockN, D, 128>(smem + Cfg::kOffV + stage * Cfg::kKVBytes, v + off, kv_stride,
+                                                   valid, v, tid);
+    mbar_arrive_on_cp_async(ring.full_v(it));
+  }
+  cp_async_wait_all();
+}
+
+template <class Cfg>
+__device__ __forceinline__ void dq_consume(const AttentionParams& p, const Watchdog& dog, const RowTile& tile,
+                                           const SequenceDesc& seq, const KeyBlocks<Cfg::kBlockN>& kb, uint32_t smem,
+                                           uint8_t* smem_ptr, uint32_t q_full, Ring<Cfg::kStages> ring, int head,
+                                           int cw) {
+  using T = typename Cfg::T;
+  constexpr int D = Cfg::D;
+  constexpr int BN = Cfg::kBlockN;
+  const int tid = threadIdx.x - 128 * (cw + 1);
+  const int warp = tid / 32, lane = tid % 32;
+  const int g = lane / 4, c = lane % 4;
+  const int64_t delta_pos = static_cast<int64_t>(seq.length_kv) - seq.length_q;
+  const int64_t qp_lo = tile.position, qp_hi = static_cast<int64_t>(tile.position) + tile.rows - 1;
+  const int64_t qp0 = static_cast<int64_t>(tile.position) + 64 * cw + 16 * warp + g;
+  const float sl2 = p.scale_log2;
+  float lse2[2], dl[2];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int r = 64 * cw + 16 * warp + g + 8 * half;
+    const int64_t index = static_cast<int64_t>(head) * p.q_rows + tile.first_row + r;
+    lse2[half] = r < tile.rows ? lse_to_log2(p.lse[index]) : INFINITY;
+    dl[half] = r < tile.rows ? p.delta[index] : 0.f;
+  }
+  float dq[D / 2];
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) dq[i] = 0.f;
+  const uint32_t q_tile = smem + Cfg::kOffQ, do_tile = smem + Cfg::kOffDo;
+  if (kb.total > 0) {
+    mbar_wait(q_full, 0, dog, kWaitQdO, -1);
+    fence_proxy_async();
+  }
+#pragma unroll 1
+  for (int it = 0; it < kb.total; ++it) {
+    const int stage = ring.stage(it);
+    const int s_idx = kb.segment(it);
+    const int key0 = kb.key0(it);
+    const int kv_count = seq.kv_count[s_idx];
+    const int kv_pos = seq.kv_position[s_idx];
+    const int valid = min(BN, kv_count - key0);
+    const uint32_t k_tile = smem + Cfg::kOffK + stage * Cfg::kKVBytes;
+    const uint32_t v_tile = smem + Cfg::kOffV + stage * Cfg::kKVBytes;
+    float s[BN / 2], dp[BN / 2];
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) s[i] = dp[i] = 0.f;
+    mbar_wait(ring.full_k(it), ring.parity(it), dog, kWaitKStage, it);
+    fence_proxy_async();
+    fence_registers(s);
+    fence_registers(dp);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk)
+      Wgmma<BN, T, 0>::ss(s, desc_k_major(q_tile, Cfg::kBlockM, 64 * cw, 16 * kk), desc_k_major(k_tile, BN, 0, 16 * kk),
+                          kk > 0 ? 1 : 0);
+    wgmma_commit();
+    mbar_wait(ring.full_v(it), ring.parity(it), dog, kWaitVStage, it);
+    fence_proxy_async();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk)
+      Wgmma<BN, T, 0>::ss(dp, desc_k_major(do_tile, Cfg::kBlockM, 64 * cw, 16 * kk),
+                          desc_k_major(v_tile, BN, 0, 16 * kk), kk > 0 ? 1 : 0);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_registers(s);
+    fence_registers(dp);
+    const bool full = valid == BN && tile_fully_visible(p.window_left, p.window_right, delta_pos, qp_lo, qp_hi,
+                                                        kv_pos + key0, kv_pos + key0 + BN - 1);
+    if (!full) apply_mask<BN>(s, p.window_left, p.window_right, delta_pos, qp0, key0, kv_pos, kv_count, c);
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int half = e / 2;
+        const float pr = exp2f(fmaf(s[4 * j + e], sl2, -lse2[half]));
+        dp[4 * j + e] = pr * (dp[4 * j + e] - dl[half]);
+      }
+    }
+    uint32_t dsa[BN / 16][4];
+    accumulators_to_a<T, BN / 16>(dsa, dp);
+    fence_registers(dq);
+    fence_registers(dsa);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) Wgmma<D, T, 1>::rs(dq, dsa[kk], desc_mn_major(k_tile, BN, 16 * kk), 1);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_registers(dq);
+    fence_registers(dsa);
+    ring.release(it);
+  }
+  // dQ = scale dS K, staged as dtype in this warpgroup's rows of the Q tile (its wgmma reads are complete).
+  fence_proxy_async();
+  uint8_t* q_ptr = smem_ptr + Cfg::kOffQ;
+  stage_accumulators<T, Cfg::kBlockM, D>(q_ptr, 64 * cw, dq, p.softmax_scale, warp, g, c);
+  named_barrier_sync(2 + cw, 128);
+  const int rows = max(0, min(64, tile.rows - 64 * cw));
+  const int64_t q_stride = static_cast<int64_t>(p.heads_q) * D;
+  const int64_t first = tile.first_row + 64 * cw;
+  const int64_t col0 = static_cast<int64_t>(head) * D;
+  if (p.dq_sum == nullptr) {
+    T* out = static_cast<T*>(p.dq) + first * q_stride;
+    constexpr int kChunks = D / 8;
+    for (int i = tid; i < rows * kChunks; i += 128) {
+      const int r = i / kChunks, ch = i % kChunks;
+      *reinterpret_cast<uint4*>(out + r * q_stride + col0 + ch * 8) =
+          *reinterpret_cast<const uint4*>(q_ptr + sw128_offset(Cfg::kBlockM, 64 * cw + r, ch * 8));
+    }
+  } else {
+    constexpr int kChunks = D / 4;
+    const int64_t* map = p.q_sum_rows + first;
+    const bool assign = p.dq_sum_assign != 0;
+    T* result = static_cast<T*>(p.dq_result);
+    for (int i = tid; i < rows * kChunks; i += 128) {
+      const int r = i / kChunks, c4 = (i % kChunks) * 4;
+      const int64_t off = map[r] * q_stride + col0 + c4;
+      float4 y = assign ? make_float4(0.f, 0.f, 0.f, 0.f) : *reinterpret_cast<const float4*>(p.dq_sum + off);
+      const uint2 raw = *reinterpret_cast<const uint2*>(q_ptr + sw128_offset(Cfg::kBlockM, 64 * cw + r, c4));
+      T e[4];
+      memcpy(e, &raw, 8);
+      y.x += static_cast<float>(e[0]);
+      y.y += static_cast<float>(e[1]);
+      y.z += static_cast<float>(e[2]);
+      y.w += static_cast<float>(e[3]);
+      if (result == nullptr)
+        *reinterpret_cast<float4*>(p.dq_sum + off) = y;
+      else
+        *reinterpret_cast<uint2*>(result + off) = make_uint2(pack2<T>(y.x, y.y), pack2<T>(y.z, y.w));
+    }
+  }
+}
+
+}  // namespace detail
+
+// One CTA per (Q tile of p.q_tiles with kBlockM = 128 rows, query head); grid (q_tile_count, heads_q).
+template <class Cfg>
+__global__ void __launch_bounds__(Cfg::kThreads, 1)
+    attention_backward_dq_sm90_kernel(const AttentionParams p, const Watchdog dog) {
+  using T = typename Cfg::T;
+  constexpr int D = Cfg::D;
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t raw = smem_u32(smem_raw);
+  const uint32_t smem = (raw + 1023u) & ~1023u;
+  uint8_t* smem_ptr = smem_raw + (smem - raw);
+  const RowTile tile = p.q_tiles[blockIdx.x];
+  const int head = blockIdx.y;
+  if (tile.sequence < 0) {
+    detail::store_zero_rows<T, D, Cfg::kThreads>(tile.first_row, tile.rows, static_cast<T*>(p.dq),
+                                                 static_cast<int64_t>(p.heads_q) * D, static_cast<int64_t>(head) * D,
+                                                 p.dq_sum, p.q_sum_rows, p.dq_sum_assign != 0,
+                                                 static_cast<T*>(p.dq_result), threadIdx.x);
+    return;
+  }
+  const SequenceDesc& seq = p.sequences[tile.sequence];
+  const detail::KeyBlocks<Cfg::kBlockN> kb(p, seq, tile);
+  const uint32_t q_full = smem + Cfg::kOffBarriers;
+  const Ring<Cfg::kStages> ring{smem + Cfg::kOffBarriers + 8};
+  if (threadIdx.x == 0) {
+    mbar_init(q_full, 128);
+    ring.init(128, Cfg::kConsumerThreads);
+    fence_mbarrier_init();
+  }
+  __syncthreads();
+  if (threadIdx.x < 128) {
+    setmaxnreg_dec<Cfg::kProducerRegs>();
+    detail::dq_produce<Cfg>(p, dog, tile, seq, kb, smem, q_full, ring, head);
+  } else {
+    setmaxnreg_inc<Cfg::kConsumerRegs>();
+    detail::dq_consume<Cfg>(p, dog, tile, seq, kb, smem, smem_ptr, q_full, ring, head, threadIdx.x / 128 - 1);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Small kernels of the backward: delta, dQ conversion and its summing form.
+
+// delta[h, row] = sum_x dO[row, h, x] * O[row, h, x] over the valid rows of a Q tile (one warp per row; lane l sums
+// x = l, l + 32, ... in order, then a butterfly).
+template <class T, int D>
+__global__ void __launch_bounds__(128) attention_backward_delta_sm90_kernel(AttentionParams p) {
+  const RowTile tile = p.q_tiles[blockIdx.x];
+  if (tile.sequence < 0) return;
+  const int head = blockIdx.y;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+  const int64_t stride = static_cast<int64_t>(p.heads_q) * D;
+  const T* o = static_cast<const T*>(p.o);
+  const T* dout = static_cast<const T*>(p.dout);
+  for (int r = warp; r < tile.rows; r += 4) {
+    const int64_t base = (tile.first_row + r) * stride + static_cast<int64_t>(head) * D;
+    float sum = 0.f;
+    for (int x = lane; x < D; x += 32) sum += static_cast<float>(o[base + x]) * static_cast<float>(dout[base + x]);
+#pragma unroll
+    for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+    if (lane == 0) p.delta[static_cast<int64_t>(head) * p.q_rows + tile.first_row + r] = sum;
+  }
+}
+
+// dQ = dtype(dq_accum * scale) for every row of the tiles (pad rows hold 0 in dq_accum), or the summing form:
+// dq_sum[q_sum_rows[r]] = (assign ? 0 : dq_sum[..]) + float(dtype(dq_accum[r] * scale)) (or dtype of that to
+// dq_result). Block (x, y): tile x, 4-element pieces y * 128 + thread stepping gridDim.y * 128.
+template <class T>
+__global__ void __launch_bounds__(128) attention_backward_finish_dq_sm90_kernel(AttentionParams p, int64_t row_elems) {
+  const RowTile tile = p.q_tiles[blockIdx.x];
+  const int32_t chunks = static_cast<int32_t>(row_elems / 4);
+  const int32_t total = tile.rows * chunks;
+  const float s = p.softmax_scale;
+  for (int32_t i = blockIdx.y * blockDim.x + threadIdx.x; i < total; i += gridDim.y * blockDim.x) {
+    const int64_t r = tile.first_row + i / chunks, c = static_cast<int64_t>(i % chunks) * 4;
+    const float4 a = *reinterpret_cast<const float4*>(p.dq_accum + r * row_elems + c);
+    const uint32_t lo = pack2<T>(a.x * s, a.y * s), hi = pack2<T>(a.z * s, a.w * s);
+    if (p.dq_sum == nullptr) {
+      *reinterpret_cast<uint2*>(static_cast<T*>(p.dq) + r * row_elems + c) = make_uint2(lo, hi);
+      continue;
+    }
+    T e[4];
+    memcpy(e, &lo, 4);
+    memcpy(e + 2, &hi, 4);
+    const int64_t off = p.q_sum_rows[r] * row_elems + c;
+    float4 y = p.dq_sum_assign != 0 ? make_float4(0.f, 0.f, 0.f, 0.f) : *reinterpret_cast<const float4*>(p.dq_sum + off);
+    y.x += static_cast<float>(e[0]);
+    y.y += static_cast<float>(e[1]);
+    y.z += static_cast<float>(e[2]);
+    y.w += static_cast<float>(e[3]);
+    if (p.dq_result == nullptr)
+      *reinterpret_cast<float4*>(p.dq_sum + off) = y;
+    else
+      *reinterpret_cast<uint2*>(static_cast<T*>(p.dq_result) + off) = make_uint2(pack2<T>(y.x, y.y), pack2<T>(y.z, y.w));
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Host side.
+
+// The whole backward on p: p.q_tiles must have BackwardDqSm90Config::kBlockM = 128 rows per tile (work and pad
+// tiles covering every Q row), p.kv_tiles BackwardSm90Config::kBlockN = 128 rows (covering every KV row);
+// p.o, p.lse, p.dout inputs; p.delta [heads_q, q_rows] float workspace; atomic mode: p.dq_accum [q_rows, heads_q, D]
+// float workspace. Writes dq/dk/dv (or the summing form). Returns "" or the failed call.
+template <class T, int D, bool ATOMIC_DQ>
+std::string launch_backward_sm90(const AttentionParams& p, Watchdog dog, cudaStream_t stream) {
+  using Cfg = BackwardSm90Config<T, D, ATOMIC_DQ>;
+  using DqCfg = BackwardDqSm90Config<T, D>;
+  auto fail = [](const char* what, cudaError_t e) { return std::string(what) + ": " + cudaGetErrorString(e); };
+  if (p.q_tile_count > 0 && p.heads_q > 0) {
+    attention_backward_delta_sm90_kernel<T, D><<<dim3(p.q_tile_count, p.heads_q), 128, 0, stream>>>(p);
+    if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return fail("delta kernel launch", e);
+  }
+  if (ATOMIC_DQ && p.q_rows > 0) {
+    if (cudaError_t e = cudaMemsetAsync(p.dq_accum, 0, static_cast<size_t>(p.q_rows) * p.heads_q * D * 4, stream);
+        e != cudaSuccess)
+      return fail("cudaMemsetAsync(dq_accum)", e);
+  }
+  if (p.kv_tile_count > 0 && p.heads_kv > 0) {
+    auto kernel = attention_backward_dkdv_sm90_kernel<Cfg>;
+    if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
+        e != cudaSuccess)
+      return fail("cudaFuncSetAttribute(dkdv)", e);
+    kernel<<<dim3(p.kv_tile_count, p.heads_kv), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p, dog);
+    if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return fail("dkdv kernel launch", e);
+  }
+  if (p.q_tile_count > 0 && p.heads_q > 0) {
+    if constexpr (ATOMIC_DQ) {
+      attention_backward_finish_dq_sm90_kernel<T>
+          <<<dim3(p.q_tile_count, 4), 128, 0, stream>>>(p, static_cast<int64_t>(p.heads_q) * D);
+      if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return fail("dq finish kernel launch", e);
+    } else {
+      auto kernel = attention_backward_dq_sm90_kernel<DqCfg>;
+      if (cudaError_t e =
+              cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, DqCfg::kSmemBytes);
+          e != cudaSuccess)
+        return fail("cudaFuncSetAttribute(dq)", e);
+      kernel<<<dim3(p.q_tile_count, p.heads_q), DqCfg::kThreads, DqCfg::kSmemBytes, stream>>>(p, dog);
+      if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return fail("dq kernel launch", e);
+    }
+  }
+  return {};
+}
+
+}  // namespace cpgold::gpu::sm90
