@@ -182,43 +182,6 @@ __device__ __forceinline__ void apply_mask_transposed(float (&s)[N / 2], int wl,
 // LSE of a row in the exp2 domain; -inf (no visible key) becomes +inf so that P = exp2(s - inf) = 0, never NaN.
 __device__ __forceinline__ float lse_to_log2(float lse) { return lse == -INFINITY ? INFINITY : lse * kLog2e; }
 
-// Writes `rows` rows of an SW128 staging tile (ROWS x D, dtype) to a THD tensor, or adds them in float32 to rows
-// map[r] of a float32 sum (summing form: sum = (assign ? 0 : sum) + float(value), or dtype(that) to `result`
-// instead of the sum). `col0`: the head's first column in a row of `stride` elements. THREADS threads, index tid.
-template <class T, int ROWS, int D, int THREADS>
-__device__ __forceinline__ void store_staged_rows(const uint8_t* stage, int rows, T* out, int64_t stride,
-                                                  int64_t col0, float* sum, const int64_t* map, bool assign,
-                                                  T* result, int tid) {
-  if (sum == nullptr) {
-    constexpr int kChunks = D / 8;
-    for (int i = tid; i < rows * kChunks; i += THREADS) {
-      const int r = i / kChunks, ch = i % kChunks;
-      *reinterpret_cast<uint4*>(out + r * stride + col0 + ch * 8) =
-          *reinterpret_cast<const uint4*>(stage + sw128_offset(ROWS, r, ch * 8));
-    }
-    return;
-  }
-  constexpr int kChunks = D / 4;
-  for (int i = tid; i < rows * kChunks; i += THREADS) {
-    const int r = i / kChunks, c4 = (i % kChunks) * 4;
-    const int64_t off = map[r] * stride + col0 + c4;
-    float4 y = assign ? make_float4(0.f, 0.f, 0.f, 0.f) : *reinterpret_cast<const float4*>(sum + off);
-    const uint2 v = *reinterpret_cast<const uint2*>(stage + sw128_offset(ROWS, r, c4));
-    T e[4];
-    memcpy(e, &v, 8);
-    y.x += static_cast<float>(e[0]);
-    y.y += static_cast<float>(e[1]);
-    y.z += static_cast<float>(e[2]);
-    y.w += static_cast<float>(e[3]);
-    if (result == nullptr) {
-      *reinterpret_cast<float4*>(sum + off) = y;
-    } else {
-      const uint2 w = make_uint2(pack2<T>(y.x, y.y), pack2<T>(y.z, y.w));
-      *reinterpret_cast<uint2*>(result + off) = w;
-    }
-  }
-}
-
 // Rows outside every segment: zeros, or +0 in the summing form (assign: the sum becomes 0).
 template <class T, int D, int THREADS>
 __device__ __forceinline__ void store_zero_rows(int64_t first_row, int rows, T* out, int64_t stride, int64_t col0,
