@@ -1,6 +1,6 @@
 #pragma once
 // Varlen attention backward (dQ, dK, dV) for Hopper (sm_90a) with warpgroup MMA, on AttentionParams
-// (gpu/kernel_params.hpp): the contract of the mma.sync backward of gpu/attention_kernels.cuh (rows outside every
+// (gpu/kernels/kernel_params.hpp): the contract of the mma.sync backward of gpu/kernels/attention_kernels.cuh (rows outside every
 // segment get dK = dV = 0, or +0 in the summing form; a row with LSE -inf has P = 0; NaN/Inf in pad rows never reach
 // arithmetic; GQA; windows; two Q and two KV segments per sequence; atomic or deterministic dQ; the summing form).
 //
@@ -31,7 +31,7 @@
 #include <string>
 #include <type_traits>
 
-#include "gpu/kernel_params.hpp"
+#include "gpu/kernels/kernel_params.hpp"
 #include "gpu/kernels/sm90/attention_forward_sm90.cuh"
 #include "gpu/kernels/sm90/ptx_sm90.cuh"
 #include "gpu/kernels/sm90/wgmma_ops.cuh"
