@@ -1010,15 +1010,15 @@ std::vector<Variant> all_variants() {
   using sm90::ForwardSm90Config;
   using sm90::Loader;
   std::vector<Variant> v;
-  v.push_back(wgmma_variant<ForwardSm90Config<bf16, 128, 1, 64, Loader::cp_async>>("wgmma-cpasync-m64n64"));
-  v.push_back(wgmma_variant<ForwardSm90Config<bf16, 128, 2, 128, Loader::cp_async>>("wgmma-cpasync-m128n128"));
-  v.push_back(wgmma_variant<ForwardSm90Config<bf16, 128, 1, 64, Loader::tma>>("wgmma-tma-m64n64"));
-  v.push_back(wgmma_variant<ForwardSm90Config<bf16, 128, 2, 128, Loader::tma>>("wgmma-tma-m128n128"));
-  v.push_back(wgmma_variant<ForwardSm90Config<bf16, 128, 2, 128, Loader::cp_async, true>>("wgmma-cpasync-m128n128-pp"));
-  v.push_back(wgmma_variant<ForwardSm90Config<bf16, 128, 2, 128, Loader::tma, true>>("wgmma-tma-m128n128-pp"));
-  v.push_back(wgmma_variant<ForwardSm90Config<bf16, 64, 1, 64, Loader::cp_async>>("wgmma-cpasync-m64n64-d64"));
-  v.push_back(wgmma_variant<ForwardSm90Config<bf16, 64, 2, 128, Loader::tma>>("wgmma-tma-m128n128-d64"));
-  v.push_back(wgmma_variant<ForwardSm90Config<__half, 128, 2, 128, Loader::tma>>("wgmma-tma-m128n128-fp16"));
+  v.push_back(wgmma_variant<ForwardSm90Config<bf16, 128, 128, 1, 64, Loader::cp_async>>("wgmma-cpasync-m64n64"));
+  v.push_back(wgmma_variant<ForwardSm90Config<bf16, 128, 128, 2, 128, Loader::cp_async>>("wgmma-cpasync-m128n128"));
+  v.push_back(wgmma_variant<ForwardSm90Config<bf16, 128, 128, 1, 64, Loader::tma>>("wgmma-tma-m64n64"));
+  v.push_back(wgmma_variant<ForwardSm90Config<bf16, 128, 128, 2, 128, Loader::tma>>("wgmma-tma-m128n128"));
+  v.push_back(wgmma_variant<ForwardSm90Config<bf16, 128, 128, 2, 128, Loader::cp_async, true>>("wgmma-cpasync-m128n128-pp"));
+  v.push_back(wgmma_variant<ForwardSm90Config<bf16, 128, 128, 2, 128, Loader::tma, true>>("wgmma-tma-m128n128-pp"));
+  v.push_back(wgmma_variant<ForwardSm90Config<bf16, 64, 64, 1, 64, Loader::cp_async>>("wgmma-cpasync-m64n64-d64"));
+  v.push_back(wgmma_variant<ForwardSm90Config<bf16, 64, 64, 2, 128, Loader::tma>>("wgmma-tma-m128n128-d64"));
+  v.push_back(wgmma_variant<ForwardSm90Config<__half, 128, 128, 2, 128, Loader::tma>>("wgmma-tma-m128n128-fp16"));
 #ifdef HF_HAVE_MMA_SYNC_FORWARD
   v.push_back(mma_sync_variant<bf16, 128>("mma-sync-v1"));
   v.push_back(mma_sync_variant<bf16, 64>("mma-sync-v1-d64"));

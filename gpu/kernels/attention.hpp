@@ -120,9 +120,35 @@ enum class BackwardMode {
   deterministic,  // dQ by a separate query-stationary pass: bitwise reproducible (dK, dV are in both modes)
 };
 
+// The forward kernels (docs/gpu-kernels.md, "Forward kernels"): the sm_90a wgmma kernel (TMA, mbarriers, warpgroup
+// MMA; gpu/kernels/sm90/) serves every head-dim pair of the capability table on devices of compute capability 9.0;
+// the mma.sync kernel serves every device and shape of the table and is the forward everywhere else.
+enum class ForwardKernel {
+  automatic,  // wgmma where the device is 9.0 and the build holds it, else mma.sync; CPGOLD_FORWARD_KERNEL overrides
+  mma_sync,   // the mma.sync kernel
+  wgmma,      // the wgmma kernel; Status::unsupported where it cannot run (device, build), never a fallback
+};
+std::string_view forward_kernel_name(ForwardKernel kernel);  // "automatic", "mma.sync", "wgmma"
+// "auto", "mma" (or "mma.sync"), "wgmma": the values of CPGOLD_FORWARD_KERNEL and of the benchmarks' --forward.
+bool parse_forward_kernel(std::string_view text, ForwardKernel& kernel);
+// True if this build holds the wgmma forward and it serves the shape's head dims (every pair of the table).
+bool wgmma_forward_serves(const AttentionShape& shape);
+// The kernel attention_forward runs for `shape` on a device of compute capability `cc` (major * 10 + minor; 0: no
+// device) when asked for `requested` (automatic is resolved here without the environment variable). unsupported,
+// naming the reason, when wgmma is asked for where it cannot run.
+Outcome choose_forward_kernel(const AttentionShape& shape, int cc, ForwardKernel requested, ForwardKernel& chosen);
+// The same on the calling thread's current device (its compute capability read once per device), with an automatic
+// request taken from CPGOLD_FORWARD_KERNEL where that is set (auto, mma, wgmma; another value: invalid_argument).
+Outcome forward_kernel_for(const AttentionShape& shape, ForwardKernel requested, ForwardKernel& chosen);
+// What attention_forward runs for `shape` on the current device, one line: "wgmma sm_90a (...)" or "mma.sync (...)",
+// or "unsupported: <reason>".
+std::string forward_kernel_description(const AttentionShape& shape, ForwardKernel requested = ForwardKernel::automatic);
+
 // Launches on `stream` (a cudaStream_t; nullptr = default stream). Returns after the launch (no synchronisation);
 // launch errors are reported, errors inside the kernels surface at the caller's next synchronisation.
-Outcome attention_forward(const AttentionPlan& plan, const ForwardBuffers& buffers, void* stream = nullptr);
+// The forward runs the kernel forward_kernel_for(shape, kernel) names.
+Outcome attention_forward(const AttentionPlan& plan, const ForwardBuffers& buffers, void* stream = nullptr,
+                          ForwardKernel kernel = ForwardKernel::automatic);
 Outcome attention_backward(const AttentionPlan& plan, const BackwardBuffers& buffers,
                            BackwardMode mode = BackwardMode::atomic, void* stream = nullptr);
 

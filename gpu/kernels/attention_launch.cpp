@@ -23,7 +23,7 @@ AttentionParams base_params(const AttentionPlan::Impl& plan) {
 }
 }  // namespace detail
 
-Outcome attention_forward(const AttentionPlan& plan, const ForwardBuffers& b, void* stream) {
+Outcome attention_forward(const AttentionPlan& plan, const ForwardBuffers& b, void* stream, ForwardKernel kernel) {
   const AttentionPlan::Impl* impl = plan.impl();
   if (impl == nullptr) return {Status::invalid_argument, "attention_forward: the plan was not built"};
   if (impl->outside.leave_q)
@@ -31,7 +31,15 @@ Outcome attention_forward(const AttentionPlan& plan, const ForwardBuffers& b, vo
   if ((impl->q_rows > 0 && (b.q == nullptr || b.o == nullptr || b.lse == nullptr)) ||
       (impl->kv_rows > 0 && (b.k == nullptr || b.v == nullptr)))
     return {Status::invalid_argument, "attention_forward: a buffer is null"};
+  ForwardKernel chosen = ForwardKernel::mma_sync;
+  if (Outcome o = forward_kernel_for(impl->shape, kernel, chosen); !o.ok()) return o;
   auto s = static_cast<cudaStream_t>(stream);
+#if CPGOLD_HAVE_SM90_FORWARD
+  if (chosen == ForwardKernel::wgmma) {
+    if (impl->shape.dtype == DType::bf16) return detail::launch_forward_sm90_bf16(*impl, b, s);
+    if (impl->shape.dtype == DType::fp16) return detail::launch_forward_sm90_fp16(*impl, b, s);
+  }
+#endif
   if (impl->shape.dtype == DType::bf16) return detail::launch_forward_bf16(*impl, b, s);
   if (impl->shape.dtype == DType::fp16) return detail::launch_forward_fp16(*impl, b, s);
   return {Status::unsupported, "attention_forward: dtype outside the capability table"};

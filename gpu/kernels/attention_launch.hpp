@@ -10,6 +10,9 @@ AttentionParams base_params(const AttentionPlan::Impl& plan);
 
 Outcome launch_forward_bf16(const AttentionPlan::Impl& plan, const ForwardBuffers& buffers, cudaStream_t stream);
 Outcome launch_forward_fp16(const AttentionPlan::Impl& plan, const ForwardBuffers& buffers, cudaStream_t stream);
+// The sm_90a wgmma forward (attention_sm90_*.cu; only in builds with CPGOLD_HAVE_SM90_FORWARD).
+Outcome launch_forward_sm90_bf16(const AttentionPlan::Impl& plan, const ForwardBuffers& buffers, cudaStream_t stream);
+Outcome launch_forward_sm90_fp16(const AttentionPlan::Impl& plan, const ForwardBuffers& buffers, cudaStream_t stream);
 Outcome launch_backward_bf16(const AttentionPlan::Impl& plan, const BackwardBuffers& buffers, BackwardMode mode,
                              cudaStream_t stream);
 Outcome launch_backward_fp16(const AttentionPlan::Impl& plan, const BackwardBuffers& buffers, BackwardMode mode,

@@ -18,6 +18,12 @@
 //       with 16-byte stores; LSE per valid row (-inf and O = 0 for a row with no visible key); pad tiles write O = 0
 //       and LSE = -inf.
 //
+//   v2  Head-dim pairs of the whole capability table: d_v may differ from d_qk (separate K and V tile widths; O is
+//       staged in the Q tile, so d_v <= d_qk); head dims that are not a multiple of 64 (32, 96) load whole 64-column
+//       blocks through the TMA, whose out-of-bounds columns arrive as zeros: the S product stops at d_qk, P V runs
+//       over the rounded width (the extra O columns are 0 and never stored), so only wgmma N = 64 and 128 are used;
+//       d_v = 256 is two P V products of N = 128 per K-step.
+//
 // Conventions: tid = thread index in its warpgroup, warp = tid / 32, lane = 4 g + c. A consumer thread holds rows
 // 16 warp + g and 16 warp + g + 8 of its warpgroup's 64 rows; accumulator element 4 j + e is column 8 j + 2 c + e % 2
 // of row g + 8 (e / 2).
@@ -41,10 +47,19 @@ inline constexpr float kLog2e = 1.4426950408889634f;
 
 enum class Loader : int { cp_async = 0, tma = 1 };
 
-template <class T_, int D_, int CONSUMERS, int BLOCK_N, Loader LOADER, bool PINGPONG = false>
+template <class T_, int DQK_, int DV_, int CONSUMERS, int BLOCK_N, Loader LOADER, bool PINGPONG = false>
 struct ForwardSm90Config {
   using T = T_;
-  static constexpr int D = D_;  // head dim of Q, K and V (d_qk == d_v)
+  static constexpr int D = DQK_;   // head dim of Q and K
+  static constexpr int DV = DV_;   // head dim of V and O
+  // Widths of the shared tiles: whole 64-column (128-byte) SW128 blocks. A head dim that is not a multiple of 64
+  // (32, 96) gets zero columns from the TMA's out-of-bounds fill: the S product stops at D (K-steps of 16), the
+  // P V product runs over kVCols columns (the extra ones are P x 0 = 0 and never stored), so only the wgmma shapes
+  // N = 64 and 128 are needed.
+  static constexpr int kQKCols = (D + 63) / 64 * 64;
+  static constexpr int kVCols = (DV + 63) / 64 * 64;
+  // N of one P V wgmma: the whole width up to 128; a 256-wide O is two products of N = 128 per K-step.
+  static constexpr int kPVN = kVCols > 128 ? 128 : kVCols;
   static constexpr int kConsumers = CONSUMERS;
   static constexpr int kBlockM = 64 * CONSUMERS;
   static constexpr int kBlockN = BLOCK_N;
@@ -56,12 +71,13 @@ struct ForwardSm90Config {
   static constexpr int kStages = 2;
   static constexpr int kThreads = 128 * (CONSUMERS + 1);
   static constexpr int kConsumerThreads = 128 * CONSUMERS;
-  static constexpr int kQBytes = kBlockM * D * 2;
-  static constexpr int kKVBytes = kBlockN * D * 2;  // one K or one V stage
+  static constexpr int kQBytes = kBlockM * kQKCols * 2;
+  static constexpr int kKBytes = kBlockN * kQKCols * 2;  // one K stage
+  static constexpr int kVBytes = kBlockN * kVCols * 2;   // one V stage
   static constexpr int kOffQ = 0;
   static constexpr int kOffK = kOffQ + kQBytes;
-  static constexpr int kOffV = kOffK + kStages * kKVBytes;
-  static constexpr int kOffBarriers = kOffV + kStages * kKVBytes;
+  static constexpr int kOffV = kOffK + kStages * kKBytes;
+  static constexpr int kOffBarriers = kOffV + kStages * kVBytes;
   static constexpr int kBarriers = 1 + 3 * kStages;  // q_full, then the ring: full_k[S], full_v[S], empty[S]
   static constexpr int kSmemBytes = kOffBarriers + kBarriers * 8 + 1024;  // + slack to align the base to 1024
   // Residency: one CTA of 3 warpgroups per SM, or two CTAs of 2 warpgroups (one consumer each) so that two
@@ -78,14 +94,21 @@ struct ForwardSm90Config {
   static_assert(128 * kProducerRegs + 128 * CONSUMERS * kConsumerRegs <= kLaunchRegs * kThreads, "register split");
   static_assert(kCtasPerSm * kSmemBytes <= 227 * 1024, "shared memory of the CTAs of one SM");
   static_assert(CONSUMERS == 1 || CONSUMERS == 2, "one or two consumer warpgroups");
-  static_assert(D == 64 || D == 128, "head dim 64 or 128 (wgmma wrappers of N = 64, 128)");
+  static_assert(D % 16 == 0 && D >= 16 && D <= 256, "head dim of Q and K: K-steps of 16, at most 256");
+  static_assert(DV % 8 == 0 && DV >= 8 && DV <= 256, "head dim of V: 16-byte output chunks, at most 256");
+  static_assert(kPVN == 64 || kPVN == 128, "P V products of N = 64 or 128 (the wgmma wrappers)");
+  static_assert(kVCols % kPVN == 0, "whole P V products");
+  static_assert(kVCols <= kQKCols, "O is staged in the Q tile");
+  static_assert(LOADER == Loader::tma || (D % 64 == 0 && DV % 64 == 0),
+                "the cp.async loader reads whole 64-column blocks: head dims multiple of 64");
   static_assert(BLOCK_N == 64 || BLOCK_N == 128, "key tile 64 or 128 (wgmma wrappers of N = 64, 128)");
   static_assert(kSmemBytes <= 227 * 1024, "shared memory per block");
-  static_assert(kQBytes % 1024 == 0 && kKVBytes % 1024 == 0, "1024-aligned tiles");
+  static_assert(kQBytes % 1024 == 0 && kKBytes % 1024 == 0 && kVBytes % 1024 == 0, "1024-aligned tiles");
 };
 
 // Tensor maps of the TMA loader (unused by the cp.async loader): Q [q_rows, heads_q, D] with a box of kBlockM rows,
-// K and V [kv_rows, heads_kv, D] with boxes of kBlockN rows; 64 columns (128 bytes) per box, SWIZZLE_128B.
+// K [kv_rows, heads_kv, D] and V [kv_rows, heads_kv, DV] with boxes of kBlockN rows; 64 columns (128 bytes) per box,
+// SWIZZLE_128B; columns past the head dim come as zeros.
 struct ForwardTensorMaps {
   CUtensorMap q;
   CUtensorMap k;
@@ -142,11 +165,11 @@ struct KeyBlocks {
 };
 
 // Pad tile: O = 0 and LSE = -inf on its rows (all threads of the CTA).
-template <class T, int D, int THREADS>
+template <class T, int DV, int THREADS>
 __device__ __forceinline__ void write_pad_tile(const AttentionParams& p, const RowTile& tile, int head) {
-  const int64_t o_stride = static_cast<int64_t>(p.heads_q) * D;
-  T* o = static_cast<T*>(p.o) + tile.first_row * o_stride + static_cast<int64_t>(head) * D;
-  constexpr int kChunks = D / 8;
+  const int64_t o_stride = static_cast<int64_t>(p.heads_q) * DV;
+  T* o = static_cast<T*>(p.o) + tile.first_row * o_stride + static_cast<int64_t>(head) * DV;
+  constexpr int kChunks = DV / 8;
   for (int i = threadIdx.x; i < tile.rows * kChunks; i += THREADS)
     *reinterpret_cast<uint4*>(o + (i / kChunks) * o_stride + (i % kChunks) * 8) = make_uint4(0, 0, 0, 0);
   for (int r = threadIdx.x; r < tile.rows; r += THREADS)
@@ -173,6 +196,7 @@ __device__ __forceinline__ void produce(const AttentionParams& p, const ForwardT
   if constexpr (Cfg::kLoader == Loader::cp_async) {
     const int64_t q_stride = static_cast<int64_t>(p.heads_q) * D;
     const int64_t kv_stride = static_cast<int64_t>(p.heads_kv) * D;
+    const int64_t v_stride = static_cast<int64_t>(p.heads_kv) * Cfg::DV;
     const T* q = static_cast<const T*>(p.q);
     const T* k = static_cast<const T*>(p.k);
     const T* v = static_cast<const T*>(p.v);
@@ -187,11 +211,12 @@ __device__ __forceinline__ void produce(const AttentionParams& p, const ForwardT
       const int key0 = kb.key0(it);
       const int valid = min(Cfg::kBlockN, seq.kv_count[s] - key0);
       const int64_t row0 = seq.kv_first_row[s] + key0;
-      load_tile_sw128_cp_async<Cfg::kBlockN, D, 128>(smem + Cfg::kOffK + stage * Cfg::kKVBytes,
+      load_tile_sw128_cp_async<Cfg::kBlockN, D, 128>(smem + Cfg::kOffK + stage * Cfg::kKBytes,
                                                      k + row0 * kv_stride + kv_head * D, kv_stride, valid, k, tid);
       mbar_arrive_on_cp_async(bars.ring.full_k(it));
-      load_tile_sw128_cp_async<Cfg::kBlockN, D, 128>(smem + Cfg::kOffV + stage * Cfg::kKVBytes,
-                                                     v + row0 * kv_stride + kv_head * D, kv_stride, valid, v, tid);
+      load_tile_sw128_cp_async<Cfg::kBlockN, Cfg::DV, 128>(smem + Cfg::kOffV + stage * Cfg::kVBytes,
+                                                           v + row0 * v_stride + kv_head * Cfg::DV, v_stride, valid,
+                                                           v, tid);
       mbar_arrive_on_cp_async(bars.ring.full_v(it));
     }
     cp_async_wait_all();
@@ -202,7 +227,7 @@ __device__ __forceinline__ void produce(const AttentionParams& p, const ForwardT
     tma_prefetch_descriptor(&maps.v);
     mbar_arrive_expect_tx(bars.q_full, Cfg::kQBytes);
 #pragma unroll
-    for (int b = 0; b < D / 64; ++b)
+    for (int b = 0; b < Cfg::kQKCols / 64; ++b)
       tma_load_3d(smem + Cfg::kOffQ + b * Cfg::kBlockM * 128, &maps.q, 64 * b, head, static_cast<int>(tile.first_row),
                   bars.q_full);
 #pragma unroll 1
@@ -211,15 +236,15 @@ __device__ __forceinline__ void produce(const AttentionParams& p, const ForwardT
       bars.ring.producer_acquire(it, dog);
       const int s = kb.segment(it);
       const int row0 = static_cast<int>(seq.kv_first_row[s] + kb.key0(it));
-      mbar_arrive_expect_tx(bars.ring.full_k(it), Cfg::kKVBytes);
+      mbar_arrive_expect_tx(bars.ring.full_k(it), Cfg::kKBytes);
 #pragma unroll
-      for (int b = 0; b < D / 64; ++b)
-        tma_load_3d(smem + Cfg::kOffK + stage * Cfg::kKVBytes + b * Cfg::kBlockN * 128, &maps.k, 64 * b, kv_head,
+      for (int b = 0; b < Cfg::kQKCols / 64; ++b)
+        tma_load_3d(smem + Cfg::kOffK + stage * Cfg::kKBytes + b * Cfg::kBlockN * 128, &maps.k, 64 * b, kv_head,
                     row0, bars.ring.full_k(it));
-      mbar_arrive_expect_tx(bars.ring.full_v(it), Cfg::kKVBytes);
+      mbar_arrive_expect_tx(bars.ring.full_v(it), Cfg::kVBytes);
 #pragma unroll
-      for (int b = 0; b < D / 64; ++b)
-        tma_load_3d(smem + Cfg::kOffV + stage * Cfg::kKVBytes + b * Cfg::kBlockN * 128, &maps.v, 64 * b, kv_head,
+      for (int b = 0; b < Cfg::kVCols / 64; ++b)
+        tma_load_3d(smem + Cfg::kOffV + stage * Cfg::kVBytes + b * Cfg::kBlockN * 128, &maps.v, 64 * b, kv_head,
                     row0, bars.ring.full_v(it));
     }
   }
@@ -268,9 +293,11 @@ __device__ __forceinline__ void consume(const AttentionParams& p, const Watchdog
   const int64_t qp0 = static_cast<int64_t>(tile.position) + 64 * cw + 16 * warp + g;
   const float sl2 = p.scale_log2;
 
-  float o[D / 2];
+  constexpr int VC = Cfg::kVCols;  // O accumulator columns (DV rounded up to 64; the extra ones stay 0)
+  constexpr int DV = Cfg::DV;
+  float o[VC / 2];
 #pragma unroll
-  for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+  for (int i = 0; i < VC / 2; ++i) o[i] = 0.f;
   float row_max[2] = {-INFINITY, -INFINITY};
   float row_sum[2] = {0.f, 0.f};
 
@@ -295,8 +322,8 @@ __device__ __forceinline__ void consume(const AttentionParams& p, const Watchdog
     const int kv_count = seq.kv_count[s_idx];
     const int kv_pos = seq.kv_position[s_idx];
     const int valid = min(BN, kv_count - key0);
-    const uint32_t k_tile = smem + Cfg::kOffK + stage * Cfg::kKVBytes;
-    const uint32_t v_tile = smem + Cfg::kOffV + stage * Cfg::kKVBytes;
+    const uint32_t k_tile = smem + Cfg::kOffK + stage * Cfg::kKBytes;
+    const uint32_t v_tile = smem + Cfg::kOffV + stage * Cfg::kVBytes;
 
     // S = Q K^T (64 x BN per warpgroup).
     bars.ring.wait_k(it, dog);
@@ -343,7 +370,7 @@ __device__ __forceinline__ void consume(const AttentionParams& p, const Watchdog
       }
       row_sum[half] = row_sum[half] * alpha + sum;
 #pragma unroll
-      for (int j = 0; j < D / 8; ++j) {
+      for (int j = 0; j < VC / 8; ++j) {
         o[4 * j + 2 * half] *= alpha;
         o[4 * j + 2 * half + 1] *= alpha;
       }
@@ -359,10 +386,10 @@ __device__ __forceinline__ void consume(const AttentionParams& p, const Watchdog
       // Rows past the segment came from the tensor as they are (pads may hold NaN/Inf): zero them, since P is 0
       // there and 0 x NaN would not be. Every consumer warpgroup reads the whole V tile, so all of them zero a share
       // and meet at a named barrier before any reads it.
-      uint8_t* v_ptr = smem_ptr + Cfg::kOffV + stage * Cfg::kKVBytes;
+      uint8_t* v_ptr = smem_ptr + Cfg::kOffV + stage * Cfg::kVBytes;
       const int ctid = threadIdx.x - 128;
       const int chunks = (BN - valid) * 8;  // 16-byte chunks per column block
-      for (int i = ctid; i < chunks * (D / 64); i += Cfg::kConsumerThreads) {
+      for (int i = ctid; i < chunks * (VC / 64); i += Cfg::kConsumerThreads) {
         const int b = i / chunks, r = valid + (i % chunks) / 8, q = i % 8;
         *reinterpret_cast<uint4*>(v_ptr + b * BN * 128 + r * 128 + q * 16) = make_uint4(0, 0, 0, 0);
       }
@@ -375,7 +402,12 @@ __device__ __forceinline__ void consume(const AttentionParams& p, const Watchdog
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk) {
-      Wgmma<D, T, 1>::rs(o, pa[kk], desc_mn_major(v_tile, BN, 16 * kk), 1);
+      // Columns 128 h .. of O (a 256-wide O: two products of N = 128; the V tile's column blocks are BN * 128
+      // bytes apart, so the second half starts 2 blocks in, 1024-aligned).
+#pragma unroll
+      for (int h = 0; h < VC / Cfg::kPVN; ++h)
+        Wgmma<Cfg::kPVN, T, 1>::rs(*reinterpret_cast<float(*)[Cfg::kPVN / 2]>(o + h * (Cfg::kPVN / 2)), pa[kk],
+                                   desc_mn_major(v_tile + h * (Cfg::kPVN / 64) * BN * 128, BN, 16 * kk), 1);
     }
     wgmma_commit();
     wgmma_wait<0>();
@@ -405,7 +437,7 @@ __device__ __forceinline__ void consume(const AttentionParams& p, const Watchdog
   fence_proxy_async();  // the wgmma reads of these Q rows are complete (wait above); order the generic writes after
   uint8_t* q_ptr = smem_ptr + Cfg::kOffQ;
 #pragma unroll
-  for (int j = 0; j < D / 8; ++j) {
+  for (int j = 0; j < DV / 8; ++j) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int r = 64 * cw + 16 * warp + g + 8 * half;
@@ -415,10 +447,10 @@ __device__ __forceinline__ void consume(const AttentionParams& p, const Watchdog
     }
   }
   named_barrier_sync(2 + cw, 128);
-  const int64_t o_stride = static_cast<int64_t>(p.heads_q) * D;
-  T* o_rows = static_cast<T*>(p.o) + (tile.first_row + 64 * cw) * o_stride + static_cast<int64_t>(head) * D;
+  const int64_t o_stride = static_cast<int64_t>(p.heads_q) * DV;
+  T* o_rows = static_cast<T*>(p.o) + (tile.first_row + 64 * cw) * o_stride + static_cast<int64_t>(head) * DV;
   const int rows = min(64, tile.rows - 64 * cw);
-  constexpr int kChunks = D / 8;
+  constexpr int kChunks = DV / 8;
 #pragma unroll 4
   for (int i = tid; i < 64 * kChunks; i += 128) {
     const int r = i / kChunks, ch = i % kChunks;
@@ -444,7 +476,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kCtasPerSm)
   const RowTile tile = p.q_tiles[blockIdx.x];
   const int head = blockIdx.y;
   if (tile.sequence < 0) {
-    detail::write_pad_tile<T, Cfg::D, Cfg::kThreads>(p, tile, head);
+    detail::write_pad_tile<T, Cfg::DV, Cfg::kThreads>(p, tile, head);
     return;
   }
   const SequenceDesc& seq = p.sequences[tile.sequence];
@@ -510,8 +542,11 @@ template <class Cfg>
 std::string encode_forward_maps(const AttentionParams& p, ForwardTensorMaps& maps) {
   constexpr bool fp16 = std::is_same_v<typename Cfg::T, __half>;
   std::string err = encode_thd_tile_map(maps.q, fp16, p.q, p.q_rows, p.heads_q, Cfg::D, Cfg::kBlockM);
-  if (err.empty()) err = encode_thd_tile_map(maps.k, fp16, p.k, p.kv_rows, p.heads_kv, Cfg::D, Cfg::kBlockN);
-  if (err.empty()) err = encode_thd_tile_map(maps.v, fp16, p.v, p.kv_rows, p.heads_kv, Cfg::D, Cfg::kBlockN);
+  // Without KV rows no tile has a key block, so the K and V maps are never read (and the pointers may be null).
+  if (err.empty() && p.kv_rows > 0)
+    err = encode_thd_tile_map(maps.k, fp16, p.k, p.kv_rows, p.heads_kv, Cfg::D, Cfg::kBlockN);
+  if (err.empty() && p.kv_rows > 0)
+    err = encode_thd_tile_map(maps.v, fp16, p.v, p.kv_rows, p.heads_kv, Cfg::DV, Cfg::kBlockN);
   return err.empty() ? err : "tensor maps: " + err;
 }
 

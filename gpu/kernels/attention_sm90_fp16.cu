@@ -1,0 +1,10 @@
+// fp16 instantiations of the sm_90a wgmma forward (compiled for sm_90a only; one translation unit per dtype).
+#include "gpu/kernels/attention_sm90_launch.cuh"
+
+namespace cpgold::gpu::detail {
+
+Outcome launch_forward_sm90_fp16(const AttentionPlan::Impl& plan, const ForwardBuffers& buffers, cudaStream_t stream) {
+  return forward_sm90_typed<__half>(plan, buffers, stream);
+}
+
+}  // namespace cpgold::gpu::detail

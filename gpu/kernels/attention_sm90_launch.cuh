@@ -1,0 +1,56 @@
+#pragma once
+// Launch template of the sm_90a wgmma forward (gpu/kernels/sm90/attention_forward_sm90.cuh) behind
+// attention_forward, shared by the per-dtype translation units attention_sm90_bf16.cu / attention_sm90_fp16.cu,
+// which are compiled for sm_90a only (gpu/CMakeLists.txt). The configuration of every head-dim pair of the
+// capability table (docs/gpu-kernels.md, "Forward kernels"): TMA loads, two consumer warpgroups of 64 query rows
+// (128-row Q tiles: the plan's large tile list) in ping-pong, key tiles of 128 rows (64 for d 256, whose O
+// accumulators take 128 registers per thread and whose shared tiles fill 193 KB at that size).
+#include <string>
+
+#include "gpu/kernels/attention_launch.hpp"
+#include "gpu/kernels/sm90/attention_forward_sm90.cuh"
+
+namespace cpgold::gpu::detail {
+
+template <class T, int D, int DV>
+using WgmmaForwardConfig =
+    sm90::ForwardSm90Config<T, D, DV, 2, (D > 192 ? 64 : 128), sm90::Loader::tma, /*PINGPONG=*/true>;
+
+template <class T, int D, int DV>
+Outcome forward_sm90_dims(AttentionParams p, cudaStream_t stream, const AttentionPlan::Impl& plan) {
+  using Cfg = WgmmaForwardConfig<T, D, DV>;
+  static_assert(Cfg::kBlockM == kLargeTileRows, "the wgmma forward runs on the plan's large Q tiles");
+  p.q_tiles = plan.q_tiles_large;
+  p.q_tile_count = plan.q_tile_large_count;
+  if (p.q_tile_count == 0 || p.heads_q == 0) return {};
+  // Tensor maps over this call's buffers: three host-side encodes (no device work, no driver round trip), passed
+  // to the kernel as a __grid_constant__ parameter.
+  sm90::ForwardTensorMaps maps{};
+  if (std::string err = sm90::encode_forward_maps<Cfg>(p, maps); !err.empty())
+    return {Status::cuda_error, "attention_forward (wgmma): " + err};
+  if (std::string err = sm90::launch_forward_sm90<Cfg>(p, maps, sm90::Watchdog{}, stream); !err.empty())
+    return {Status::cuda_error, "attention_forward (wgmma): " + err};
+  return {};
+}
+
+template <class T>
+Outcome forward_sm90_typed(const AttentionPlan::Impl& plan, const ForwardBuffers& b, cudaStream_t stream) {
+  AttentionParams p = base_params(plan);
+  p.q = b.q;
+  p.k = b.k;
+  p.v = b.v;
+  p.o = b.o;
+  p.lse = b.lse;
+  const int d = plan.shape.dim_qk, dv = plan.shape.dim_v;
+  if (d == 32 && dv == 32) return forward_sm90_dims<T, 32, 32>(p, stream, plan);
+  if (d == 64 && dv == 64) return forward_sm90_dims<T, 64, 64>(p, stream, plan);
+  if (d == 96 && dv == 96) return forward_sm90_dims<T, 96, 96>(p, stream, plan);
+  if (d == 128 && dv == 128) return forward_sm90_dims<T, 128, 128>(p, stream, plan);
+  if (d == 128 && dv == 64) return forward_sm90_dims<T, 128, 64>(p, stream, plan);
+  if (d == 192 && dv == 128) return forward_sm90_dims<T, 192, 128>(p, stream, plan);
+  if (d == 256 && dv == 256) return forward_sm90_dims<T, 256, 256>(p, stream, plan);
+  return {Status::unsupported, "attention_forward (wgmma): head dims d_qk=" + std::to_string(d) +
+                                   ", d_v=" + std::to_string(dv) + " are not served by the wgmma forward"};
+}
+
+}  // namespace cpgold::gpu::detail
