@@ -85,6 +85,9 @@ gpu::FixtureVerdict verify_one(const std::string& path, const VerifyArgs& args, 
     std::cout << "fixture    " << path << "\nUNSUPPORTED on the GPU: " << result.unsupported_reason << "\n\n";
     return result.verdict;
   }
+  // The forward kernel of the GPU run (docs/gpu-kernels.md, "Forward kernels"); on stderr with --format json.
+  if (!result.forward_kernel.empty())
+    (args.format == "json" ? std::cerr : std::cout) << "forward kernel: " << result.forward_kernel << "\n";
   if (args.format == "json") std::cout << json_text(fx::to_json(*result.report));
   else std::cout << fx::render_text(*result.report) << "\n";
   return result.verdict;

@@ -41,7 +41,7 @@ for round in ${AB_ROUNDS:-1 2}; do
     b=/tmp/b$side
     echo "== round $round $side: bench_gpu_attention --dims 128/128 --totals 32768 --reps 20"
     timeout 60 $b/bin/bench_gpu_attention --dims 128/128 --totals 32768 --reps 20 > $OUT/attn_${side}_$round.log 2>&1
-    grep -E "^(impl|cpgold)" $OUT/attn_${side}_$round.log
+    grep -E "^(impl|cpgold|mma.sync|wgmma)" $OUT/attn_${side}_$round.log
     echo "== round $round $side: bench_cp_local --comm p2p --cp-size 4 $CP --reps 10 --phases 1"
     timeout 240 $b/bin/bench_cp_local --comm p2p --cp-size 4 $CP --reps 10 --phases 1 > $OUT/cp_${side}_$round.log 2>&1
     grep -E "^\|" $OUT/cp_${side}_$round.log

@@ -1,9 +1,13 @@
 // Forward/backward TFLOP/s of the cpgold GPU attention on varlen batches (bench/gpu/varlen_batches.md).
-// Usage: bench_gpu_attention [--reps N] [--dims D/DV,...]   prints one table row per (mask, d, total tokens).
-// --dims defaults to 128/128,64/64; heads = 2048 / DV.
+// Usage: bench_gpu_attention [--reps N] [--dims D/DV,...] [--forward auto|mma|wgmma|both]   prints one table row
+// per (forward kernel, mask, d, total tokens). --dims defaults to 128/128,64/64; heads = 2048 / DV. --forward picks
+// the forward kernel (default auto: what attention_forward chooses on this device; both: a row for mma.sync and one
+// for wgmma, the before/after of the same run); the impl column names the kernel that ran, host_us the host time of
+// one attention_forward call (tensor-map encoding included for wgmma).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -76,7 +80,20 @@ int main(int argc, char** argv) {
   std::vector<int64_t> totals = {16384, 32768, 65536};
   int pad_rows = 0;  // --pad-rows N: every sequence keeps its slot of the cycle length and holds N tokens fewer
   std::vector<std::pair<int, int>> dims = {{128, 128}, {64, 64}};
+  std::vector<gpu::ForwardKernel> forwards = {gpu::ForwardKernel::automatic};
   for (int i = 1; i + 1 < argc; ++i) {
+    if (std::string(argv[i]) == "--forward") {
+      const std::string f = argv[i + 1];
+      gpu::ForwardKernel k{};
+      if (f == "both") {
+        forwards = {gpu::ForwardKernel::mma_sync, gpu::ForwardKernel::wgmma};
+      } else if (gpu::parse_forward_kernel(f, k)) {
+        forwards = {k};
+      } else {
+        std::fprintf(stderr, "--forward: expected auto, mma, wgmma or both, got \"%s\"\n", f.c_str());
+        return 2;
+      }
+    }
     if (std::string(argv[i]) == "--reps") reps = std::atoi(argv[i + 1]);
     if (std::string(argv[i]) == "--pad-rows") pad_rows = std::atoi(argv[i + 1]);
     if (std::string(argv[i]) == "--totals") {  // token counts (slot rows), comma separated
@@ -107,8 +124,12 @@ int main(int argc, char** argv) {
   cudaDeviceProp prop{};
   check(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
   std::printf("device: %s, %d SMs; pad rows per sequence: %d\n", prop.name, prop.multiProcessorCount, pad_rows);
-  std::printf("%-8s %-5s %-7s %-6s %10s %10s %10s %10s %10s\n", "impl", "mask", "d", "tokens", "fwd_ms", "fwd_TF",
-              "bwd_ms", "bwd_TF", "bwd_det_TF");
+  for (const auto& [d, dv] : dims)
+    for (gpu::ForwardKernel f : forwards)
+      std::printf("forward kernel (requested %s) for d %d/%d: %s\n", std::string(gpu::forward_kernel_name(f)).c_str(), d,
+                  dv, gpu::forward_kernel_description({DType::bf16, 2048 / dv, 2048 / dv, d, dv}, f).c_str());
+  std::printf("%-8s %-5s %-7s %-6s %10s %10s %8s %10s %10s %10s\n", "impl", "mask", "d", "tokens", "fwd_ms", "fwd_TF",
+              "host_us", "bwd_ms", "bwd_TF", "bwd_det_TF");
   std::mt19937 rng(1);
   for (const auto& [d, dv] : dims)
     for (bool causal : {true, false})
@@ -147,16 +168,29 @@ int main(int argc, char** argv) {
         bb.dq = dq;
         bb.dk = dk;
         bb.dv = dv_grad;
-        const float fwd = median_ms([&] { check(gpu::attention_forward(plan, fb), "forward"); }, reps);
         const float bwd = median_ms(
             [&] { check(gpu::attention_backward(plan, bb, gpu::BackwardMode::atomic), "backward"); }, reps);
         const float bwd_det = median_ms(
             [&] { check(gpu::attention_backward(plan, bb, gpu::BackwardMode::deterministic), "backward"); }, reps);
         const double flops = forward_flops(lens, heads, d, dv, causal);
         const std::string dims_text = d == dv ? std::to_string(d) : std::to_string(d) + "/" + std::to_string(dv);
-        std::printf("%-8s %-5s %-7s %-6lld %10.3f %10.1f %10.3f %10.1f %10.1f\n", "cpgold", causal ? "causal" : "full",
-                    dims_text.c_str(), static_cast<long long>(total), fwd, flops / fwd * 1e-9, bwd, 2.5 * flops / bwd * 1e-9,
-                    2.5 * flops / bwd_det * 1e-9);
+        for (gpu::ForwardKernel f : forwards) {
+          gpu::ForwardKernel ran{};
+          check(gpu::forward_kernel_for({DType::bf16, heads, heads, d, dv}, f, ran), "forward kernel");
+          const float fwd = median_ms([&] { check(gpu::attention_forward(plan, fb, nullptr, f), "forward"); }, reps);
+          // Host time of one call (argument checks, kernel choice, tensor maps, launch), over 200 back-to-back calls.
+          check(cudaDeviceSynchronize(), "sync");
+          constexpr int kHostCalls = 200;
+          const auto t0 = std::chrono::steady_clock::now();
+          for (int i = 0; i < kHostCalls; ++i) check(gpu::attention_forward(plan, fb, nullptr, f), "forward");
+          const double host_us =
+              std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count() / kHostCalls;
+          check(cudaDeviceSynchronize(), "sync");
+          std::printf("%-8s %-5s %-7s %-6lld %10.3f %10.1f %8.2f %10.3f %10.1f %10.1f\n",
+                      std::string(gpu::forward_kernel_name(ran)).c_str(), causal ? "causal" : "full", dims_text.c_str(),
+                      static_cast<long long>(total), fwd, flops / fwd * 1e-9, host_us, bwd, 2.5 * flops / bwd * 1e-9,
+                      2.5 * flops / bwd_det * 1e-9);
+        }
         for (void* p : {q, k, v, dout, o, dq, dk, dv_grad, static_cast<void*>(lse)}) cudaFree(p);
       }
   return 0;

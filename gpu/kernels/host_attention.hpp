@@ -19,9 +19,10 @@ struct HostBackward {
 };
 
 // Output tensors are pre-filled on the device with a NaN pattern before the launch, so a row the kernels leave
-// unwritten shows up as NaN (LSE pad rows excepted: the contract leaves them to the kernel).
+// unwritten shows up as NaN (LSE pad rows excepted: the contract leaves them to the kernel). `kernel` as in
+// attention_forward.
 Outcome forward_on_device(const AttentionCall& call, DType dtype, const Tensor3<float>& q, const Tensor3<float>& k,
-                          const Tensor3<float>& v, HostForward& out);
+                          const Tensor3<float>& v, HostForward& out, ForwardKernel kernel = ForwardKernel::automatic);
 Outcome backward_on_device(const AttentionCall& call, DType dtype, const Tensor3<float>& q, const Tensor3<float>& k,
                            const Tensor3<float>& v, const Tensor3<float>& o, const LseTensor<float>& lse,
                            const Tensor3<float>& dout, BackwardMode mode, HostBackward& out);

@@ -114,6 +114,15 @@ FixtureVerification verify_fixture_local(const std::string& fixture_path, Backwa
   options.record_trace = fixture.traced;
   options.sum_in_backward = true;  // the faster schedule on one GPU (docs/PERF.md); the same bits as without
   options.inject = inject;
+  {
+    AttentionShape shape;
+    shape.dtype = fixture.spec.dtype;
+    shape.heads_q = fixture.spec.heads_q;
+    shape.heads_kv = sim::heads_kv(fixture.spec);
+    shape.dim_qk = fixture.spec.dim_qk;
+    shape.dim_v = sim::dim_v(fixture.spec);
+    result.forward_kernel = forward_kernel_description(shape);
+  }
   const sim::CpRun<float> run = run_cp_local(fixture.plan, inputs, fixture.spec.dtype, options);
   write_cp_candidate(candidate_path, fixture.plan, run);
   result.report = fx::check(reader, fixture, {candidate_path});  // the version the inputs came from
@@ -142,6 +151,7 @@ FixtureVerification verify_fixture(const std::string& fixture_path, BackwardMode
   const AttentionCall call = non_cp_call(fixture.layout, sim::mask_window(spec), sim::softmax_scale(spec));
   HostForward fwd;
   HostBackward bwd;
+  result.forward_kernel = forward_kernel_description(shape);
   Outcome run = forward_on_device(call, spec.dtype, q, k, v, fwd);
   if (run.ok()) run = backward_on_device(call, spec.dtype, q, k, v, fwd.o, fwd.lse, dout, mode, bwd);
   if (run.status == Status::unsupported) {

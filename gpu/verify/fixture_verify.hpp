@@ -17,6 +17,7 @@ struct FixtureVerification {
   FixtureVerdict verdict = FixtureVerdict::unsupported;
   std::string unsupported_reason;        // set when the case is outside the GPU capability table
   std::optional<fx::CheckReport> report;  // absent when unsupported
+  std::string forward_kernel;            // the forward kernel that ran (forward_kernel_description), when one ran
 };
 
 // The fixture's /inputs (q, k, v, dout as [t, h, d] float), read through the caller's open handle; InputError naming

@@ -3,6 +3,7 @@
 // O/dQ/dK/dV exactly zero, everything finite, the set of -inf LSE rows equal to the oracle's).
 // Pad and tail rows of q, k, v, dout hold NaN in every case, so a pad value reaching a valid output fails.
 // Without a GPU every case prints "SKIPPED: no CUDA device" (CTest reports it as skipped).
+#include <cuda_runtime_api.h>
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -496,7 +497,9 @@ TEST_CASE("gpu attention: the summing backward adds the rounded outputs at the m
   CHECK(one_side.message.find("dk_sum.result and dv_sum.result") != std::string::npos);
 }
 
-// Small enough for compute-sanitizer (memcheck, racecheck): every kernel of the forward and both backward modes,
+// Small enough for compute-sanitizer (memcheck, racecheck): both forward kernels (the automatic choice, the wgmma
+// forward on a 9.0 device for every dim here, d 96 with its zero-filled columns included, and the mma.sync forward
+// forced) and both backward modes,
 // with pad rows, a zero-length sequence, a partial tile and GQA, head dim 256 (dK/dV in two column slices), and the
 // summing backward (both modes, added into zero sums at reversed rows) on the same shapes, whose dK and dV must be
 // the plain backward's values bit for bit (0 + x = x; dK/dV do not depend on the mode or the run).
@@ -505,9 +508,14 @@ TEST_CASE("gpu attention: small case for the sanitizers") {
   const Case a = make_case("sanitizer case", DType::bf16, 2, 1, 64, 64, {-1, 0}, {1, 70, 0, 130}, {1, 70, 0, 130}, 12);
   const Case b = make_case("sanitizer case", DType::fp16, 2, 2, 192, 128, {30, 0}, {65, 3}, {65, 3}, 13);
   const Case d = make_case("sanitizer case", DType::bf16, 2, 1, 256, 256, {-1, 0}, {65, 0, 3}, {65, 0, 3}, 14);
-  for (const Case* cp : {&a, &b, &d}) {
+  const Case e = make_case("sanitizer case", DType::bf16, 2, 2, 96, 96, {-1, -1}, {130, 0, 7}, {130, 0, 7}, 15);
+  for (const Case* cp : {&a, &b, &d, &e}) {
     const Case& c = *cp;
+    std::printf("sanitizer case d %d/%d: forward kernel %s\n", c.dim_qk, c.dim_v,
+                gpu::forward_kernel_description({c.dtype, c.heads_q, c.heads_kv, c.dim_qk, c.dim_v}).c_str());
     run_case(c);
+    gpu::HostForward fallback;
+    REQUIRE(gpu::forward_on_device(c.call, c.dtype, c.q, c.k, c.v, fallback, gpu::ForwardKernel::mma_sync).ok());
     gpu::HostForward fwd;
     REQUIRE(gpu::forward_on_device(c.call, c.dtype, c.q, c.k, c.v, fwd).ok());
     for (gpu::BackwardMode mode : {gpu::BackwardMode::atomic, gpu::BackwardMode::deterministic}) {
@@ -579,4 +587,117 @@ TEST_CASE("gpu attention: a plan that leaves rows outside its segments is refuse
   const gpu::Outcome e = gpu::attention_backward(plan, last_kv);
   CHECK(e.status == gpu::Status::invalid_argument);
   CHECK(e.message.find("result") != std::string::npos);
+}
+
+namespace {
+
+const int kTableDims[][2] = {{32, 32}, {64, 64}, {96, 96}, {128, 128}, {128, 64}, {192, 128}, {256, 256}};
+
+// Compute capability of device 0 (major * 10 + minor).
+int device_cc() {
+  int major = 0, minor = 0;
+  gpu::cuda_device_count();
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, 0) != cudaSuccess)
+    return 0;
+  return major * 10 + minor;
+}
+
+}  // namespace
+
+// docs/gpu-kernels.md, "Forward kernels": the wgmma forward serves every head-dim pair of the table on compute
+// capability 9.0 and nowhere else; the mma.sync forward serves the rest; an explicit wgmma request where it cannot
+// run is refused, never replaced.
+TEST_CASE("gpu attention: the forward kernel chosen per head dims and device is the documented one") {
+  for (DType dtype : {DType::bf16, DType::fp16})
+    for (const auto& d : kTableDims) {
+      const gpu::AttentionShape shape{dtype, 4, 2, d[0], d[1]};
+      INFO(dtype_name(dtype), " d", d[0], "/", d[1]);
+      CHECK(gpu::wgmma_forward_serves(shape));
+      gpu::ForwardKernel chosen{};
+      REQUIRE(gpu::choose_forward_kernel(shape, 90, gpu::ForwardKernel::automatic, chosen).ok());
+      CHECK(chosen == gpu::ForwardKernel::wgmma);
+      REQUIRE(gpu::choose_forward_kernel(shape, 90, gpu::ForwardKernel::mma_sync, chosen).ok());
+      CHECK(chosen == gpu::ForwardKernel::mma_sync);
+      for (int cc : {0, 80, 86, 89, 100, 120}) {
+        REQUIRE(gpu::choose_forward_kernel(shape, cc, gpu::ForwardKernel::automatic, chosen).ok());
+        CHECK(chosen == gpu::ForwardKernel::mma_sync);
+        const gpu::Outcome refused = gpu::choose_forward_kernel(shape, cc, gpu::ForwardKernel::wgmma, chosen);
+        CHECK(refused.status == gpu::Status::unsupported);
+        CHECK(refused.message.find("compute capability 9.0") != std::string::npos);
+      }
+    }
+  const gpu::AttentionShape outside{DType::bf16, 2, 2, 16, 16};
+  CHECK_FALSE(gpu::wgmma_forward_serves(outside));
+  gpu::ForwardKernel chosen{};
+  CHECK(gpu::choose_forward_kernel(outside, 90, gpu::ForwardKernel::wgmma, chosen).status == gpu::Status::unsupported);
+  gpu::ForwardKernel parsed{};
+  CHECK((gpu::parse_forward_kernel("mma", parsed) && parsed == gpu::ForwardKernel::mma_sync));
+  CHECK((gpu::parse_forward_kernel("wgmma", parsed) && parsed == gpu::ForwardKernel::wgmma));
+  CHECK((gpu::parse_forward_kernel("auto", parsed) && parsed == gpu::ForwardKernel::automatic));
+  CHECK_FALSE(gpu::parse_forward_kernel("sm90", parsed));
+}
+
+// The two forwards on the same inputs: both within the budget against the oracle (run_case's rule), and against each
+// other: pad rows exactly 0 in both, the same set of -inf LSE rows, O within a relative Frobenius difference of 1e-2
+// and LSE within 2e-3 (P is rounded to the dtype at different points of the sum). On a device that is not 9.0 the
+// wgmma request must be refused.
+TEST_CASE("gpu attention: the wgmma forward against the mma.sync forward") {
+  CPGOLD_REQUIRE_DEVICE();
+  const bool hopper = device_cc() == 90;
+  std::printf("forward kernel on this device (d 128/128 bf16): %s\n",
+              gpu::forward_kernel_description({DType::bf16, 2, 2, 128, 128}).c_str());
+  std::vector<Case> cases;
+  cases.push_back(make_case("A/B causal GQA", DType::bf16, 4, 2, 128, 128, {-1, 0}, kTileEdgeLengths, kTileEdgeLengths, 41));
+  cases.push_back(make_case("A/B window fp16", DType::fp16, 2, 1, 96, 96, {40, 24}, {129, 1, 300, 0, 257}, {100, 1, 300, 0, 260}, 42));
+  cases.push_back(make_case("A/B MLA", DType::bf16, 2, 2, 192, 128, {-1, -1}, {65, 200, 0}, {65, 200, 0}, 43));
+  cases.push_back(make_case("A/B d256 causal", DType::bf16, 2, 1, 256, 256, {-1, 0}, {129, 64, 3}, {129, 64, 3}, 44));
+  cases.push_back(make_case("A/B d32 full", DType::fp16, 2, 2, 32, 32, {-1, -1}, {1, 127, 128, 129}, {1, 127, 128, 129}, 45));
+  for (const Case& c : cases) {
+    const std::string label = describe_case(c);
+    INFO(label);
+    gpu::HostForward mma, wg;
+    const gpu::Outcome a = gpu::forward_on_device(c.call, c.dtype, c.q, c.k, c.v, mma, gpu::ForwardKernel::mma_sync);
+    REQUIRE(a.ok());
+    const gpu::Outcome b = gpu::forward_on_device(c.call, c.dtype, c.q, c.k, c.v, wg, gpu::ForwardKernel::wgmma);
+    if (!hopper) {
+      CHECK(b.status == gpu::Status::unsupported);
+      continue;
+    }
+    INFO(b.message);
+    REQUIRE(b.ok());
+    const ForwardResult<double> oracle =
+        attention_forward(c.call, tensor_cast<double>(c.q), tensor_cast<double>(c.k), tensor_cast<double>(c.v));
+    const ForwardResult<float> peer = attention_forward(c.call, c.q, c.k, c.v, c.dtype);
+    check_tensor(label + " wgmma", fx::Quantity::o, c.dtype, fx::view_of(oracle.o), fx::view_of(peer.o),
+                 fx::view_of(wg.o), c.q_valid);
+    check_tensor(label + " wgmma", fx::Quantity::lse, c.dtype, fx::view_of(oracle.lse), fx::view_of(peer.lse),
+                 fx::view_of(wg.lse), c.q_valid);
+    double diff2 = 0, norm2 = 0, lse_diff = 0;
+    int64_t pad_nonzero = 0, inf_mismatch = 0;
+    for (int64_t r = 0; r < c.call.q_rows; ++r)
+      for (int h = 0; h < c.heads_q; ++h) {
+        const bool valid = c.q_valid[static_cast<size_t>(r)] != 0;
+        for (int x = 0; x < c.dim_v; ++x) {
+          const double m = mma.o(r, h, x), w = wg.o(r, h, x);
+          if (!valid) {
+            pad_nonzero += (m != 0.0 || std::signbit(m)) + (w != 0.0 || std::signbit(w));
+            continue;
+          }
+          diff2 += (m - w) * (m - w);
+          norm2 += m * m;
+        }
+        if (!valid) continue;
+        const float lm = mma.lse(h, r), lw = wg.lse(h, r);
+        if (std::isinf(lm) || std::isinf(lw)) inf_mismatch += lm != lw;
+        else lse_diff = std::max(lse_diff, static_cast<double>(std::fabs(lm - lw)));
+      }
+    const double rel = norm2 > 0 ? std::sqrt(diff2 / norm2) : std::sqrt(diff2);
+    std::printf("A/B %-50s O rel diff %.3e, LSE max diff %.3e, pad elements not +0: %lld, -inf mismatches: %lld\n",
+                label.c_str(), rel, lse_diff, static_cast<long long>(pad_nonzero), static_cast<long long>(inf_mismatch));
+    CHECK(pad_nonzero == 0);
+    CHECK(inf_mismatch == 0);
+    CHECK(rel <= 1e-2);
+    CHECK(lse_diff <= 2e-3);
+  }
 }
