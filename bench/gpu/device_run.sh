@@ -20,6 +20,7 @@ if [ $MODE = cp ]; then
   for S in quick edge te; do $B/bin/cpgold gen --force --suite $S -o /tmp/fx/$S > $OUT/gen_$S.log 2>&1 || tail -5 $OUT/gen_$S.log; done
   ALL="/tmp/fx/quick/*.h5 /tmp/fx/edge/*.h5 /tmp/fx/te/*.h5"
   timeout 200 $B/bin/cpgold verify $ALL > $OUT/verify.log 2>&1; echo "verify (non-CP) rc=$?"; grep -E "^verify:" $OUT/verify.log
+  grep -E "^forward kernel" $OUT/verify.log | sort | uniq -c
   timeout 300 $B/bin/cpgold verify --backend local $ALL > $OUT/verify_local.log 2>&1; echo "verify --backend local rc=$?"
   grep -E "^verify:|FAIL|UNSUPPORTED|unsupported:" $OUT/verify_local.log | head -20
   timeout 120 $B/bin/cpgold verify --backend local --deterministic $ALL > $OUT/verify_local_det.log 2>&1; echo "verify --backend local --deterministic rc=$?"; grep -E "^verify:" $OUT/verify_local_det.log
@@ -53,7 +54,7 @@ if [ $MODE != bench ]; then
   grep -E "RACECHECK SUMMARY|ERROR SUMMARY|test cases" $OUT/racecheck.log
 fi
 if [ $MODE != tests ]; then
-  timeout 150 $B/bin/bench_gpu_attention 2>&1 | tee $OUT/bench_cpgold.log
+  timeout 300 $B/bin/bench_gpu_attention --forward both 2>&1 | tee $OUT/bench_cpgold.log
   PYTHONUNBUFFERED=1 timeout 200 python3 bench/gpu/bench_torch.py 2>&1 | tee $OUT/bench_torch.log
 fi
 cd $OUT && tar -czf logs.tar.gz *.log && rm -f *.log
