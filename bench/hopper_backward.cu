@@ -1220,7 +1220,7 @@ void run_timing(const std::vector<BwdVariant>& variants, int reps) {
   std::snprintf(line, sizeof line, "%-7s %-6s %-28s %9s %9s %8s  %s", "mask", "tokens", "kernel", "ms", "TFLOP/s",
                 "vs mma", "rel diff to mma-sync-bwd-atomic (dQ / dK / dV)");
   g_timing_rows.push_back(line);
-  using FwdCfg = sm90::ForwardSm90Config<bf16, 128, 2, 128, sm90::Loader::tma>;
+  using FwdCfg = sm90::ForwardSm90Config<bf16, 128, 128, 2, 128, sm90::Loader::tma>;
   for (int64_t total : {16384, 65536})
     for (bool causal : {true, false}) {
       Case c;
