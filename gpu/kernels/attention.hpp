@@ -144,13 +144,43 @@ Outcome forward_kernel_for(const AttentionShape& shape, ForwardKernel requested,
 // or "unsupported: <reason>".
 std::string forward_kernel_description(const AttentionShape& shape, ForwardKernel requested = ForwardKernel::automatic);
 
+// The backward kernels (docs/gpu-kernels.md, "Backward kernels"): the sm_90a wgmma backward (gpu/kernels/sm90/
+// attention_backward_sm90.cuh: dK/dV pass over 128-key tiles, dQ by float32 atomics or a query-stationary pass)
+// serves head dims 64/64 and 128/128 (bf16, fp16) on devices of compute capability 9.0, with every feature of
+// attention_backward (both modes, BackwardBuffers::delta, the summing form with assign and result, OutsideRows); the
+// mma.sync backward serves every device and shape of the table and is the backward everywhere else.
+enum class BackwardKernel {
+  automatic,  // wgmma where it serves the dims, the device is 9.0 and the build holds it, else mma.sync;
+              // CPGOLD_BACKWARD_KERNEL overrides
+  mma_sync,   // the mma.sync backward
+  wgmma,      // the wgmma backward; Status::unsupported where it cannot run (dims, device, build), never a fallback
+};
+std::string_view backward_kernel_name(BackwardKernel kernel);  // "automatic", "mma.sync", "wgmma"
+// "auto", "mma" (or "mma.sync"), "wgmma": the values of CPGOLD_BACKWARD_KERNEL and of the benchmarks' --backward.
+bool parse_backward_kernel(std::string_view text, BackwardKernel& kernel);
+// True if this build holds the wgmma backward and it serves the shape's head dims (64/64, 128/128; bf16, fp16).
+bool wgmma_backward_serves(const AttentionShape& shape);
+// The kernel attention_backward runs for `shape` on a device of compute capability `cc` (major * 10 + minor; 0: no
+// device) when asked for `requested` (automatic is resolved here without the environment variable). unsupported,
+// naming the reason, when wgmma is asked for where it cannot run.
+Outcome choose_backward_kernel(const AttentionShape& shape, int cc, BackwardKernel requested, BackwardKernel& chosen);
+// The same on the calling thread's current device, with an automatic request taken from CPGOLD_BACKWARD_KERNEL where
+// that is set (auto, mma, wgmma; another value: invalid_argument).
+Outcome backward_kernel_for(const AttentionShape& shape, BackwardKernel requested, BackwardKernel& chosen);
+// What attention_backward runs for `shape` on the current device, one line: "wgmma sm_90a (...)" or
+// "mma.sync (...)", or "unsupported: <reason>".
+std::string backward_kernel_description(const AttentionShape& shape,
+                                        BackwardKernel requested = BackwardKernel::automatic);
+
 // Launches on `stream` (a cudaStream_t; nullptr = default stream). Returns after the launch (no synchronisation);
 // launch errors are reported, errors inside the kernels surface at the caller's next synchronisation.
-// The forward runs the kernel forward_kernel_for(shape, kernel) names.
+// The forward runs the kernel forward_kernel_for(shape, kernel) names, the backward the one
+// backward_kernel_for(shape, kernel) names.
 Outcome attention_forward(const AttentionPlan& plan, const ForwardBuffers& buffers, void* stream = nullptr,
                           ForwardKernel kernel = ForwardKernel::automatic);
 Outcome attention_backward(const AttentionPlan& plan, const BackwardBuffers& buffers,
-                           BackwardMode mode = BackwardMode::atomic, void* stream = nullptr);
+                           BackwardMode mode = BackwardMode::atomic, void* stream = nullptr,
+                           BackwardKernel kernel = BackwardKernel::automatic);
 
 // delta[h * rows + r] = sum over x of dO[r, h, x] * O[r, h, x] in float32 for every row r < rows and query head h,
 // summed as attention_backward sums it for its own rows (o, dout: [rows, h_q, d_v] of the shape's dtype). One pass

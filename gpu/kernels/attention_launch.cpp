@@ -45,7 +45,8 @@ Outcome attention_forward(const AttentionPlan& plan, const ForwardBuffers& b, vo
   return {Status::unsupported, "attention_forward: dtype outside the capability table"};
 }
 
-Outcome attention_backward(const AttentionPlan& plan, const BackwardBuffers& b, BackwardMode mode, void* stream) {
+Outcome attention_backward(const AttentionPlan& plan, const BackwardBuffers& b, BackwardMode mode, void* stream,
+                           BackwardKernel kernel) {
   const AttentionPlan::Impl* impl = plan.impl();
   if (impl == nullptr) return {Status::invalid_argument, "attention_backward: the plan was not built"};
   const int sums = (b.dq_sum.data != nullptr) + (b.dk_sum.data != nullptr) + (b.dv_sum.data != nullptr);
@@ -76,7 +77,15 @@ Outcome attention_backward(const AttentionPlan& plan, const BackwardBuffers& b, 
     return {Status::invalid_argument,
             "attention_backward: a plan built with leave_q needs the summing form into a sum that holds every row "
             "already (dq_sum assign false)"};
+  BackwardKernel chosen = BackwardKernel::mma_sync;
+  if (Outcome o = backward_kernel_for(impl->shape, kernel, chosen); !o.ok()) return o;
   auto s = static_cast<cudaStream_t>(stream);
+#if CPGOLD_HAVE_SM90_BACKWARD
+  if (chosen == BackwardKernel::wgmma) {
+    if (impl->shape.dtype == DType::bf16) return detail::launch_backward_sm90_bf16(*impl, b, mode, s);
+    if (impl->shape.dtype == DType::fp16) return detail::launch_backward_sm90_fp16(*impl, b, mode, s);
+  }
+#endif
   if (impl->shape.dtype == DType::bf16) return detail::launch_backward_bf16(*impl, b, mode, s);
   if (impl->shape.dtype == DType::fp16) return detail::launch_backward_fp16(*impl, b, mode, s);
   return {Status::unsupported, "attention_backward: dtype outside the capability table"};

@@ -104,6 +104,8 @@ PlanTiles make_plan_tiles(const AttentionCall& call, OutsideRows outside) {
       if (seq.kv[s].count > 0) kv_cover.emplace_back(seq.kv[s].first_row, seq.kv[s].first_row + seq.kv[s].count);
       add_tiles(plan.kv_tiles, seq.kv[s].first_row, seq.kv[s].count, seq.kv[s].position, static_cast<int32_t>(b),
                 static_cast<int32_t>(s), kKvTileRows);
+      add_tiles(plan.kv_tiles_large, seq.kv[s].first_row, seq.kv[s].count, seq.kv[s].position,
+                static_cast<int32_t>(b), static_cast<int32_t>(s), kLargeKvTileRows);
     }
     plan.sequences.push_back(desc);
   }
@@ -115,8 +117,10 @@ PlanTiles make_plan_tiles(const AttentionCall& call, OutsideRows outside) {
   }
   if (outside.leave_kv)
     check_disjoint(kv_cover, "kv");
-  else
+  else {
     add_pad_tiles(plan.kv_tiles, kv_cover, call.kv_rows, kKvTileRows, "kv");
+    add_pad_tiles(plan.kv_tiles_large, kv_cover, call.kv_rows, kLargeKvTileRows, "kv");
+  }
   return plan;
 }
 
@@ -150,18 +154,21 @@ Outcome AttentionPlan::build(const AttentionCall& call, const AttentionShape& sh
   impl->kv_rows = call.kv_rows;
   impl->outside = outside;
 
-  // One device block: sequences, then the three tile lists (each 16-byte aligned).
+  // One device block: sequences, then the four tile lists (each 16-byte aligned).
   auto align16 = [](size_t n) { return (n + 15) / 16 * 16; };
   const size_t seq_bytes = align16(std::max<size_t>(1, tiles.sequences.size()) * sizeof(SequenceDesc));
   const size_t qs_bytes = align16(std::max<size_t>(1, tiles.q_tiles_small.size()) * sizeof(RowTile));
   const size_t ql_bytes = align16(std::max<size_t>(1, tiles.q_tiles_large.size()) * sizeof(RowTile));
   const size_t kv_bytes = align16(std::max<size_t>(1, tiles.kv_tiles.size()) * sizeof(RowTile));
-  std::vector<char> host(seq_bytes + qs_bytes + ql_bytes + kv_bytes, 0);
+  const size_t kvl_bytes = align16(std::max<size_t>(1, tiles.kv_tiles_large.size()) * sizeof(RowTile));
+  std::vector<char> host(seq_bytes + qs_bytes + ql_bytes + kv_bytes + kvl_bytes, 0);
   char* h = host.data();
   std::memcpy(h, tiles.sequences.data(), tiles.sequences.size() * sizeof(SequenceDesc));
   std::memcpy(h + seq_bytes, tiles.q_tiles_small.data(), tiles.q_tiles_small.size() * sizeof(RowTile));
   std::memcpy(h + seq_bytes + qs_bytes, tiles.q_tiles_large.data(), tiles.q_tiles_large.size() * sizeof(RowTile));
   std::memcpy(h + seq_bytes + qs_bytes + ql_bytes, tiles.kv_tiles.data(), tiles.kv_tiles.size() * sizeof(RowTile));
+  std::memcpy(h + seq_bytes + qs_bytes + ql_bytes + kv_bytes, tiles.kv_tiles_large.data(),
+              tiles.kv_tiles_large.size() * sizeof(RowTile));
 
   if (cudaError_t e = cudaMalloc(&impl->device_block, host.size()); e != cudaSuccess) {
     impl->device_block = nullptr;
@@ -185,6 +192,8 @@ Outcome AttentionPlan::build(const AttentionCall& call, const AttentionShape& sh
   impl->q_tile_small_count = static_cast<int32_t>(tiles.q_tiles_small.size());
   impl->q_tile_large_count = static_cast<int32_t>(tiles.q_tiles_large.size());
   impl->kv_tile_count = static_cast<int32_t>(tiles.kv_tiles.size());
+  impl->kv_tiles_large = reinterpret_cast<const RowTile*>(d + seq_bytes + qs_bytes + ql_bytes + kv_bytes);
+  impl->kv_tile_large_count = static_cast<int32_t>(tiles.kv_tiles_large.size());
   impl_ = std::move(impl);
   return {};
 }

@@ -9,15 +9,16 @@
 namespace cpgold::gpu {
 
 // Tile heights the kernels are built for. Q tiles come in two heights (forward launches may use either); KV tiles
-// in one.
+// in two (the mma.sync backward uses the 64-row list, the sm_90a wgmma backward the 128-row one).
 inline constexpr int kSmallTileRows = 64;
 inline constexpr int kLargeTileRows = 128;
 inline constexpr int kKvTileRows = 64;
+inline constexpr int kLargeKvTileRows = 128;
 
 // Host half of the plan: what build() computes before uploading (also what host-only tests inspect).
 struct PlanTiles {
   std::vector<SequenceDesc> sequences;
-  std::vector<RowTile> q_tiles_small, q_tiles_large, kv_tiles;
+  std::vector<RowTile> q_tiles_small, q_tiles_large, kv_tiles, kv_tiles_large;
 };
 
 // Splits the call into sequence descriptors and tile lists (work tiles per segment, pad tiles over the rest).
@@ -37,7 +38,8 @@ struct AttentionPlan::Impl {
   const RowTile* q_tiles_small = nullptr;
   const RowTile* q_tiles_large = nullptr;
   const RowTile* kv_tiles = nullptr;
-  int32_t q_tile_small_count = 0, q_tile_large_count = 0, kv_tile_count = 0;
+  const RowTile* kv_tiles_large = nullptr;
+  int32_t q_tile_small_count = 0, q_tile_large_count = 0, kv_tile_count = 0, kv_tile_large_count = 0;
   ~Impl();
 };
 

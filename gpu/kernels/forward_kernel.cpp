@@ -9,6 +9,7 @@
 
 #include "fixtures/gpu_table.hpp"
 #include "gpu/kernels/attention.hpp"
+#include "gpu/kernels/attention_launch.hpp"
 
 namespace cpgold::gpu {
 
@@ -66,9 +67,10 @@ Outcome choose_forward_kernel(const AttentionShape& shape, int cc, ForwardKernel
   return {Status::invalid_argument, "forward kernel request out of range"};
 }
 
-namespace {
+namespace detail {
 
-// Compute capability of the current device (major * 10 + minor), read once per device index; 0 without one.
+// Compute capability of the current device (major * 10 + minor), read once per device index; 0 without one (also the
+// backward's choice, backward_kernel.cpp).
 int current_device_cc() {
   constexpr int kCached = 64;
   static std::array<std::atomic<int>, kCached> cache{};  // 0: not read yet; else cc + 1
@@ -90,6 +92,10 @@ int current_device_cc() {
   if (device >= 0 && device < kCached) cache[static_cast<size_t>(device)].store(cc + 1, std::memory_order_relaxed);
   return cc;
 }
+
+}  // namespace detail
+
+namespace {
 
 // CPGOLD_FORWARD_KERNEL, read once: the request that replaces `automatic`.
 struct EnvRequest {
@@ -120,7 +126,7 @@ Outcome forward_kernel_for(const AttentionShape& shape, ForwardKernel requested,
               "CPGOLD_FORWARD_KERNEL: value '" + env.text + "' is not one of auto, mma, wgmma"};
     if (env.set) requested = env.kernel;
   }
-  return choose_forward_kernel(shape, current_device_cc(), requested, chosen);
+  return choose_forward_kernel(shape, detail::current_device_cc(), requested, chosen);
 }
 
 std::string forward_kernel_description(const AttentionShape& shape, ForwardKernel requested) {

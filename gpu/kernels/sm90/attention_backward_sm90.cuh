@@ -820,13 +820,16 @@ __global__ void __launch_bounds__(128) attention_backward_finish_dq_sm90_kernel(
 // The whole backward on p: p.q_tiles must have BackwardDqSm90Config::kBlockM = 128 rows per tile (work and pad
 // tiles covering every Q row), p.kv_tiles BackwardSm90Config::kBlockN = 128 rows (covering every KV row);
 // p.o, p.lse, p.dout inputs; p.delta [heads_q, q_rows] float workspace; atomic mode: p.dq_accum [q_rows, heads_q, D]
-// float workspace. Writes dq/dk/dv (or the summing form). Returns "" or the failed call.
+// float workspace. Writes dq/dk/dv (or the summing form). compute_delta false: p.delta already holds the rows'
+// delta (attention_row_delta, the same summation order as the delta kernel here) and is only read. Returns "" or the
+// failed call.
 template <class T, int D, bool ATOMIC_DQ>
-std::string launch_backward_sm90(const AttentionParams& p, Watchdog dog, cudaStream_t stream) {
+std::string launch_backward_sm90(const AttentionParams& p, Watchdog dog, cudaStream_t stream,
+                                 bool compute_delta = true) {
   using Cfg = BackwardSm90Config<T, D, ATOMIC_DQ>;
   using DqCfg = BackwardDqSm90Config<T, D>;
   auto fail = [](const char* what, cudaError_t e) { return std::string(what) + ": " + cudaGetErrorString(e); };
-  if (p.q_tile_count > 0 && p.heads_q > 0) {
+  if (compute_delta && p.q_tile_count > 0 && p.heads_q > 0) {
     attention_backward_delta_sm90_kernel<T, D><<<dim3(p.q_tile_count, p.heads_q), 128, 0, stream>>>(p);
     if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return fail("delta kernel launch", e);
   }

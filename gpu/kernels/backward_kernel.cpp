@@ -1,0 +1,110 @@
+// Which backward kernel serves a call: the sm_90a wgmma backward on devices of compute capability 9.0 for the head
+// dims it is built for (64/64, 128/128), the mma.sync backward elsewhere; an explicit request or
+// CPGOLD_BACKWARD_KERNEL picks one.
+#include <cstdlib>
+#include <string>
+
+#include "gpu/kernels/attention.hpp"
+#include "gpu/kernels/attention_launch.hpp"
+
+namespace cpgold::gpu {
+
+std::string_view backward_kernel_name(BackwardKernel kernel) {
+  switch (kernel) {
+    case BackwardKernel::automatic: return "automatic";
+    case BackwardKernel::mma_sync: return "mma.sync";
+    case BackwardKernel::wgmma: return "wgmma";
+  }
+  return "?";
+}
+
+bool parse_backward_kernel(std::string_view text, BackwardKernel& kernel) {
+  if (text == "auto" || text == "automatic") kernel = BackwardKernel::automatic;
+  else if (text == "mma" || text == "mma.sync") kernel = BackwardKernel::mma_sync;
+  else if (text == "wgmma") kernel = BackwardKernel::wgmma;
+  else return false;
+  return true;
+}
+
+bool wgmma_backward_serves(const AttentionShape& shape) {
+#if CPGOLD_HAVE_SM90_BACKWARD
+  // The configurations of gpu/kernels/attention_sm90_backward_launch.cuh: d_qk = d_v = 64 or 128.
+  return (shape.dtype == DType::bf16 || shape.dtype == DType::fp16) && shape.dim_qk == shape.dim_v &&
+         (shape.dim_qk == 64 || shape.dim_qk == 128);
+#else
+  (void)shape;
+  return false;
+#endif
+}
+
+Outcome choose_backward_kernel(const AttentionShape& shape, int cc, BackwardKernel requested, BackwardKernel& chosen) {
+  const bool device_ok = cc == 90;  // sm_90a code runs on compute capability 9.0 only
+  const bool serves = wgmma_backward_serves(shape);
+  switch (requested) {
+    case BackwardKernel::mma_sync: chosen = BackwardKernel::mma_sync; return {};
+    case BackwardKernel::automatic:
+      chosen = device_ok && serves ? BackwardKernel::wgmma : BackwardKernel::mma_sync;
+      return {};
+    case BackwardKernel::wgmma:
+      if (!serves) {
+#if CPGOLD_HAVE_SM90_BACKWARD
+        return {Status::unsupported, "the wgmma backward does not serve d_qk=" + std::to_string(shape.dim_qk) +
+                                         ", d_v=" + std::to_string(shape.dim_v) + " (" +
+                                         std::string(dtype_name(shape.dtype)) + "); it serves 64/64 and 128/128"};
+#else
+        return {Status::unsupported, "the wgmma backward is not in this build (nvcc older than 12.3)"};
+#endif
+      }
+      if (!device_ok)
+        return {Status::unsupported,
+                "the wgmma backward needs a device of compute capability 9.0 (sm_90a); this one is " +
+                    (cc == 0 ? std::string("absent") : std::to_string(cc / 10) + "." + std::to_string(cc % 10))};
+      chosen = BackwardKernel::wgmma;
+      return {};
+  }
+  return {Status::invalid_argument, "backward kernel request out of range"};
+}
+
+namespace {
+
+// CPGOLD_BACKWARD_KERNEL, read once: the request that replaces `automatic`.
+struct EnvRequest {
+  bool set = false, valid = true;
+  BackwardKernel kernel = BackwardKernel::automatic;
+  std::string text;
+};
+const EnvRequest& env_request() {
+  static const EnvRequest request = [] {
+    EnvRequest r;
+    if (const char* v = std::getenv("CPGOLD_BACKWARD_KERNEL"); v != nullptr && *v != '\0') {
+      r.set = true;
+      r.text = v;
+      r.valid = parse_backward_kernel(r.text, r.kernel);
+    }
+    return r;
+  }();
+  return request;
+}
+
+}  // namespace
+
+Outcome backward_kernel_for(const AttentionShape& shape, BackwardKernel requested, BackwardKernel& chosen) {
+  if (requested == BackwardKernel::automatic) {
+    const EnvRequest& env = env_request();
+    if (env.set && !env.valid)
+      return {Status::invalid_argument,
+              "CPGOLD_BACKWARD_KERNEL: value '" + env.text + "' is not one of auto, mma, wgmma"};
+    if (env.set) requested = env.kernel;
+  }
+  return choose_backward_kernel(shape, detail::current_device_cc(), requested, chosen);
+}
+
+std::string backward_kernel_description(const AttentionShape& shape, BackwardKernel requested) {
+  BackwardKernel chosen = BackwardKernel::mma_sync;
+  if (Outcome o = backward_kernel_for(shape, requested, chosen); !o.ok()) return "unsupported: " + o.message;
+  if (chosen == BackwardKernel::wgmma)
+    return "wgmma sm_90a (key tile 128, Q blocks 64, 2 consumer warpgroups; deterministic dQ: Q tile 128)";
+  return "mma.sync (key tile 64, Q tile 64)";
+}
+
+}  // namespace cpgold::gpu
