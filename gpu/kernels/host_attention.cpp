@@ -124,7 +124,8 @@ void download_floats(std::vector<float>& x, const DeviceArray& src) {
 // Both forms: with `sums`, the outputs go into its float32 tensors instead of `out`.
 Outcome backward_common(const AttentionCall& call, DType dtype, const Tensor3<float>& q, const Tensor3<float>& k,
                         const Tensor3<float>& v, const Tensor3<float>& o, const LseTensor<float>& lse,
-                        const Tensor3<float>& dout, BackwardMode mode, HostBackward* out, HostSums* sums) {
+                        const Tensor3<float>& dout, BackwardMode mode, HostBackward* out, HostSums* sums,
+                        const HostBackwardOptions& options) {
   const AttentionShape shape = shape_of(dtype, q, k, v);
   if (q.rows != call.q_rows || k.rows != call.kv_rows || v.rows != call.kv_rows || k.dim != q.dim ||
       v.heads != k.heads || !o.same_shape(dout) || o.rows != q.rows || o.heads != q.heads || o.dim != v.dim ||
@@ -141,9 +142,9 @@ Outcome backward_common(const AttentionCall& call, DType dtype, const Tensor3<fl
       return {Status::invalid_argument, "backward_sum_on_device: a sum's row width or row map does not fit"};
   }
   AttentionPlan plan;
-  if (Outcome r = plan.build(call, shape); !r.ok()) return r;
+  if (Outcome r = plan.build(call, shape, sums != nullptr ? sums->outside : OutsideRows{}); !r.ok()) return r;
   try {
-    DeviceArray d_q, d_k, d_v, d_o, d_do, d_lse, d_dq, d_dk, d_dv, d_qmap, d_kvmap, r_dq, r_dk, r_dv;
+    DeviceArray d_q, d_k, d_v, d_o, d_do, d_lse, d_dq, d_dk, d_dv, d_qmap, d_kvmap, r_dq, r_dk, r_dv, d_delta;
     upload(d_q, dtype, q);
     upload(d_k, dtype, k);
     upload(d_v, dtype, v);
@@ -186,7 +187,14 @@ Outcome backward_common(const AttentionCall& call, DType dtype, const Tensor3<fl
         b.dv_sum.result = r_dv.get();
       }
     }
-    if (Outcome r = attention_backward(plan, b, mode); !r.ok()) return r;
+    if (options.caller_delta) {
+      allocate_poisoned(d_delta, static_cast<size_t>(q.heads * q.rows) * 4);
+      if (Outcome r = attention_row_delta(shape, d_o.get(), d_do.get(), q.rows, static_cast<float*>(d_delta.get()));
+          !r.ok())
+        return r;
+      b.delta = static_cast<const float*>(d_delta.get());
+    }
+    if (Outcome r = attention_backward(plan, b, mode, nullptr, options.kernel); !r.ok()) return r;
     check(cudaDeviceSynchronize(), "attention backward");
     if (sums == nullptr) {
       out->dq = download(d_dq, dtype, q.rows, q.heads, q.dim);
@@ -213,15 +221,16 @@ Outcome backward_common(const AttentionCall& call, DType dtype, const Tensor3<fl
 
 Outcome backward_on_device(const AttentionCall& call, DType dtype, const Tensor3<float>& q, const Tensor3<float>& k,
                            const Tensor3<float>& v, const Tensor3<float>& o, const LseTensor<float>& lse,
-                           const Tensor3<float>& dout, BackwardMode mode, HostBackward& out) {
-  return backward_common(call, dtype, q, k, v, o, lse, dout, mode, &out, nullptr);
+                           const Tensor3<float>& dout, BackwardMode mode, HostBackward& out,
+                           HostBackwardOptions options) {
+  return backward_common(call, dtype, q, k, v, o, lse, dout, mode, &out, nullptr, options);
 }
 
 Outcome backward_sum_on_device(const AttentionCall& call, DType dtype, const Tensor3<float>& q,
                                const Tensor3<float>& k, const Tensor3<float>& v, const Tensor3<float>& o,
                                const LseTensor<float>& lse, const Tensor3<float>& dout, BackwardMode mode,
-                               HostSums& sums) {
-  return backward_common(call, dtype, q, k, v, o, lse, dout, mode, nullptr, &sums);
+                               HostSums& sums, HostBackwardOptions options) {
+  return backward_common(call, dtype, q, k, v, o, lse, dout, mode, nullptr, &sums, options);
 }
 
 }  // namespace cpgold::gpu

@@ -23,9 +23,16 @@ struct HostBackward {
 // attention_forward.
 Outcome forward_on_device(const AttentionCall& call, DType dtype, const Tensor3<float>& q, const Tensor3<float>& k,
                           const Tensor3<float>& v, HostForward& out, ForwardKernel kernel = ForwardKernel::automatic);
+// The backward's choices: `kernel` as in attention_backward; caller_delta: delta computed first by
+// attention_row_delta and given as BackwardBuffers::delta (the CP executor's way) instead of by the backward.
+struct HostBackwardOptions {
+  BackwardKernel kernel = BackwardKernel::automatic;
+  bool caller_delta = false;
+};
 Outcome backward_on_device(const AttentionCall& call, DType dtype, const Tensor3<float>& q, const Tensor3<float>& k,
                            const Tensor3<float>& v, const Tensor3<float>& o, const LseTensor<float>& lse,
-                           const Tensor3<float>& dout, BackwardMode mode, HostBackward& out);
+                           const Tensor3<float>& dout, BackwardMode mode, HostBackward& out,
+                           HostBackwardOptions options = {});
 
 // The summing form (BackwardBuffers' RowSum): dq, dk and dv are float32 sums of any row count, uploaded, added into at
 // the maps' rows (q_map: one entry per Q row of the call; kv_map: per KV row, shared by dK and dV), downloaded back.
@@ -36,11 +43,12 @@ struct HostSums {
   std::vector<int64_t> q_map, kv_map;
   bool assign_q = false, assign_kv = false;
   bool result_q = false, result_kv = false;
+  OutsideRows outside;  // the plan's OutsideRows: with leave_q (leave_kv), rows outside the segments add nothing
 };
 Outcome backward_sum_on_device(const AttentionCall& call, DType dtype, const Tensor3<float>& q,
                                const Tensor3<float>& k, const Tensor3<float>& v, const Tensor3<float>& o,
                                const LseTensor<float>& lse, const Tensor3<float>& dout, BackwardMode mode,
-                               HostSums& sums);
+                               HostSums& sums, HostBackwardOptions options = {});
 
 // The shape of a call on these tensors (heads and dims read off q and v).
 AttentionShape shape_of(DType dtype, const Tensor3<float>& q, const Tensor3<float>& k, const Tensor3<float>& v);
