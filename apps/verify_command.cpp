@@ -88,6 +88,9 @@ gpu::FixtureVerdict verify_one(const std::string& path, const VerifyArgs& args, 
   // The forward kernel of the GPU run (docs/gpu-kernels.md, "Forward kernels"); on stderr with --format json.
   if (!result.forward_kernel.empty())
     (args.format == "json" ? std::cerr : std::cout) << "forward kernel: " << result.forward_kernel << "\n";
+  // The backward kernel (docs/gpu-kernels.md, "Backward kernels"), likewise.
+  if (!result.backward_kernel.empty())
+    (args.format == "json" ? std::cerr : std::cout) << "backward kernel: " << result.backward_kernel << "\n";
   if (args.format == "json") std::cout << json_text(fx::to_json(*result.report));
   else std::cout << fx::render_text(*result.report) << "\n";
   return result.verdict;

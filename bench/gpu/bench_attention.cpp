@@ -1,9 +1,13 @@
 // Forward/backward TFLOP/s of the cpgold GPU attention on varlen batches (bench/gpu/varlen_batches.md).
-// Usage: bench_gpu_attention [--reps N] [--dims D/DV,...] [--forward auto|mma|wgmma|both]   prints one table row
-// per (forward kernel, mask, d, total tokens). --dims defaults to 128/128,64/64; heads = 2048 / DV. --forward picks
-// the forward kernel (default auto: what attention_forward chooses on this device; both: a row for mma.sync and one
-// for wgmma, the before/after of the same run); the impl column names the kernel that ran, host_us the host time of
-// one attention_forward call (tensor-map encoding included for wgmma).
+// Usage: bench_gpu_attention [--reps N] [--dims D/DV,...] [--forward auto|mma|wgmma|both]
+//                            [--backward auto|mma|wgmma|both]
+// prints one table row per (forward kernel, backward kernel, mask, d, total tokens). --dims defaults to
+// 128/128,64/64; heads = 2048 / DV. --forward picks the forward kernel (default auto: what attention_forward chooses
+// on this device; both: a row for mma.sync and one for wgmma, the before/after of the same run); the impl column
+// names the forward kernel that ran, host_us the host time of one attention_forward call (tensor-map encoding
+// included for wgmma). --backward picks the backward kernel the same way (the wgmma backward serves d 64/64 and
+// 128/128 only: an explicit wgmma request for another dim fails naming the reason); bwd_impl names the backward
+// kernel of the row's bwd_ms, bwd_TF (atomic mode) and bwd_det_TF (deterministic mode).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -81,7 +85,20 @@ int main(int argc, char** argv) {
   int pad_rows = 0;  // --pad-rows N: every sequence keeps its slot of the cycle length and holds N tokens fewer
   std::vector<std::pair<int, int>> dims = {{128, 128}, {64, 64}};
   std::vector<gpu::ForwardKernel> forwards = {gpu::ForwardKernel::automatic};
+  std::vector<gpu::BackwardKernel> backwards = {gpu::BackwardKernel::automatic};
   for (int i = 1; i + 1 < argc; ++i) {
+    if (std::string(argv[i]) == "--backward") {
+      const std::string b = argv[i + 1];
+      gpu::BackwardKernel k{};
+      if (b == "both") {
+        backwards = {gpu::BackwardKernel::mma_sync, gpu::BackwardKernel::wgmma};
+      } else if (gpu::parse_backward_kernel(b, k)) {
+        backwards = {k};
+      } else {
+        std::fprintf(stderr, "--backward: expected auto, mma, wgmma or both, got \"%s\"\n", b.c_str());
+        return 2;
+      }
+    }
     if (std::string(argv[i]) == "--forward") {
       const std::string f = argv[i + 1];
       gpu::ForwardKernel k{};
@@ -128,8 +145,12 @@ int main(int argc, char** argv) {
     for (gpu::ForwardKernel f : forwards)
       std::printf("forward kernel (requested %s) for d %d/%d: %s\n", std::string(gpu::forward_kernel_name(f)).c_str(), d,
                   dv, gpu::forward_kernel_description({DType::bf16, 2048 / dv, 2048 / dv, d, dv}, f).c_str());
-  std::printf("%-8s %-5s %-7s %-6s %10s %10s %8s %10s %10s %10s\n", "impl", "mask", "d", "tokens", "fwd_ms", "fwd_TF",
-              "host_us", "bwd_ms", "bwd_TF", "bwd_det_TF");
+  for (const auto& [d, dv] : dims)
+    for (gpu::BackwardKernel b : backwards)
+      std::printf("backward kernel (requested %s) for d %d/%d: %s\n", std::string(gpu::backward_kernel_name(b)).c_str(),
+                  d, dv, gpu::backward_kernel_description({DType::bf16, 2048 / dv, 2048 / dv, d, dv}, b).c_str());
+  std::printf("%-8s %-5s %-7s %-6s %10s %10s %8s %-8s %10s %10s %10s\n", "impl", "mask", "d", "tokens", "fwd_ms",
+              "fwd_TF", "host_us", "bwd_impl", "bwd_ms", "bwd_TF", "bwd_det_TF");
   std::mt19937 rng(1);
   for (const auto& [d, dv] : dims)
     for (bool causal : {true, false})
@@ -168,10 +189,23 @@ int main(int argc, char** argv) {
         bb.dq = dq;
         bb.dk = dk;
         bb.dv = dv_grad;
-        const float bwd = median_ms(
-            [&] { check(gpu::attention_backward(plan, bb, gpu::BackwardMode::atomic), "backward"); }, reps);
-        const float bwd_det = median_ms(
-            [&] { check(gpu::attention_backward(plan, bb, gpu::BackwardMode::deterministic), "backward"); }, reps);
+        // O and LSE of the inputs, so that the backward runs on a real forward's outputs.
+        check(gpu::attention_forward(plan, fb), "forward");
+        std::vector<float> bwd_ms, bwd_det_ms;  // per backward kernel
+        std::vector<gpu::BackwardKernel> bwd_ran;
+        for (gpu::BackwardKernel bk : backwards) {
+          gpu::BackwardKernel ran{};
+          check(gpu::backward_kernel_for({DType::bf16, heads, heads, d, dv}, bk, ran), "backward kernel");
+          bwd_ran.push_back(ran);
+          bwd_ms.push_back(median_ms(
+              [&] { check(gpu::attention_backward(plan, bb, gpu::BackwardMode::atomic, nullptr, bk), "backward"); },
+              reps));
+          bwd_det_ms.push_back(median_ms(
+              [&] {
+                check(gpu::attention_backward(plan, bb, gpu::BackwardMode::deterministic, nullptr, bk), "backward");
+              },
+              reps));
+        }
         const double flops = forward_flops(lens, heads, d, dv, causal);
         const std::string dims_text = d == dv ? std::to_string(d) : std::to_string(d) + "/" + std::to_string(dv);
         for (gpu::ForwardKernel f : forwards) {
@@ -186,10 +220,12 @@ int main(int argc, char** argv) {
           const double host_us =
               std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count() / kHostCalls;
           check(cudaDeviceSynchronize(), "sync");
-          std::printf("%-8s %-5s %-7s %-6lld %10.3f %10.1f %8.2f %10.3f %10.1f %10.1f\n",
-                      std::string(gpu::forward_kernel_name(ran)).c_str(), causal ? "causal" : "full", dims_text.c_str(),
-                      static_cast<long long>(total), fwd, flops / fwd * 1e-9, host_us, bwd, 2.5 * flops / bwd * 1e-9,
-                      2.5 * flops / bwd_det * 1e-9);
+          for (size_t i = 0; i < backwards.size(); ++i)
+            std::printf("%-8s %-5s %-7s %-6lld %10.3f %10.1f %8.2f %-8s %10.3f %10.1f %10.1f\n",
+                        std::string(gpu::forward_kernel_name(ran)).c_str(), causal ? "causal" : "full",
+                        dims_text.c_str(), static_cast<long long>(total), fwd, flops / fwd * 1e-9, host_us,
+                        std::string(gpu::backward_kernel_name(bwd_ran[i])).c_str(), bwd_ms[i],
+                        2.5 * flops / bwd_ms[i] * 1e-9, 2.5 * flops / bwd_det_ms[i] * 1e-9);
         }
         for (void* p : {q, k, v, dout, o, dq, dk, dv_grad, static_cast<void*>(lse)}) cudaFree(p);
       }

@@ -122,6 +122,7 @@ FixtureVerification verify_fixture_local(const std::string& fixture_path, Backwa
     shape.dim_qk = fixture.spec.dim_qk;
     shape.dim_v = sim::dim_v(fixture.spec);
     result.forward_kernel = forward_kernel_description(shape);
+    result.backward_kernel = backward_kernel_description(shape);
   }
   const sim::CpRun<float> run = run_cp_local(fixture.plan, inputs, fixture.spec.dtype, options);
   write_cp_candidate(candidate_path, fixture.plan, run);
@@ -152,6 +153,7 @@ FixtureVerification verify_fixture(const std::string& fixture_path, BackwardMode
   HostForward fwd;
   HostBackward bwd;
   result.forward_kernel = forward_kernel_description(shape);
+  result.backward_kernel = backward_kernel_description(shape);
   Outcome run = forward_on_device(call, spec.dtype, q, k, v, fwd);
   if (run.ok()) run = backward_on_device(call, spec.dtype, q, k, v, fwd.o, fwd.lse, dout, mode, bwd);
   if (run.status == Status::unsupported) {

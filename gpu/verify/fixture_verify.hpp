@@ -18,6 +18,7 @@ struct FixtureVerification {
   std::string unsupported_reason;        // set when the case is outside the GPU capability table
   std::optional<fx::CheckReport> report;  // absent when unsupported
   std::string forward_kernel;            // the forward kernel that ran (forward_kernel_description), when one ran
+  std::string backward_kernel;           // the backward kernel that ran (backward_kernel_description), when one ran
 };
 
 // The fixture's /inputs (q, k, v, dout as [t, h, d] float), read through the caller's open handle; InputError naming
