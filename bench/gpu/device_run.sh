@@ -1,6 +1,7 @@
 #!/bin/bash
 # Build + tests + sanitizers + benches on the device. Usage: device_run.sh [tests|bench|all|cp]
-# cp: test_gpu, then `verify` (non-CP) and `verify --backend local` on every fixture of quick, edge and te,
+# cp: test_gpu, then `verify` (non-CP) and `verify --backend local` on every fixture of quick, edge and te (and on
+# quick with CPGOLD_BACKWARD_KERNEL=mma),
 # and (with CP_RERUNS=1) the deterministic local CP path on quick twice per fixture, bits compared; with SANITIZE=1
 # also compute-sanitizer memcheck and racecheck over test_gpu's sanitizer case.
 MODE=${1:-all}
@@ -20,7 +21,9 @@ if [ $MODE = cp ]; then
   for S in quick edge te; do $B/bin/cpgold gen --force --suite $S -o /tmp/fx/$S > $OUT/gen_$S.log 2>&1 || tail -5 $OUT/gen_$S.log; done
   ALL="/tmp/fx/quick/*.h5 /tmp/fx/edge/*.h5 /tmp/fx/te/*.h5"
   timeout 200 $B/bin/cpgold verify $ALL > $OUT/verify.log 2>&1; echo "verify (non-CP) rc=$?"; grep -E "^verify:" $OUT/verify.log
-  grep -E "^forward kernel" $OUT/verify.log | sort | uniq -c
+  grep -E "^(forward|backward) kernel" $OUT/verify.log | sort | uniq -c
+  # The CP executor on the mma.sync backward forced (the A side of the wgmma backward's d 64/128 steps).
+  CPGOLD_BACKWARD_KERNEL=mma timeout 200 $B/bin/cpgold verify --backend local /tmp/fx/quick/*.h5 > $OUT/verify_local_mma_bwd.log 2>&1; echo "verify --backend local (CPGOLD_BACKWARD_KERNEL=mma, quick) rc=$?"; grep -E "^verify:" $OUT/verify_local_mma_bwd.log
   timeout 300 $B/bin/cpgold verify --backend local $ALL > $OUT/verify_local.log 2>&1; echo "verify --backend local rc=$?"
   grep -E "^verify:|FAIL|UNSUPPORTED|unsupported:" $OUT/verify_local.log | head -20
   timeout 120 $B/bin/cpgold verify --backend local --deterministic $ALL > $OUT/verify_local_det.log 2>&1; echo "verify --backend local --deterministic rc=$?"; grep -E "^verify:" $OUT/verify_local_det.log
@@ -54,7 +57,7 @@ if [ $MODE != bench ]; then
   grep -E "RACECHECK SUMMARY|ERROR SUMMARY|test cases" $OUT/racecheck.log
 fi
 if [ $MODE != tests ]; then
-  timeout 300 $B/bin/bench_gpu_attention --forward both 2>&1 | tee $OUT/bench_cpgold.log
+  timeout 450 $B/bin/bench_gpu_attention --forward both --backward both 2>&1 | tee $OUT/bench_cpgold.log
   PYTHONUNBUFFERED=1 timeout 200 python3 bench/gpu/bench_torch.py 2>&1 | tee $OUT/bench_torch.log
 fi
 cd $OUT && tar -czf logs.tar.gz *.log && rm -f *.log
