@@ -78,7 +78,7 @@ struct ForwardSm90Config {
   static constexpr int kOffK = kOffQ + kQBytes;
   static constexpr int kOffV = kOffK + kStages * kKBytes;
   static constexpr int kOffBarriers = kOffV + kStages * kVBytes;
-  static constexpr int kBarriers = 1 + 3 * kStages;  // q_full, then the ring: full_k[S], full_v[S], empty[S]
+  static constexpr int kBarriers = 2 + 3 * kStages;  // q_full, q_empty, then the ring: full_k[S], full_v[S], empty[S]
   static constexpr int kSmemBytes = kOffBarriers + kBarriers * 8 + 1024;  // + slack to align the base to 1024
   // Residency: one CTA of 3 warpgroups per SM, or two CTAs of 2 warpgroups (one consumer each) so that two
   // consumer warpgroups share an SM either way. The launch cap R = 65536 / (threads * CTAs) registers per thread,
@@ -178,21 +178,31 @@ __device__ __forceinline__ void write_pad_tile(const AttentionParams& p, const R
 
 template <class Cfg>
 struct Barriers {
-  uint32_t q_full;              // Q tile loaded (single phase)
+  uint32_t q_full;              // Q tile loaded (one phase per work item with key blocks)
+  uint32_t q_empty;             // Q tile (and the O staged in it) done with by every consumer thread
   Ring<Cfg::kStages> ring;      // K/V stages
 };
 
-// Producer warpgroup: Q once, then K and V of every key block into the ring.
+// Where a CTA stands in its sequence of work items: ring iterations and Q loads so far (producer and consumers
+// count alike, since both derive the same key blocks per item).
+struct ItemCursor {
+  int it0 = 0;      // ring iteration of the item's first key block
+  int q_loads = 0;  // work items with key blocks before this one (phase of q_full / q_empty)
+};
+
+// Producer warpgroup, one work item with key blocks: the first K/V blocks into the ring (their stages are freed by
+// the previous item's last releases, so they load while the consumers finish that item), then Q once the previous
+// item's consumers are done with the Q tile (q_empty), then the remaining K/V blocks.
 template <class Cfg>
 __device__ __forceinline__ void produce(const AttentionParams& p, const ForwardTensorMaps& maps, const Watchdog& dog,
                                         const RowTile& tile, const SequenceDesc& seq,
                                         const KeyBlocks<Cfg::kBlockN>& kb, uint32_t smem, Barriers<Cfg> bars,
-                                        int head) {
+                                        int head, ItemCursor cur) {
   using T = typename Cfg::T;
   constexpr int D = Cfg::D;
   const int tid = threadIdx.x;  // the producer is warpgroup 0
   const int kv_head = head / p.group;
-  if (kb.total == 0) return;
+  const int q_after = min(kb.total, Cfg::kStages) - 1;  // Q is issued after this block
   if constexpr (Cfg::kLoader == Loader::cp_async) {
     const int64_t q_stride = static_cast<int64_t>(p.heads_q) * D;
     const int64_t kv_stride = static_cast<int64_t>(p.heads_kv) * D;
@@ -200,15 +210,13 @@ __device__ __forceinline__ void produce(const AttentionParams& p, const ForwardT
     const T* q = static_cast<const T*>(p.q);
     const T* k = static_cast<const T*>(p.k);
     const T* v = static_cast<const T*>(p.v);
-    load_tile_sw128_cp_async<Cfg::kBlockM, D, 128>(smem + Cfg::kOffQ, q + tile.first_row * q_stride + head * D,
-                                                   q_stride, tile.rows, q, tid);
-    mbar_arrive_on_cp_async(bars.q_full);
 #pragma unroll 1
-    for (int it = 0; it < kb.total; ++it) {
+    for (int i = 0; i < kb.total; ++i) {
+      const int it = cur.it0 + i;
       const int stage = bars.ring.stage(it);
       bars.ring.producer_acquire(it, dog);
-      const int s = kb.segment(it);
-      const int key0 = kb.key0(it);
+      const int s = kb.segment(i);
+      const int key0 = kb.key0(i);
       const int valid = min(Cfg::kBlockN, seq.kv_count[s] - key0);
       const int64_t row0 = seq.kv_first_row[s] + key0;
       load_tile_sw128_cp_async<Cfg::kBlockN, D, 128>(smem + Cfg::kOffK + stage * Cfg::kKBytes,
@@ -218,24 +226,27 @@ __device__ __forceinline__ void produce(const AttentionParams& p, const ForwardT
                                                            v + row0 * v_stride + kv_head * Cfg::DV, v_stride, valid,
                                                            v, tid);
       mbar_arrive_on_cp_async(bars.ring.full_v(it));
+      if (i == q_after) {
+        if (cur.q_loads > 0) mbar_wait(bars.q_empty, static_cast<uint32_t>(cur.q_loads - 1) & 1u, dog, kWaitQ, -1);
+        load_tile_sw128_cp_async<Cfg::kBlockM, D, 128>(smem + Cfg::kOffQ, q + tile.first_row * q_stride + head * D,
+                                                       q_stride, tile.rows, q, tid);
+        mbar_arrive_on_cp_async(bars.q_full);
+      }
     }
-    cp_async_wait_all();
   } else {
     if (tid != 0) return;
-    tma_prefetch_descriptor(&maps.q);
-    tma_prefetch_descriptor(&maps.k);
-    tma_prefetch_descriptor(&maps.v);
-    mbar_arrive_expect_tx(bars.q_full, Cfg::kQBytes);
-#pragma unroll
-    for (int b = 0; b < Cfg::kQKCols / 64; ++b)
-      tma_load_3d(smem + Cfg::kOffQ + b * Cfg::kBlockM * 128, &maps.q, 64 * b, head, static_cast<int>(tile.first_row),
-                  bars.q_full);
+    if (cur.q_loads == 0) {  // first item with key blocks (so the K and V maps are encoded)
+      tma_prefetch_descriptor(&maps.q);
+      tma_prefetch_descriptor(&maps.k);
+      tma_prefetch_descriptor(&maps.v);
+    }
 #pragma unroll 1
-    for (int it = 0; it < kb.total; ++it) {
+    for (int i = 0; i < kb.total; ++i) {
+      const int it = cur.it0 + i;
       const int stage = bars.ring.stage(it);
       bars.ring.producer_acquire(it, dog);
-      const int s = kb.segment(it);
-      const int row0 = static_cast<int>(seq.kv_first_row[s] + kb.key0(it));
+      const int s = kb.segment(i);
+      const int row0 = static_cast<int>(seq.kv_first_row[s] + kb.key0(i));
       mbar_arrive_expect_tx(bars.ring.full_k(it), Cfg::kKBytes);
 #pragma unroll
       for (int b = 0; b < Cfg::kQKCols / 64; ++b)
@@ -246,6 +257,14 @@ __device__ __forceinline__ void produce(const AttentionParams& p, const ForwardT
       for (int b = 0; b < Cfg::kVCols / 64; ++b)
         tma_load_3d(smem + Cfg::kOffV + stage * Cfg::kVBytes + b * Cfg::kBlockN * 128, &maps.v, 64 * b, kv_head,
                     row0, bars.ring.full_v(it));
+      if (i == q_after) {
+        if (cur.q_loads > 0) mbar_wait(bars.q_empty, static_cast<uint32_t>(cur.q_loads - 1) & 1u, dog, kWaitQ, -1);
+        mbar_arrive_expect_tx(bars.q_full, Cfg::kQBytes);
+#pragma unroll
+        for (int b = 0; b < Cfg::kQKCols / 64; ++b)
+          tma_load_3d(smem + Cfg::kOffQ + b * Cfg::kBlockM * 128, &maps.q, 64 * b, head,
+                      static_cast<int>(tile.first_row), bars.q_full);
+      }
     }
   }
 }
@@ -281,7 +300,7 @@ __device__ __forceinline__ void apply_mask(float (&s)[N / 2], int wl, int wr, in
 template <class Cfg>
 __device__ __forceinline__ void consume(const AttentionParams& p, const Watchdog& dog, const RowTile& tile,
                                         const SequenceDesc& seq, const KeyBlocks<Cfg::kBlockN>& kb, uint32_t smem,
-                                        uint8_t* smem_ptr, Barriers<Cfg> bars, int head, int cw) {
+                                        uint8_t* smem_ptr, Barriers<Cfg> bars, int head, int cw, ItemCursor cur) {
   using T = typename Cfg::T;
   constexpr int D = Cfg::D;
   constexpr int BN = Cfg::kBlockN;
@@ -302,10 +321,9 @@ __device__ __forceinline__ void consume(const AttentionParams& p, const Watchdog
   float row_sum[2] = {0.f, 0.f};
 
   const uint32_t q_tile = smem + Cfg::kOffQ;
-  if (kb.total > 0) {
-    mbar_wait(bars.q_full, 0, dog, kWaitQ, -1);
-    if constexpr (Cfg::kLoader == Loader::cp_async) fence_proxy_async();
-  }
+  // Only items with key blocks reach here (the kernel writes the others as pad rows).
+  mbar_wait(bars.q_full, static_cast<uint32_t>(cur.q_loads) & 1u, dog, kWaitQ, -1);
+  if constexpr (Cfg::kLoader == Loader::cp_async) fence_proxy_async();
   // Ping-pong: warpgroup w waits on barrier 4 + w for the other's signal. Order of wgmma issue: S_0 of warpgroup 0,
   // S_0 of 1, P V_0 + S_1 of 0, P V_0 + S_1 of 1, ... Every sync (128 threads) meets one arrive (128 threads) of the
   // other warpgroup: warpgroup 0 syncs before each P V (N) against 1's arrives after each S (N); warpgroup 1 syncs
@@ -315,10 +333,11 @@ __device__ __forceinline__ void consume(const AttentionParams& p, const Watchdog
     if (cw == 1) named_barrier_sync(kSchedBarrier + 1, 256);
   }
 #pragma unroll 1
-  for (int it = 0; it < kb.total; ++it) {
+  for (int i = 0; i < kb.total; ++i) {
+    const int it = cur.it0 + i;  // ring iteration
     const int stage = bars.ring.stage(it);
-    const int s_idx = kb.segment(it);
-    const int key0 = kb.key0(it);
+    const int s_idx = kb.segment(i);
+    const int key0 = kb.key0(i);
     const int kv_count = seq.kv_count[s_idx];
     const int kv_pos = seq.kv_position[s_idx];
     const int valid = min(BN, kv_count - key0);
@@ -458,45 +477,80 @@ __device__ __forceinline__ void consume(const AttentionParams& p, const Watchdog
       *reinterpret_cast<uint4*>(o_rows + r * o_stride + ch * 8) =
           *reinterpret_cast<const uint4*>(q_ptr + sw128_offset(Cfg::kBlockM, 64 * cw + r, ch * 8));
   }
+  // The Q tile is free for the next item's Q (generic reads above before the async proxy's writes).
+  fence_proxy_async();
+  mbar_arrive(bars.q_empty);
 }
 
 }  // namespace detail
 
-// One CTA per (Q tile of p.q_tiles with kBlockM rows, query head); grid (q_tile_count, heads_q).
+// Work items are (Q tile of p.q_tiles with kBlockM rows, query head) pairs, items = q_tile_count * heads_q of them.
+// CTA b runs items b, b + gridDim.x, b + 2 gridDim.x, ...: one item per CTA when the grid has one CTA per item, a
+// loop over items in a persistent grid. Item w is tile w % q_tile_count of head w / q_tile_count (order == nullptr:
+// the tile list's order, heads outer), or tile order[w / heads_q] of head w % heads_q (a tile order from the plan,
+// heads inner). Each item is computed the same way whatever the grid (same key blocks, same reduction order), so
+// both schedules give the same bits. The ring of K/V stages and the Q tile's barriers carry over from one item to
+// the next: the producer loads the next item's first key blocks while the consumers finish the previous one.
 template <class Cfg>
 __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kCtasPerSm)
     attention_forward_sm90_kernel(const AttentionParams p, const __grid_constant__ ForwardTensorMaps maps,
-                                  const Watchdog dog) {
+                                  const Watchdog dog, const int32_t* __restrict__ order, int items) {
   using T = typename Cfg::T;
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw = smem_u32(smem_raw);
   const uint32_t smem = (raw + 1023u) & ~1023u;
   uint8_t* smem_ptr = smem_raw + (smem - raw);
 
-  const RowTile tile = p.q_tiles[blockIdx.x];
-  const int head = blockIdx.y;
-  if (tile.sequence < 0) {
-    detail::write_pad_tile<T, Cfg::DV, Cfg::kThreads>(p, tile, head);
-    return;
-  }
-  const SequenceDesc& seq = p.sequences[tile.sequence];
-  const detail::KeyBlocks<Cfg::kBlockN> kb(p, seq, tile);
-  const detail::Barriers<Cfg> bars{smem + Cfg::kOffBarriers, {smem + Cfg::kOffBarriers + 8}};
+  const detail::Barriers<Cfg> bars{smem + Cfg::kOffBarriers, smem + Cfg::kOffBarriers + 8,
+                                   {smem + Cfg::kOffBarriers + 16}};
   if (threadIdx.x == 0) {
     // Full barriers: one arrival with a transaction count (TMA), or one per producer thread (cp.async .noinc).
     const uint32_t full_arrivals = Cfg::kLoader == Loader::tma ? 1 : 128;
     mbar_init(bars.q_full, full_arrivals);
+    mbar_init(bars.q_empty, Cfg::kConsumerThreads);
     bars.ring.init(full_arrivals, Cfg::kConsumerThreads);
     fence_mbarrier_init();
   }
   __syncthreads();
 
-  if (threadIdx.x < 128) {
+  const bool producer = threadIdx.x < 128;
+  if (producer) {
     if constexpr (Cfg::kReallocate) setmaxnreg_dec<Cfg::kProducerRegs>();
-    detail::produce<Cfg>(p, maps, dog, tile, seq, kb, smem, bars, head);
   } else {
     if constexpr (Cfg::kReallocate) setmaxnreg_inc<Cfg::kConsumerRegs>();
-    detail::consume<Cfg>(p, dog, tile, seq, kb, smem, smem_ptr, bars, head, threadIdx.x / 128 - 1);
+  }
+  detail::ItemCursor cur;
+#pragma unroll 1
+  for (int w = blockIdx.x; w < items; w += gridDim.x) {
+    int tile_index, head;
+    if (order == nullptr) {
+      tile_index = w % p.q_tile_count;
+      head = w / p.q_tile_count;
+    } else {
+      tile_index = order[w / p.heads_q];
+      head = w % p.heads_q;
+    }
+    const RowTile tile = p.q_tiles[tile_index];
+    if (tile.sequence < 0) {
+      detail::write_pad_tile<T, Cfg::DV, Cfg::kThreads>(p, tile, head);
+      continue;
+    }
+    const SequenceDesc& seq = p.sequences[tile.sequence];
+    const detail::KeyBlocks<Cfg::kBlockN> kb(p, seq, tile);
+    if (kb.total == 0) {
+      // No visible key for any row: O = 0 and LSE = -inf, the values the consumers would write.
+      detail::write_pad_tile<T, Cfg::DV, Cfg::kThreads>(p, tile, head);
+      continue;
+    }
+    if (producer)
+      detail::produce<Cfg>(p, maps, dog, tile, seq, kb, smem, bars, head, cur);
+    else
+      detail::consume<Cfg>(p, dog, tile, seq, kb, smem, smem_ptr, bars, head, threadIdx.x / 128 - 1, cur);
+    cur.it0 += kb.total;
+    ++cur.q_loads;
+  }
+  if constexpr (Cfg::kLoader == Loader::cp_async) {
+    if (producer) cp_async_wait_all();
   }
 }
 
@@ -550,16 +604,21 @@ std::string encode_forward_maps(const AttentionParams& p, ForwardTensorMaps& map
   return err.empty() ? err : "tensor maps: " + err;
 }
 
-// Launches the kernel on p (p.q_tiles: tiles of Cfg::kBlockM rows). Returns "" or the failed call.
+// Launches the kernel on p (p.q_tiles: tiles of Cfg::kBlockM rows) with `ctas` CTAs (0: one per work item) over
+// the work items in `order` (device array of q_tile_count tile indices; nullptr: the list's order, heads outer).
+// Returns "" or the failed call.
 template <class Cfg>
 std::string launch_forward_sm90(const AttentionParams& p, const ForwardTensorMaps& maps, Watchdog dog,
-                                cudaStream_t stream) {
+                                cudaStream_t stream, const int32_t* order = nullptr, int ctas = 0) {
   if (p.q_tile_count == 0 || p.heads_q == 0) return {};
+  const int64_t items = static_cast<int64_t>(p.q_tile_count) * p.heads_q;
+  if (items > (int64_t{1} << 31) - 1) return "attention_forward_sm90_kernel: too many work items";
+  const int grid = ctas > 0 && ctas < items ? ctas : static_cast<int>(items);
   auto kernel = attention_forward_sm90_kernel<Cfg>;
   if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
       e != cudaSuccess)
     return std::string("cudaFuncSetAttribute: ") + cudaGetErrorString(e);
-  kernel<<<dim3(p.q_tile_count, p.heads_q), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p, maps, dog);
+  kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p, maps, dog, order, static_cast<int>(items));
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess)
     return std::string("attention_forward_sm90_kernel launch: ") + cudaGetErrorString(e);
   return {};
