@@ -172,12 +172,45 @@ Outcome backward_kernel_for(const AttentionShape& shape, BackwardKernel requeste
 std::string backward_kernel_description(const AttentionShape& shape,
                                         BackwardKernel requested = BackwardKernel::automatic);
 
+// Schedules of the wgmma forward (docs/gpu-kernels.md, "Forward schedules"): the Q tile height and the grid. Each
+// work item (Q tile, head) is computed the same way under both grids of one tile height, so those give the same
+// bits; the two tile heights use different key tiles, so they agree to rounding, not bit for bit.
+enum class ForwardSchedule {
+  automatic,      // tile height by the plan's padding waste; persistent grid where 64-row tiles are chosen;
+                  // CPGOLD_FORWARD_SCHEDULE overrides
+  tile128,        // 128-row Q tiles (two consumer warpgroups, ping-pong), one CTA per (tile, head)
+  tile64,         // 64-row Q tiles (one consumer warpgroup, two CTAs per SM), one CTA per (tile, head)
+  persistent,     // tile height as automatic, persistent grid
+  persistent128,  // 128-row Q tiles, persistent grid
+  persistent64,   // 64-row Q tiles, persistent grid
+};
+std::string_view forward_schedule_name(ForwardSchedule schedule);  // "auto", "tile128", ...
+// The names above ("automatic" also accepted): the values of CPGOLD_FORWARD_SCHEDULE.
+bool parse_forward_schedule(std::string_view text, ForwardSchedule& schedule);
+// What a schedule resolves to for one plan: Q tile rows (64 or 128) and the grid.
+struct ForwardScheduleChoice {
+  int tile_rows = 128;
+  bool persistent = false;
+};
+// 64-row tiles are chosen (automatic) when the 128-row tiles' score area exceeds the 64-row tiles' by more than this
+// factor (the 128-row configuration's higher rate per area on whole sequences: run H1, 424 vs 388 TFLOP/s causal).
+inline constexpr double kSmallTileAreaFactor = 1.10;
+// The wgmma forward has the short-chunk schedules (64-row tiles, the persistent grid) for d_qk up to 192 (two CTAs
+// of a d_qk 256 configuration do not fit an SM's shared memory; its persistent consumers would spill); elsewhere
+// every schedule runs 128-row tiles, one CTA per tile and head.
+bool wgmma_short_schedules_serve(const AttentionShape& shape);
+// Resolves `requested` for the plan (automatic: CPGOLD_FORWARD_SCHEDULE where set, else the rule above;
+// invalid_argument for an unknown value of the variable, or an unbuilt plan).
+Outcome forward_schedule_for(const AttentionPlan& plan, ForwardSchedule requested, ForwardScheduleChoice& chosen);
+
 // Launches on `stream` (a cudaStream_t; nullptr = default stream). Returns after the launch (no synchronisation);
 // launch errors are reported, errors inside the kernels surface at the caller's next synchronisation.
-// The forward runs the kernel forward_kernel_for(shape, kernel) names, the backward the one
+// The forward runs the kernel forward_kernel_for(shape, kernel) names (the wgmma kernel with the schedule
+// forward_schedule_for(plan, schedule) names; the mma.sync kernel ignores the schedule), the backward the one
 // backward_kernel_for(shape, kernel) names.
 Outcome attention_forward(const AttentionPlan& plan, const ForwardBuffers& buffers, void* stream = nullptr,
-                          ForwardKernel kernel = ForwardKernel::automatic);
+                          ForwardKernel kernel = ForwardKernel::automatic,
+                          ForwardSchedule schedule = ForwardSchedule::automatic);
 Outcome attention_backward(const AttentionPlan& plan, const BackwardBuffers& buffers,
                            BackwardMode mode = BackwardMode::atomic, void* stream = nullptr,
                            BackwardKernel kernel = BackwardKernel::automatic);

@@ -23,7 +23,8 @@ AttentionParams base_params(const AttentionPlan::Impl& plan) {
 }
 }  // namespace detail
 
-Outcome attention_forward(const AttentionPlan& plan, const ForwardBuffers& b, void* stream, ForwardKernel kernel) {
+Outcome attention_forward(const AttentionPlan& plan, const ForwardBuffers& b, void* stream, ForwardKernel kernel,
+                          ForwardSchedule schedule) {
   const AttentionPlan::Impl* impl = plan.impl();
   if (impl == nullptr) return {Status::invalid_argument, "attention_forward: the plan was not built"};
   if (impl->outside.leave_q)
@@ -36,8 +37,10 @@ Outcome attention_forward(const AttentionPlan& plan, const ForwardBuffers& b, vo
   auto s = static_cast<cudaStream_t>(stream);
 #if CPGOLD_HAVE_SM90_FORWARD
   if (chosen == ForwardKernel::wgmma) {
-    if (impl->shape.dtype == DType::bf16) return detail::launch_forward_sm90_bf16(*impl, b, s);
-    if (impl->shape.dtype == DType::fp16) return detail::launch_forward_sm90_fp16(*impl, b, s);
+    ForwardScheduleChoice sched;
+    if (Outcome o = forward_schedule_for(plan, schedule, sched); !o.ok()) return o;
+    if (impl->shape.dtype == DType::bf16) return detail::launch_forward_sm90_bf16(*impl, b, sched, s);
+    if (impl->shape.dtype == DType::fp16) return detail::launch_forward_sm90_fp16(*impl, b, sched, s);
   }
 #endif
   if (impl->shape.dtype == DType::bf16) return detail::launch_forward_bf16(*impl, b, s);

@@ -124,6 +124,63 @@ PlanTiles make_plan_tiles(const AttentionCall& call, OutsideRows outside) {
   return plan;
 }
 
+namespace {
+
+// Visible key index span [lo, hi] of one KV segment for query positions [qp_lo, qp_hi] (as the kernels derive it).
+void visible_span(Window w, int64_t delta, int64_t qp_lo, int64_t qp_hi, int64_t kv_pos, int64_t kv_count,
+                  int64_t& lo, int64_t& hi) {
+  lo = 0;
+  hi = kv_count - 1;
+  if (w.left >= 0) lo = std::max(lo, qp_lo + delta - w.left - kv_pos);
+  if (w.right >= 0) hi = std::min(hi, qp_hi + delta + w.right - kv_pos);
+}
+
+// Visible key count over the tile's rows' union span, and key blocks of `key_tile` rows it visits.
+void tile_keys(const std::vector<SequenceDesc>& seqs, const RowTile& t, Window w, int key_tile, int64_t& keys,
+               int64_t& blocks) {
+  keys = 0;
+  blocks = 0;
+  if (t.sequence < 0) return;
+  const SequenceDesc& d = seqs[static_cast<size_t>(t.sequence)];
+  const int64_t delta = static_cast<int64_t>(d.length_kv) - d.length_q;
+  for (int s = 0; s < 2; ++s) {
+    if (d.kv_count[s] <= 0) continue;
+    int64_t lo, hi;
+    visible_span(w, delta, t.position, static_cast<int64_t>(t.position) + t.rows - 1, d.kv_position[s], d.kv_count[s],
+                 lo, hi);
+    if (lo > hi) continue;
+    keys += hi - lo + 1;
+    blocks += hi / key_tile - lo / key_tile + 1;
+  }
+}
+
+std::vector<int32_t> heaviest_first(const std::vector<SequenceDesc>& seqs, const std::vector<RowTile>& tiles, Window w,
+                                    int key_tile, int tile_rows, double& area) {
+  std::vector<int64_t> cost(tiles.size());
+  area = 0;
+  for (size_t i = 0; i < tiles.size(); ++i) {
+    int64_t keys = 0, blocks = 0;
+    tile_keys(seqs, tiles[i], w, key_tile, keys, blocks);
+    cost[i] = tiles[i].sequence < 0 ? -1 : keys;
+    area += static_cast<double>(blocks) * tile_rows * key_tile;
+  }
+  std::vector<int32_t> order(tiles.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int32_t>(i);
+  std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return cost[a] > cost[b]; });
+  return order;
+}
+
+}  // namespace
+
+QTileWork q_tile_work(const PlanTiles& tiles, Window window, int key_tile_small, int key_tile_large) {
+  QTileWork w;
+  w.order_small = heaviest_first(tiles.sequences, tiles.q_tiles_small, window, key_tile_small, kSmallTileRows,
+                                 w.area_small);
+  w.order_large = heaviest_first(tiles.sequences, tiles.q_tiles_large, window, key_tile_large, kLargeTileRows,
+                                 w.area_large);
+  return w;
+}
+
 AttentionPlan::Impl::~Impl() {
   if (device_block != nullptr) cudaFree(device_block);
 }
@@ -154,14 +211,22 @@ Outcome AttentionPlan::build(const AttentionCall& call, const AttentionShape& sh
   impl->kv_rows = call.kv_rows;
   impl->outside = outside;
 
-  // One device block: sequences, then the four tile lists (each 16-byte aligned).
+  // Key tiles of the wgmma forward's configurations (gpu/kernels/attention_sm90_launch.cuh): 64 rows with 64-row Q
+  // tiles; with 128-row Q tiles 128 rows, 64 for d_qk above 192.
+  const QTileWork work = q_tile_work(tiles, call.window, 64, shape.dim_qk > 192 ? 64 : 128);
+  impl->q_area_small = work.area_small;
+  impl->q_area_large = work.area_large;
+
+  // One device block: sequences, then the four tile lists, then the two Q tile orders (each 16-byte aligned).
   auto align16 = [](size_t n) { return (n + 15) / 16 * 16; };
   const size_t seq_bytes = align16(std::max<size_t>(1, tiles.sequences.size()) * sizeof(SequenceDesc));
   const size_t qs_bytes = align16(std::max<size_t>(1, tiles.q_tiles_small.size()) * sizeof(RowTile));
   const size_t ql_bytes = align16(std::max<size_t>(1, tiles.q_tiles_large.size()) * sizeof(RowTile));
   const size_t kv_bytes = align16(std::max<size_t>(1, tiles.kv_tiles.size()) * sizeof(RowTile));
   const size_t kvl_bytes = align16(std::max<size_t>(1, tiles.kv_tiles_large.size()) * sizeof(RowTile));
-  std::vector<char> host(seq_bytes + qs_bytes + ql_bytes + kv_bytes + kvl_bytes, 0);
+  const size_t os_bytes = align16(std::max<size_t>(1, work.order_small.size()) * sizeof(int32_t));
+  const size_t ol_bytes = align16(std::max<size_t>(1, work.order_large.size()) * sizeof(int32_t));
+  std::vector<char> host(seq_bytes + qs_bytes + ql_bytes + kv_bytes + kvl_bytes + os_bytes + ol_bytes, 0);
   char* h = host.data();
   std::memcpy(h, tiles.sequences.data(), tiles.sequences.size() * sizeof(SequenceDesc));
   std::memcpy(h + seq_bytes, tiles.q_tiles_small.data(), tiles.q_tiles_small.size() * sizeof(RowTile));
@@ -169,6 +234,9 @@ Outcome AttentionPlan::build(const AttentionCall& call, const AttentionShape& sh
   std::memcpy(h + seq_bytes + qs_bytes + ql_bytes, tiles.kv_tiles.data(), tiles.kv_tiles.size() * sizeof(RowTile));
   std::memcpy(h + seq_bytes + qs_bytes + ql_bytes + kv_bytes, tiles.kv_tiles_large.data(),
               tiles.kv_tiles_large.size() * sizeof(RowTile));
+  const size_t orders_at = seq_bytes + qs_bytes + ql_bytes + kv_bytes + kvl_bytes;
+  std::memcpy(h + orders_at, work.order_small.data(), work.order_small.size() * sizeof(int32_t));
+  std::memcpy(h + orders_at + os_bytes, work.order_large.data(), work.order_large.size() * sizeof(int32_t));
 
   if (cudaError_t e = cudaMalloc(&impl->device_block, host.size()); e != cudaSuccess) {
     impl->device_block = nullptr;
@@ -189,6 +257,8 @@ Outcome AttentionPlan::build(const AttentionCall& call, const AttentionShape& sh
   impl->q_tiles_small = reinterpret_cast<const RowTile*>(d + seq_bytes);
   impl->q_tiles_large = reinterpret_cast<const RowTile*>(d + seq_bytes + qs_bytes);
   impl->kv_tiles = reinterpret_cast<const RowTile*>(d + seq_bytes + qs_bytes + ql_bytes);
+  impl->q_order_small = reinterpret_cast<const int32_t*>(d + orders_at);
+  impl->q_order_large = reinterpret_cast<const int32_t*>(d + orders_at + os_bytes);
   impl->q_tile_small_count = static_cast<int32_t>(tiles.q_tiles_small.size());
   impl->q_tile_large_count = static_cast<int32_t>(tiles.q_tiles_large.size());
   impl->kv_tile_count = static_cast<int32_t>(tiles.kv_tiles.size());

@@ -21,6 +21,18 @@ struct PlanTiles {
   std::vector<RowTile> q_tiles_small, q_tiles_large, kv_tiles, kv_tiles_large;
 };
 
+// Work of the Q tile lists for the wgmma forward's schedules (gpu/kernels/forward_kernel.cpp): per list, the tile
+// indices heaviest first (visible keys of the tile's rows, descending; pad tiles last; ties in list order), and the
+// score area each tile height computes: sum over work tiles of (key blocks the tile visits) x tile rows x key tile
+// rows, with the key tile of that height's configuration (key_tile_large for 128-row tiles, key_tile_small for
+// 64-row tiles). Rows past a segment's end and masked parts of key blocks are computed all the same, so the ratio of
+// the two areas is the padding waste that the choice of tile height decides.
+struct QTileWork {
+  std::vector<int32_t> order_small, order_large;
+  double area_small = 0, area_large = 0;
+};
+QTileWork q_tile_work(const PlanTiles& tiles, Window window, int key_tile_small, int key_tile_large);
+
 // Splits the call into sequence descriptors and tile lists (work tiles per segment, pad tiles over the rest).
 // Throws std::invalid_argument when KV rows of two sequences overlap.
 // With outside.leave_q (leave_kv), no pad tiles on the Q (K/V) side.
@@ -40,6 +52,10 @@ struct AttentionPlan::Impl {
   const RowTile* kv_tiles = nullptr;
   const RowTile* kv_tiles_large = nullptr;
   int32_t q_tile_small_count = 0, q_tile_large_count = 0, kv_tile_count = 0, kv_tile_large_count = 0;
+  // Tile orders (heaviest first) of the two Q lists, and the areas of QTileWork, for the wgmma forward's schedules.
+  const int32_t* q_order_small = nullptr;
+  const int32_t* q_order_large = nullptr;
+  double q_area_small = 0, q_area_large = 0;
   ~Impl();
 };
 

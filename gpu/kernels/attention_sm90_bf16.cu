@@ -3,8 +3,9 @@
 
 namespace cpgold::gpu::detail {
 
-Outcome launch_forward_sm90_bf16(const AttentionPlan::Impl& plan, const ForwardBuffers& buffers, cudaStream_t stream) {
-  return forward_sm90_typed<__nv_bfloat16>(plan, buffers, stream);
+Outcome launch_forward_sm90_bf16(const AttentionPlan::Impl& plan, const ForwardBuffers& buffers,
+                                 ForwardScheduleChoice schedule, cudaStream_t stream) {
+  return forward_sm90_typed<__nv_bfloat16>(plan, buffers, schedule, stream);
 }
 
 }  // namespace cpgold::gpu::detail

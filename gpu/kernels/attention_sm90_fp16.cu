@@ -3,8 +3,9 @@
 
 namespace cpgold::gpu::detail {
 
-Outcome launch_forward_sm90_fp16(const AttentionPlan::Impl& plan, const ForwardBuffers& buffers, cudaStream_t stream) {
-  return forward_sm90_typed<__half>(plan, buffers, stream);
+Outcome launch_forward_sm90_fp16(const AttentionPlan::Impl& plan, const ForwardBuffers& buffers,
+                                 ForwardScheduleChoice schedule, cudaStream_t stream) {
+  return forward_sm90_typed<__half>(plan, buffers, schedule, stream);
 }
 
 }  // namespace cpgold::gpu::detail

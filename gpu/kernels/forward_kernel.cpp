@@ -129,12 +129,138 @@ Outcome forward_kernel_for(const AttentionShape& shape, ForwardKernel requested,
   return choose_forward_kernel(shape, detail::current_device_cc(), requested, chosen);
 }
 
+std::string_view forward_schedule_name(ForwardSchedule schedule) {
+  switch (schedule) {
+    case ForwardSchedule::automatic: return "auto";
+    case ForwardSchedule::tile128: return "tile128";
+    case ForwardSchedule::tile64: return "tile64";
+    case ForwardSchedule::persistent: return "persistent";
+    case ForwardSchedule::persistent128: return "persistent128";
+    case ForwardSchedule::persistent64: return "persistent64";
+  }
+  return "?";
+}
+
+bool parse_forward_schedule(std::string_view text, ForwardSchedule& schedule) {
+  for (ForwardSchedule s : {ForwardSchedule::automatic, ForwardSchedule::tile128, ForwardSchedule::tile64,
+                            ForwardSchedule::persistent, ForwardSchedule::persistent128, ForwardSchedule::persistent64})
+    if (text == forward_schedule_name(s)) {
+      schedule = s;
+      return true;
+    }
+  if (text == "automatic") {
+    schedule = ForwardSchedule::automatic;
+    return true;
+  }
+  return false;
+}
+
+bool wgmma_short_schedules_serve(const AttentionShape& shape) { return shape.dim_qk <= 192; }
+
+namespace {
+
+// CPGOLD_FORWARD_SCHEDULE, read once: the schedule that replaces `automatic`.
+struct EnvSchedule {
+  bool set = false, valid = true;
+  ForwardSchedule schedule = ForwardSchedule::automatic;
+  std::string text;
+};
+const EnvSchedule& env_schedule() {
+  static const EnvSchedule request = [] {
+    EnvSchedule r;
+    if (const char* v = std::getenv("CPGOLD_FORWARD_SCHEDULE"); v != nullptr && *v != '\0') {
+      r.set = true;
+      r.text = v;
+      r.valid = parse_forward_schedule(r.text, r.schedule);
+    }
+    return r;
+  }();
+  return request;
+}
+
+Outcome env_schedule_request(ForwardSchedule& requested) {
+  if (requested != ForwardSchedule::automatic) return {};
+  const EnvSchedule& env = env_schedule();
+  if (env.set && !env.valid)
+    return {Status::invalid_argument, "CPGOLD_FORWARD_SCHEDULE: value '" + env.text +
+                                          "' is not one of auto, tile128, tile64, persistent, persistent128, "
+                                          "persistent64"};
+  if (env.set) requested = env.schedule;
+  return {};
+}
+
+}  // namespace
+
+Outcome forward_schedule_for(const AttentionPlan& plan, ForwardSchedule requested, ForwardScheduleChoice& chosen) {
+  const AttentionPlan::Impl* impl = plan.impl();
+  if (impl == nullptr) return {Status::invalid_argument, "forward schedule: the plan was not built"};
+  if (Outcome o = env_schedule_request(requested); !o.ok()) return o;
+  const bool small_ok = wgmma_short_schedules_serve(impl->shape);
+  // The padding-waste rule: 64-row tiles where the 128-row tiles compute more than kSmallTileAreaFactor times the
+  // score area (rows past short segments' ends, masked parts of key blocks on the diagonal).
+  const bool rule_small = small_ok && impl->q_area_large > kSmallTileAreaFactor * impl->q_area_small;
+  switch (requested) {
+    case ForwardSchedule::automatic: chosen = {rule_small ? 64 : 128, rule_small}; break;
+    case ForwardSchedule::tile128: chosen = {128, false}; break;
+    case ForwardSchedule::tile64: chosen = {small_ok ? 64 : 128, false}; break;
+    case ForwardSchedule::persistent: chosen = {rule_small ? 64 : 128, true}; break;
+    case ForwardSchedule::persistent128: chosen = {128, true}; break;
+    case ForwardSchedule::persistent64: chosen = {small_ok ? 64 : 128, true}; break;
+    default: return {Status::invalid_argument, "forward schedule request out of range"};
+  }
+  if (!small_ok) chosen = {128, false};
+  return {};
+}
+
+namespace detail {
+
+int current_device_sm_count() {
+  constexpr int kCached = 64;
+  static std::array<std::atomic<int>, kCached> cache{};  // 0: not read yet
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) {
+    cudaGetLastError();
+    return 1;
+  }
+  if (device >= 0 && device < kCached) {
+    if (const int c = cache[static_cast<size_t>(device)].load(std::memory_order_relaxed); c != 0) return c;
+  }
+  int sms = 0;
+  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || sms <= 0) {
+    cudaGetLastError();
+    return 1;
+  }
+  if (device >= 0 && device < kCached) cache[static_cast<size_t>(device)].store(sms, std::memory_order_relaxed);
+  return sms;
+}
+
+}  // namespace detail
+
 std::string forward_kernel_description(const AttentionShape& shape, ForwardKernel requested) {
   ForwardKernel chosen = ForwardKernel::mma_sync;
   if (Outcome o = forward_kernel_for(shape, requested, chosen); !o.ok()) return "unsupported: " + o.message;
-  if (chosen == ForwardKernel::wgmma)
-    return std::string("wgmma sm_90a (Q tile 128, key tile ") + (shape.dim_qk > 192 ? "64" : "128") +
-           ", TMA, 2 consumer warpgroups ping-pong)";
+  if (chosen == ForwardKernel::wgmma) {
+    ForwardSchedule sched = ForwardSchedule::automatic;
+    if (Outcome o = env_schedule_request(sched); !o.ok()) return "unsupported: " + o.message;
+    const std::string large = std::string("Q tile 128 (key tile ") + (shape.dim_qk > 192 ? "64" : "128") +
+                              ", 2 consumer warpgroups ping-pong)";
+    const std::string small = wgmma_short_schedules_serve(shape) ? "Q tile 64 (key tile 64, 2 CTAs per SM)" : large;
+    std::string tiles;
+    switch (sched) {
+      case ForwardSchedule::tile128:
+      case ForwardSchedule::persistent128: tiles = large; break;
+      case ForwardSchedule::tile64:
+      case ForwardSchedule::persistent64: tiles = small; break;
+      default:
+        tiles = wgmma_short_schedules_serve(shape) ? large + " or " + small + " by the call's padding waste" : large;
+    }
+    const char* grid = sched == ForwardSchedule::automatic ? "persistent grid with 64-row tiles"
+                       : sched == ForwardSchedule::tile128 || sched == ForwardSchedule::tile64
+                           ? "one CTA per tile and head"
+                           : "persistent grid";
+    return "wgmma sm_90a (TMA; schedule " + std::string(forward_schedule_name(sched)) + ": " + tiles + ", " + grid +
+           ")";
+  }
   return "mma.sync (Q tile 64, key tile 64)";
 }
 

@@ -164,15 +164,15 @@ struct KeyBlocks {
   }
 };
 
-// Pad tile: O = 0 and LSE = -inf on its rows (all threads of the CTA).
+// Pad tile: O = 0 and LSE = -inf on its rows (THREADS threads, thread index tid).
 template <class T, int DV, int THREADS>
-__device__ __forceinline__ void write_pad_tile(const AttentionParams& p, const RowTile& tile, int head) {
+__device__ __forceinline__ void write_pad_tile(const AttentionParams& p, const RowTile& tile, int head, int tid) {
   const int64_t o_stride = static_cast<int64_t>(p.heads_q) * DV;
   T* o = static_cast<T*>(p.o) + tile.first_row * o_stride + static_cast<int64_t>(head) * DV;
   constexpr int kChunks = DV / 8;
-  for (int i = threadIdx.x; i < tile.rows * kChunks; i += THREADS)
+  for (int i = tid; i < tile.rows * kChunks; i += THREADS)
     *reinterpret_cast<uint4*>(o + (i / kChunks) * o_stride + (i % kChunks) * 8) = make_uint4(0, 0, 0, 0);
-  for (int r = threadIdx.x; r < tile.rows; r += THREADS)
+  for (int r = tid; r < tile.rows; r += THREADS)
     p.lse[static_cast<int64_t>(head) * p.q_rows + tile.first_row + r] = -INFINITY;
 }
 
@@ -234,7 +234,6 @@ __device__ __forceinline__ void produce(const AttentionParams& p, const ForwardT
       }
     }
   } else {
-    if (tid != 0) return;
     if (cur.q_loads == 0) {  // first item with key blocks (so the K and V maps are encoded)
       tma_prefetch_descriptor(&maps.q);
       tma_prefetch_descriptor(&maps.k);
@@ -482,16 +481,57 @@ __device__ __forceinline__ void consume(const AttentionParams& p, const Watchdog
   mbar_arrive(bars.q_empty);
 }
 
+// The work items of this CTA (see attention_forward_sm90_kernel), in order: pad tiles and tiles without a visible
+// key are written as O = 0, LSE = -inf by the consumer threads (PADS; the values they would compute); the others
+// go to `work` with the cursor of the item, which both roles advance alike.
+template <class Cfg, bool PERSISTENT, bool PADS, class Work>
+__device__ __forceinline__ void for_each_item(const AttentionParams& p, const int32_t* __restrict__ order, int items,
+                                              Work&& work) {
+  auto item = [&](int w, ItemCursor& cur) {
+    int tile_index, head;
+    if (order == nullptr) {
+      tile_index = w % p.q_tile_count;
+      head = w / p.q_tile_count;
+    } else {
+      tile_index = order[w / p.heads_q];
+      head = w % p.heads_q;
+    }
+    const RowTile tile = p.q_tiles[tile_index];
+    if (tile.sequence < 0) {
+      if constexpr (PADS)
+        write_pad_tile<typename Cfg::T, Cfg::DV, Cfg::kConsumerThreads>(p, tile, head, threadIdx.x - 128);
+      return;
+    }
+    const SequenceDesc& seq = p.sequences[tile.sequence];
+    const KeyBlocks<Cfg::kBlockN> kb(p, seq, tile);
+    if (kb.total == 0) {
+      if constexpr (PADS)
+        write_pad_tile<typename Cfg::T, Cfg::DV, Cfg::kConsumerThreads>(p, tile, head, threadIdx.x - 128);
+      return;
+    }
+    work(tile, seq, kb, head, cur);
+    cur.it0 += kb.total;
+    ++cur.q_loads;
+  };
+  ItemCursor cur;
+  if constexpr (!PERSISTENT) {
+    item(blockIdx.x, cur);  // one item per CTA: the cursor stays at its start (constants for the compiler)
+  } else {
+#pragma unroll 1
+    for (int w = blockIdx.x; w < items; w += gridDim.x) item(w, cur);
+  }
+}
+
 }  // namespace detail
 
 // Work items are (Q tile of p.q_tiles with kBlockM rows, query head) pairs, items = q_tile_count * heads_q of them.
-// CTA b runs items b, b + gridDim.x, b + 2 gridDim.x, ...: one item per CTA when the grid has one CTA per item, a
-// loop over items in a persistent grid. Item w is tile w % q_tile_count of head w / q_tile_count (order == nullptr:
+// PERSISTENT == false: one CTA per item, CTA b runs item b. PERSISTENT: CTA b runs items b, b + gridDim.x,
+// b + 2 gridDim.x, ... (a grid of as many CTAs as the SMs hold). Item w is tile w % q_tile_count of head w / q_tile_count (order == nullptr:
 // the tile list's order, heads outer), or tile order[w / heads_q] of head w % heads_q (a tile order from the plan,
 // heads inner). Each item is computed the same way whatever the grid (same key blocks, same reduction order), so
 // both schedules give the same bits. The ring of K/V stages and the Q tile's barriers carry over from one item to
 // the next: the producer loads the next item's first key blocks while the consumers finish the previous one.
-template <class Cfg>
+template <class Cfg, bool PERSISTENT = false>
 __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kCtasPerSm)
     attention_forward_sm90_kernel(const AttentionParams p, const __grid_constant__ ForwardTensorMaps maps,
                                   const Watchdog dog, const int32_t* __restrict__ order, int items) {
@@ -513,44 +553,25 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kCtasPerSm)
   }
   __syncthreads();
 
-  const bool producer = threadIdx.x < 128;
-  if (producer) {
+  // The item loop is written out once per role: the code after each setmaxnreg is that role's alone.
+  if (threadIdx.x < 128) {
     if constexpr (Cfg::kReallocate) setmaxnreg_dec<Cfg::kProducerRegs>();
+    if constexpr (Cfg::kLoader == Loader::tma) {
+      if (threadIdx.x != 0) return;  // one thread issues the TMA loads
+    }
+    detail::for_each_item<Cfg, PERSISTENT, false>(p, order, items, [&](const RowTile& tile, const SequenceDesc& seq,
+                                                   const detail::KeyBlocks<Cfg::kBlockN>& kb, int head,
+                                                   detail::ItemCursor cur) {
+      detail::produce<Cfg>(p, maps, dog, tile, seq, kb, smem, bars, head, cur);
+    });
+    if constexpr (Cfg::kLoader == Loader::cp_async) cp_async_wait_all();
   } else {
     if constexpr (Cfg::kReallocate) setmaxnreg_inc<Cfg::kConsumerRegs>();
-  }
-  detail::ItemCursor cur;
-#pragma unroll 1
-  for (int w = blockIdx.x; w < items; w += gridDim.x) {
-    int tile_index, head;
-    if (order == nullptr) {
-      tile_index = w % p.q_tile_count;
-      head = w / p.q_tile_count;
-    } else {
-      tile_index = order[w / p.heads_q];
-      head = w % p.heads_q;
-    }
-    const RowTile tile = p.q_tiles[tile_index];
-    if (tile.sequence < 0) {
-      detail::write_pad_tile<T, Cfg::DV, Cfg::kThreads>(p, tile, head);
-      continue;
-    }
-    const SequenceDesc& seq = p.sequences[tile.sequence];
-    const detail::KeyBlocks<Cfg::kBlockN> kb(p, seq, tile);
-    if (kb.total == 0) {
-      // No visible key for any row: O = 0 and LSE = -inf, the values the consumers would write.
-      detail::write_pad_tile<T, Cfg::DV, Cfg::kThreads>(p, tile, head);
-      continue;
-    }
-    if (producer)
-      detail::produce<Cfg>(p, maps, dog, tile, seq, kb, smem, bars, head, cur);
-    else
+    detail::for_each_item<Cfg, PERSISTENT, true>(p, order, items, [&](const RowTile& tile, const SequenceDesc& seq,
+                                                   const detail::KeyBlocks<Cfg::kBlockN>& kb, int head,
+                                                   detail::ItemCursor cur) {
       detail::consume<Cfg>(p, dog, tile, seq, kb, smem, smem_ptr, bars, head, threadIdx.x / 128 - 1, cur);
-    cur.it0 += kb.total;
-    ++cur.q_loads;
-  }
-  if constexpr (Cfg::kLoader == Loader::cp_async) {
-    if (producer) cp_async_wait_all();
+    });
   }
 }
 
@@ -604,17 +625,18 @@ std::string encode_forward_maps(const AttentionParams& p, ForwardTensorMaps& map
   return err.empty() ? err : "tensor maps: " + err;
 }
 
-// Launches the kernel on p (p.q_tiles: tiles of Cfg::kBlockM rows) with `ctas` CTAs (0: one per work item) over
-// the work items in `order` (device array of q_tile_count tile indices; nullptr: the list's order, heads outer).
-// Returns "" or the failed call.
-template <class Cfg>
+// Launches the kernel on p (p.q_tiles: tiles of Cfg::kBlockM rows) over the work items in `order` (device array of
+// q_tile_count tile indices; nullptr: the list's order, heads outer): one CTA per item, or (PERSISTENT) min(ctas,
+// items) CTAs looping over them. Returns "" or the failed call.
+template <class Cfg, bool PERSISTENT = false>
 std::string launch_forward_sm90(const AttentionParams& p, const ForwardTensorMaps& maps, Watchdog dog,
                                 cudaStream_t stream, const int32_t* order = nullptr, int ctas = 0) {
   if (p.q_tile_count == 0 || p.heads_q == 0) return {};
   const int64_t items = static_cast<int64_t>(p.q_tile_count) * p.heads_q;
   if (items > (int64_t{1} << 31) - 1) return "attention_forward_sm90_kernel: too many work items";
-  const int grid = ctas > 0 && ctas < items ? ctas : static_cast<int>(items);
-  auto kernel = attention_forward_sm90_kernel<Cfg>;
+  if (PERSISTENT && ctas <= 0) return "attention_forward_sm90_kernel: a persistent grid needs a CTA count";
+  const int grid = PERSISTENT && ctas < items ? ctas : static_cast<int>(items);
+  auto kernel = attention_forward_sm90_kernel<Cfg, PERSISTENT>;
   if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
       e != cudaSuccess)
     return std::string("cudaFuncSetAttribute: ") + cudaGetErrorString(e);
