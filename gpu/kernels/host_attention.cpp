@@ -84,7 +84,8 @@ AttentionShape shape_of(DType dtype, const Tensor3<float>& q, const Tensor3<floa
 }
 
 Outcome forward_on_device(const AttentionCall& call, DType dtype, const Tensor3<float>& q, const Tensor3<float>& k,
-                          const Tensor3<float>& v, HostForward& out, ForwardKernel kernel) {
+                          const Tensor3<float>& v, HostForward& out, ForwardKernel kernel,
+                          ForwardSchedule schedule) {
   const AttentionShape shape = shape_of(dtype, q, k, v);
   if (q.rows != call.q_rows || k.rows != call.kv_rows || v.rows != call.kv_rows || k.dim != q.dim ||
       v.heads != k.heads)
@@ -99,7 +100,7 @@ Outcome forward_on_device(const AttentionCall& call, DType dtype, const Tensor3<
     allocate_poisoned(d_o, static_cast<size_t>(q.rows * q.heads * v.dim) * 2);
     allocate_poisoned(d_lse, static_cast<size_t>(q.heads * q.rows) * 4);
     ForwardBuffers b{dq.get(), dk.get(), dv.get(), d_o.get(), static_cast<float*>(d_lse.get())};
-    if (Outcome o = attention_forward(plan, b, nullptr, kernel); !o.ok()) return o;
+    if (Outcome o = attention_forward(plan, b, nullptr, kernel, schedule); !o.ok()) return o;
     check(cudaDeviceSynchronize(), "attention forward");
     out.o = download(d_o, dtype, q.rows, q.heads, v.dim);
     out.lse = LseTensor<float>(q.heads, q.rows, 0.f);

@@ -22,7 +22,8 @@ struct HostBackward {
 // unwritten shows up as NaN (LSE pad rows excepted: the contract leaves them to the kernel). `kernel` as in
 // attention_forward.
 Outcome forward_on_device(const AttentionCall& call, DType dtype, const Tensor3<float>& q, const Tensor3<float>& k,
-                          const Tensor3<float>& v, HostForward& out, ForwardKernel kernel = ForwardKernel::automatic);
+                          const Tensor3<float>& v, HostForward& out, ForwardKernel kernel = ForwardKernel::automatic,
+                          ForwardSchedule schedule = ForwardSchedule::automatic);
 // The backward's choices: `kernel` as in attention_backward; caller_delta: delta computed first by
 // attention_row_delta and given as BackwardBuffers::delta (the CP executor's way) instead of by the backward.
 struct HostBackwardOptions {

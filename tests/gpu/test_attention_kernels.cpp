@@ -783,6 +783,50 @@ double rel_diff(const Tensor3<float>& a, const Tensor3<float>& b, const std::vec
 bool same_values(const Tensor3<float>& a, const Tensor3<float>& b) {
   return a.values.size() == b.values.size() &&
          std::memcmp(a.values.data(), b.values.data(), a.values.size() * sizeof(float)) == 0;
+namespace {
+
+// A CP-step-like call: `lengths.size()` sequences, each split as for rank r of a CP group of size 4 into 8 chunks of
+// L rows (L from `lengths`); Q holds rank r's chunks r and 7 - r, KV the chunks j and 7 - j of a rank j <= r (j == r:
+// the diagonal step), at their global positions; segments separated by 0..3 NaN pad rows.
+Case make_chunk_case(std::string name, DType dtype, int hq, int hkv, int d, int dv, Window window,
+                     const std::vector<int32_t>& lengths, uint64_t seed) {
+  Case c;
+  c.name = std::move(name);
+  c.dtype = dtype;
+  c.heads_q = hq;
+  c.heads_kv = hkv;
+  c.dim_qk = d;
+  c.dim_v = dv;
+  c.call.window = window;
+  c.call.softmax_scale = 1.0 / std::sqrt(static_cast<double>(d));
+  std::mt19937_64 rng(seed);
+  int64_t q_row = 0, kv_row = 0;
+  for (int32_t len : lengths) {
+    const int r = static_cast<int>(rng() % 4), j = static_cast<int>(rng() % (r + 1));
+    SequenceTile s;
+    s.length_q = s.length_kv = 8 * len;
+    for (int chunk : {r, 7 - r}) {
+      q_row += static_cast<int64_t>(rng() % 4);
+      s.q.push_back({q_row, len, chunk * len});
+      q_row += len;
+    }
+    for (int chunk : {j, 7 - j}) {
+      kv_row += static_cast<int64_t>(rng() % 4);
+      s.kv.push_back({kv_row, len, chunk * len});
+      kv_row += len;
+    }
+    c.call.sequences.push_back(s);
+  }
+  c.call.q_rows = q_row + 2;
+  c.call.kv_rows = kv_row + 2;
+  fill_inputs(c, seed + 1);
+  return c;
+}
+
+bool same_bits(const gpu::HostForward& a, const gpu::HostForward& b) {
+  return a.o.values.size() == b.o.values.size() && a.lse.values.size() == b.lse.values.size() &&
+         std::memcmp(a.o.values.data(), b.o.values.data(), a.o.values.size() * sizeof(float)) == 0 &&
+         std::memcmp(a.lse.values.data(), b.lse.values.data(), a.lse.values.size() * sizeof(float)) == 0;
 }
 
 }  // namespace
@@ -930,5 +974,64 @@ TEST_CASE("gpu attention: both backward kernels leave rows outside the segments 
         CHECK(touched_outside == 0);
         CHECK(differ_inside == 0);
       }
+  }
+}
+// docs/gpu-kernels.md, "Forward schedules": every schedule of the wgmma forward on short-chunk CP-step calls (two Q
+// and two KV segments per sequence mid-sequence, chunks of 1..300 rows, GQA, causal, full and windows) within the
+// budget against the oracle with the exact classes; the persistent grid bit for bit equal to one CTA per tile at the
+// same tile height (each work item is computed the same way). Enough items that every persistent CTA loops.
+TEST_CASE("gpu attention: wgmma forward schedules on short CP-step chunks") {
+  CPGOLD_REQUIRE_DEVICE();
+  if (device_cc() != 90) {
+    std::printf("SKIPPED: the wgmma forward schedules need a device of compute capability 9.0\n");
+    return;
+  }
+  const std::vector<int32_t> lengths = {1, 7, 31, 32, 33, 63, 64, 65, 100, 127, 128, 129, 200, 255, 256, 300,
+                                        3, 48, 96, 150, 17, 80, 40, 120};
+  std::vector<Case> cases;
+  cases.push_back(make_chunk_case("chunks causal GQA", DType::bf16, 8, 2, 128, 128, {-1, 0}, lengths, 51));
+  cases.push_back(make_chunk_case("chunks full MQA", DType::fp16, 8, 1, 64, 64, {-1, -1}, lengths, 52));
+  cases.push_back(make_chunk_case("chunks window", DType::bf16, 8, 4, 128, 128, {70, 0}, lengths, 53));
+  cases.push_back(make_chunk_case("chunks window both sides MLA", DType::bf16, 8, 2, 192, 128, {90, 30}, lengths, 54));
+  const std::vector<gpu::ForwardSchedule> schedules = {
+      gpu::ForwardSchedule::tile128, gpu::ForwardSchedule::persistent128, gpu::ForwardSchedule::tile64,
+      gpu::ForwardSchedule::persistent64, gpu::ForwardSchedule::automatic, gpu::ForwardSchedule::persistent};
+  for (const Case& c : cases) {
+    const std::string label = describe_case(c);
+    INFO(label);
+    const ForwardResult<double> oracle =
+        attention_forward(c.call, tensor_cast<double>(c.q), tensor_cast<double>(c.k), tensor_cast<double>(c.v));
+    const ForwardResult<float> peer = attention_forward(c.call, c.q, c.k, c.v, c.dtype);
+    std::vector<gpu::HostForward> out(schedules.size());
+    for (size_t i = 0; i < schedules.size(); ++i) {
+      const std::string sl = label + " " + std::string(gpu::forward_schedule_name(schedules[i]));
+      INFO(sl);
+      const gpu::Outcome r =
+          gpu::forward_on_device(c.call, c.dtype, c.q, c.k, c.v, out[i], gpu::ForwardKernel::wgmma, schedules[i]);
+      INFO(r.message);
+      REQUIRE(r.ok());
+      check_tensor(sl, fx::Quantity::o, c.dtype, fx::view_of(oracle.o), fx::view_of(peer.o), fx::view_of(out[i].o),
+                   c.q_valid);
+      check_tensor(sl, fx::Quantity::lse, c.dtype, fx::view_of(oracle.lse), fx::view_of(peer.lse),
+                   fx::view_of(out[i].lse), c.q_valid);
+    }
+    const bool eq128 = same_bits(out[0], out[1]), eq64 = same_bits(out[2], out[3]);
+    std::printf("SCHEDULES %-60s tile128 == persistent128: %s, tile64 == persistent64: %s\n", label.c_str(),
+                eq128 ? "bitwise" : "DIFFER", eq64 ? "bitwise" : "DIFFER");
+    CHECK(eq128);
+    CHECK(eq64);
+    // Automatic and persistent resolve to one of the four; they equal it bit for bit.
+    AttentionCall call = c.call;
+    gpu::AttentionPlan plan;
+    REQUIRE(plan.build(call, {c.dtype, c.heads_q, c.heads_kv, c.dim_qk, c.dim_v}).ok());
+    for (size_t i = 4; i < schedules.size(); ++i) {
+      gpu::ForwardScheduleChoice ch;
+      REQUIRE(gpu::forward_schedule_for(plan, schedules[i], ch).ok());
+      const size_t same = (ch.tile_rows == 128 ? 0 : 2) + (ch.persistent ? 1 : 0);
+      std::printf("SCHEDULES %-60s %s -> tile %d, %s\n", label.c_str(),
+                  std::string(gpu::forward_schedule_name(schedules[i])).c_str(), ch.tile_rows,
+                  ch.persistent ? "persistent" : "one CTA per tile");
+      CHECK(same_bits(out[i], out[same]));
+    }
   }
 }

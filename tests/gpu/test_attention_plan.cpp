@@ -120,3 +120,70 @@ TEST_CASE("overlapping KV rows of two sequences are rejected") {
   // Checked without pad tiles too.
   CHECK_THROWS_AS(make_plan_tiles(call, {.leave_q = true, .leave_kv = true}), std::invalid_argument);
 }
+
+namespace {
+AttentionCall one_sequence_call(int32_t len_q, int32_t len_kv, int32_t q_position, Window window) {
+  AttentionCall call;
+  call.window = window;
+  call.softmax_scale = 0.1;
+  call.q_rows = len_q + 3;  // three pad rows after the segment
+  call.kv_rows = len_kv;
+  SequenceTile s;
+  s.length_q = q_position + len_q;
+  s.length_kv = len_kv;
+  s.q = {{0, len_q, q_position}};
+  s.kv = {{0, len_kv, 0}};
+  call.sequences = {s};
+  return call;
+}
+}  // namespace
+
+// docs/gpu-kernels.md, "Forward schedules": tile orders heaviest first (pad tiles last) and the score areas behind
+// the padding-waste rule, worked out by hand.
+TEST_CASE("Q tile work: heaviest-first orders and score areas of both tile heights") {
+  // Causal, 256 rows at positions 0..255 (delta 0). 128-row tiles with key tiles of 128: tile 0 sees keys 0..127
+  // (1 block), tile 1 keys 0..255 (2 blocks); area (1 + 2) x 128 x 128. 64-row tiles with key tiles of 64: 1 + 2 +
+  // 3 + 4 blocks of 64 x 64.
+  const PlanTiles tiles = make_plan_tiles(one_sequence_call(256, 256, 0, {-1, 0}));
+  REQUIRE(tiles.q_tiles_large.size() == 3);  // two work tiles, one pad tile
+  REQUIRE(tiles.q_tiles_small.size() == 5);
+  const QTileWork w = q_tile_work(tiles, {-1, 0}, 64, 128);
+  CHECK(w.order_large == std::vector<int32_t>{1, 0, 2});
+  CHECK(w.order_small == std::vector<int32_t>{3, 2, 1, 0, 4});
+  CHECK(w.area_large == 3.0 * 128 * 128);
+  CHECK(w.area_small == 10.0 * 64 * 64);
+  // A 32-row chunk on the diagonal at position 1000 of a 1032-key sequence: 128-row tiles compute one 128 x 128
+  // block per KV block the chunk sees, 64-row tiles one 64 x 64 block: keys 0..1031 are 9 blocks of 128 (0..1151)
+  // and 17 of 64; the waste rule picks the 64-row tiles.
+  const PlanTiles chunk = make_plan_tiles(one_sequence_call(32, 1032, 1000, {-1, 0}));
+  const QTileWork c = q_tile_work(chunk, {-1, 0}, 64, 128);
+  CHECK(c.area_large == 9.0 * 128 * 128);
+  CHECK(c.area_small == 17.0 * 64 * 64);
+  CHECK(c.area_large > kSmallTileAreaFactor * c.area_small);
+  // A window (left 100) on the same chunk: keys 900..1031, blocks 7..8 of 128 and 14..16 of 64.
+  const QTileWork win = q_tile_work(chunk, {100, 0}, 64, 128);
+  CHECK(win.area_large == 2.0 * 128 * 128);
+  CHECK(win.area_small == 3.0 * 64 * 64);
+  // A whole sequence of 4096 rows, no mask: the same area at both heights (no padding waste), so 128-row tiles.
+  const QTileWork full = q_tile_work(make_plan_tiles(one_sequence_call(4096, 4096, 0, {-1, -1})), {-1, -1}, 64, 128);
+  CHECK(full.area_large == full.area_small);
+  CHECK_FALSE(full.area_large > kSmallTileAreaFactor * full.area_small);
+}
+
+TEST_CASE("forward schedules: names parse back, unknown names are refused") {
+  for (ForwardSchedule s : {ForwardSchedule::automatic, ForwardSchedule::tile128, ForwardSchedule::tile64,
+                            ForwardSchedule::persistent, ForwardSchedule::persistent128, ForwardSchedule::persistent64}) {
+    ForwardSchedule parsed = ForwardSchedule::tile128;
+    CHECK(parse_forward_schedule(forward_schedule_name(s), parsed));
+    CHECK(parsed == s);
+  }
+  ForwardSchedule parsed{};
+  CHECK((parse_forward_schedule("automatic", parsed) && parsed == ForwardSchedule::automatic));
+  CHECK_FALSE(parse_forward_schedule("tile96", parsed));
+  CHECK_FALSE(parse_forward_schedule("", parsed));
+  CHECK(wgmma_short_schedules_serve({DType::bf16, 2, 2, 192, 128}));
+  CHECK_FALSE(wgmma_short_schedules_serve({DType::bf16, 2, 2, 256, 256}));
+  // An unbuilt plan has no schedule.
+  ForwardScheduleChoice choice;
+  CHECK(forward_schedule_for(AttentionPlan{}, ForwardSchedule::tile64, choice).status == Status::invalid_argument);
+}
