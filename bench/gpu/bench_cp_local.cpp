@@ -297,6 +297,8 @@ int main(int argc, char** argv) {
                                                  : "in the attention kernels (--sum 1)")
               : schedule.aside ? "on its own stream (--aside 1)"
                                : "in order on the compute stream");
+  std::printf("forward kernel: %s\n",
+              gpu::forward_kernel_description({DType::bf16, heads, heads, dim, dim}).c_str());
   std::printf("| path | forward ms | forward + backward ms | ratio (fwd+bwd) |\n|---|---|---|---|\n");
   std::printf("| non-CP GPU (one call) | %.3f | %.3f | 1.00 |\n", non_cp_fwd, non_cp);
   std::printf("| local CP %s W=%d (one GPU) | %.3f | %.3f | %.2f |\n", comm.c_str(), W, cp_fwd, cp, cp / non_cp);
