@@ -783,50 +783,6 @@ double rel_diff(const Tensor3<float>& a, const Tensor3<float>& b, const std::vec
 bool same_values(const Tensor3<float>& a, const Tensor3<float>& b) {
   return a.values.size() == b.values.size() &&
          std::memcmp(a.values.data(), b.values.data(), a.values.size() * sizeof(float)) == 0;
-namespace {
-
-// A CP-step-like call: `lengths.size()` sequences, each split as for rank r of a CP group of size 4 into 8 chunks of
-// L rows (L from `lengths`); Q holds rank r's chunks r and 7 - r, KV the chunks j and 7 - j of a rank j <= r (j == r:
-// the diagonal step), at their global positions; segments separated by 0..3 NaN pad rows.
-Case make_chunk_case(std::string name, DType dtype, int hq, int hkv, int d, int dv, Window window,
-                     const std::vector<int32_t>& lengths, uint64_t seed) {
-  Case c;
-  c.name = std::move(name);
-  c.dtype = dtype;
-  c.heads_q = hq;
-  c.heads_kv = hkv;
-  c.dim_qk = d;
-  c.dim_v = dv;
-  c.call.window = window;
-  c.call.softmax_scale = 1.0 / std::sqrt(static_cast<double>(d));
-  std::mt19937_64 rng(seed);
-  int64_t q_row = 0, kv_row = 0;
-  for (int32_t len : lengths) {
-    const int r = static_cast<int>(rng() % 4), j = static_cast<int>(rng() % (r + 1));
-    SequenceTile s;
-    s.length_q = s.length_kv = 8 * len;
-    for (int chunk : {r, 7 - r}) {
-      q_row += static_cast<int64_t>(rng() % 4);
-      s.q.push_back({q_row, len, chunk * len});
-      q_row += len;
-    }
-    for (int chunk : {j, 7 - j}) {
-      kv_row += static_cast<int64_t>(rng() % 4);
-      s.kv.push_back({kv_row, len, chunk * len});
-      kv_row += len;
-    }
-    c.call.sequences.push_back(s);
-  }
-  c.call.q_rows = q_row + 2;
-  c.call.kv_rows = kv_row + 2;
-  fill_inputs(c, seed + 1);
-  return c;
-}
-
-bool same_bits(const gpu::HostForward& a, const gpu::HostForward& b) {
-  return a.o.values.size() == b.o.values.size() && a.lse.values.size() == b.lse.values.size() &&
-         std::memcmp(a.o.values.data(), b.o.values.data(), a.o.values.size() * sizeof(float)) == 0 &&
-         std::memcmp(a.lse.values.data(), b.lse.values.data(), a.lse.values.size() * sizeof(float)) == 0;
 }
 
 }  // namespace
@@ -976,6 +932,55 @@ TEST_CASE("gpu attention: both backward kernels leave rows outside the segments 
       }
   }
 }
+
+namespace {
+
+// A CP-step-like call: `lengths.size()` sequences, each split as for rank r of a CP group of size 4 into 8 chunks of
+// L rows (L from `lengths`); Q holds rank r's chunks r and 7 - r, KV the chunks j and 7 - j of a rank j <= r (j == r:
+// the diagonal step), at their global positions; segments separated by 0..3 NaN pad rows.
+Case make_chunk_case(std::string name, DType dtype, int hq, int hkv, int d, int dv, Window window,
+                     const std::vector<int32_t>& lengths, uint64_t seed) {
+  Case c;
+  c.name = std::move(name);
+  c.dtype = dtype;
+  c.heads_q = hq;
+  c.heads_kv = hkv;
+  c.dim_qk = d;
+  c.dim_v = dv;
+  c.call.window = window;
+  c.call.softmax_scale = 1.0 / std::sqrt(static_cast<double>(d));
+  std::mt19937_64 rng(seed);
+  int64_t q_row = 0, kv_row = 0;
+  for (int32_t len : lengths) {
+    const int r = static_cast<int>(rng() % 4), j = static_cast<int>(rng() % (r + 1));
+    SequenceTile s;
+    s.length_q = s.length_kv = 8 * len;
+    for (int chunk : {r, 7 - r}) {
+      q_row += static_cast<int64_t>(rng() % 4);
+      s.q.push_back({q_row, len, chunk * len});
+      q_row += len;
+    }
+    for (int chunk : {j, 7 - j}) {
+      kv_row += static_cast<int64_t>(rng() % 4);
+      s.kv.push_back({kv_row, len, chunk * len});
+      kv_row += len;
+    }
+    c.call.sequences.push_back(s);
+  }
+  c.call.q_rows = q_row + 2;
+  c.call.kv_rows = kv_row + 2;
+  fill_inputs(c, seed + 1);
+  return c;
+}
+
+bool same_forward_bits(const gpu::HostForward& a, const gpu::HostForward& b) {
+  return a.o.values.size() == b.o.values.size() && a.lse.values.size() == b.lse.values.size() &&
+         std::memcmp(a.o.values.data(), b.o.values.data(), a.o.values.size() * sizeof(float)) == 0 &&
+         std::memcmp(a.lse.values.data(), b.lse.values.data(), a.lse.values.size() * sizeof(float)) == 0;
+}
+
+}  // namespace
+
 // docs/gpu-kernels.md, "Forward schedules": every schedule of the wgmma forward on short-chunk CP-step calls (two Q
 // and two KV segments per sequence mid-sequence, chunks of 1..300 rows, GQA, causal, full and windows) within the
 // budget against the oracle with the exact classes; the persistent grid bit for bit equal to one CTA per tile at the
@@ -1015,7 +1020,7 @@ TEST_CASE("gpu attention: wgmma forward schedules on short CP-step chunks") {
       check_tensor(sl, fx::Quantity::lse, c.dtype, fx::view_of(oracle.lse), fx::view_of(peer.lse),
                    fx::view_of(out[i].lse), c.q_valid);
     }
-    const bool eq128 = same_bits(out[0], out[1]), eq64 = same_bits(out[2], out[3]);
+    const bool eq128 = same_forward_bits(out[0], out[1]), eq64 = same_forward_bits(out[2], out[3]);
     std::printf("SCHEDULES %-60s tile128 == persistent128: %s, tile64 == persistent64: %s\n", label.c_str(),
                 eq128 ? "bitwise" : "DIFFER", eq64 ? "bitwise" : "DIFFER");
     CHECK(eq128);
@@ -1031,7 +1036,7 @@ TEST_CASE("gpu attention: wgmma forward schedules on short CP-step chunks") {
       std::printf("SCHEDULES %-60s %s -> tile %d, %s\n", label.c_str(),
                   std::string(gpu::forward_schedule_name(schedules[i])).c_str(), ch.tile_rows,
                   ch.persistent ? "persistent" : "one CTA per tile");
-      CHECK(same_bits(out[i], out[same]));
+      CHECK(same_forward_bits(out[i], out[same]));
     }
   }
 }
