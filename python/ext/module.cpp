@@ -189,7 +189,7 @@ PYBIND11_MODULE(_core, m) {
         const fx::CheckOptions options = check_options(tensors, empty_row_lse, ranks, allow_same_file, diagnose);
         OpenGolden golden;
         open_golden(golden_source, golden);
-        const fx::FixtureFile fixture = fx::open_fixture(*golden.reader, fx::OpenOptions{false});
+        const fx::FixtureFile fixture = fx::open_fixture(*golden.reader, fx::OpenOptions{false, true});
         py::gil_scoped_release release;
         return fx::check(*golden.reader, fixture, candidates, options);
       },
@@ -222,7 +222,7 @@ PYBIND11_MODULE(_core, m) {
         }
         OpenGolden golden;
         open_golden(golden_source, golden);
-        const fx::FixtureFile fixture = fx::open_fixture(*golden.reader, fx::OpenOptions{false});
+        const fx::FixtureFile fixture = fx::open_fixture(*golden.reader, fx::OpenOptions{false, true});
         py::gil_scoped_release release;
         return fx::check(*golden.reader, fixture, cands, options);
       },
