@@ -1,11 +1,11 @@
 // Which backward kernel serves a call: the sm_90a wgmma backward on devices of compute capability 9.0 for the head
 // dims it is built for (64/64, 128/128), the mma.sync backward elsewhere; an explicit request or
 // CPGOLD_BACKWARD_KERNEL picks one.
-#include <cstdlib>
 #include <string>
 
 #include "gpu/kernels/attention.hpp"
 #include "gpu/kernels/attention_launch.hpp"
+#include "gpu/kernels/env_request.hpp"
 
 namespace cpgold::gpu {
 
@@ -68,34 +68,15 @@ Outcome choose_backward_kernel(const AttentionShape& shape, int cc, BackwardKern
 namespace {
 
 // CPGOLD_BACKWARD_KERNEL, read once: the request that replaces `automatic`.
-struct EnvRequest {
-  bool set = false, valid = true;
-  BackwardKernel kernel = BackwardKernel::automatic;
-  std::string text;
-};
-const EnvRequest& env_request() {
-  static const EnvRequest request = [] {
-    EnvRequest r;
-    if (const char* v = std::getenv("CPGOLD_BACKWARD_KERNEL"); v != nullptr && *v != '\0') {
-      r.set = true;
-      r.text = v;
-      r.valid = parse_backward_kernel(r.text, r.kernel);
-    }
-    return r;
-  }();
+const detail::EnvRequest<BackwardKernel>& env_kernel() {
+  static const auto request = detail::read_env_request("CPGOLD_BACKWARD_KERNEL", parse_backward_kernel);
   return request;
 }
 
 }  // namespace
 
 Outcome backward_kernel_for(const AttentionShape& shape, BackwardKernel requested, BackwardKernel& chosen) {
-  if (requested == BackwardKernel::automatic) {
-    const EnvRequest& env = env_request();
-    if (env.set && !env.valid)
-      return {Status::invalid_argument,
-              "CPGOLD_BACKWARD_KERNEL: value '" + env.text + "' is not one of auto, mma, wgmma"};
-    if (env.set) requested = env.kernel;
-  }
+  if (Outcome o = detail::apply_env_request(env_kernel, "auto, mma, wgmma", requested); !o.ok()) return o;
   return choose_backward_kernel(shape, detail::current_device_cc(), requested, chosen);
 }
 

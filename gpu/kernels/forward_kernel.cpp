@@ -4,12 +4,12 @@
 
 #include <array>
 #include <atomic>
-#include <cstdlib>
 #include <string>
 
 #include "fixtures/gpu_table.hpp"
 #include "gpu/kernels/attention.hpp"
 #include "gpu/kernels/attention_launch.hpp"
+#include "gpu/kernels/env_request.hpp"
 
 namespace cpgold::gpu {
 
@@ -69,28 +69,54 @@ Outcome choose_forward_kernel(const AttentionShape& shape, int cc, ForwardKernel
 
 namespace detail {
 
-// Compute capability of the current device (major * 10 + minor), read once per device index; 0 without one (also the
-// backward's choice, backward_kernel.cpp).
-int current_device_cc() {
-  constexpr int kCached = 64;
-  static std::array<std::atomic<int>, kCached> cache{};  // 0: not read yet; else cc + 1
+namespace {
+
+constexpr int kCachedDevices = 64;
+using DeviceCache = std::array<std::atomic<int>, kCachedDevices>;  // per device index; 0: not read yet; else value + 1
+
+// One value of the current device, read by `read(device, value)` once per device index; `fallback` (not cached) when
+// there is no current device or `read` fails.
+template <class Read>
+int cached_device_value(DeviceCache& cache, int fallback, Read read) {
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess) {
     cudaGetLastError();
-    return 0;
+    return fallback;
   }
-  if (device >= 0 && device < kCached) {
+  if (device >= 0 && device < kCachedDevices) {
     if (const int c = cache[static_cast<size_t>(device)].load(std::memory_order_relaxed); c != 0) return c - 1;
   }
-  int major = 0, minor = 0;
-  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
+  int value = 0;
+  if (!read(device, value)) {
     cudaGetLastError();
-    return 0;
+    return fallback;
   }
-  const int cc = major * 10 + minor;
-  if (device >= 0 && device < kCached) cache[static_cast<size_t>(device)].store(cc + 1, std::memory_order_relaxed);
-  return cc;
+  if (device >= 0 && device < kCachedDevices)
+    cache[static_cast<size_t>(device)].store(value + 1, std::memory_order_relaxed);
+  return value;
+}
+
+}  // namespace
+
+// Compute capability of the current device (major * 10 + minor), read once per device index; 0 without one (also the
+// backward's choice, backward_kernel.cpp).
+int current_device_cc() {
+  static DeviceCache cache{};
+  return cached_device_value(cache, 0, [](int device, int& cc) {
+    int major = 0, minor = 0;
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess)
+      return false;
+    cc = major * 10 + minor;
+    return true;
+  });
+}
+
+int current_device_sm_count() {
+  static DeviceCache cache{};
+  return cached_device_value(cache, 1, [](int device, int& sms) {
+    return cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) == cudaSuccess && sms > 0;
+  });
 }
 
 }  // namespace detail
@@ -98,34 +124,15 @@ int current_device_cc() {
 namespace {
 
 // CPGOLD_FORWARD_KERNEL, read once: the request that replaces `automatic`.
-struct EnvRequest {
-  bool set = false, valid = true;
-  ForwardKernel kernel = ForwardKernel::automatic;
-  std::string text;
-};
-const EnvRequest& env_request() {
-  static const EnvRequest request = [] {
-    EnvRequest r;
-    if (const char* v = std::getenv("CPGOLD_FORWARD_KERNEL"); v != nullptr && *v != '\0') {
-      r.set = true;
-      r.text = v;
-      r.valid = parse_forward_kernel(r.text, r.kernel);
-    }
-    return r;
-  }();
+const detail::EnvRequest<ForwardKernel>& env_kernel() {
+  static const auto request = detail::read_env_request("CPGOLD_FORWARD_KERNEL", parse_forward_kernel);
   return request;
 }
 
 }  // namespace
 
 Outcome forward_kernel_for(const AttentionShape& shape, ForwardKernel requested, ForwardKernel& chosen) {
-  if (requested == ForwardKernel::automatic) {
-    const EnvRequest& env = env_request();
-    if (env.set && !env.valid)
-      return {Status::invalid_argument,
-              "CPGOLD_FORWARD_KERNEL: value '" + env.text + "' is not one of auto, mma, wgmma"};
-    if (env.set) requested = env.kernel;
-  }
+  if (Outcome o = detail::apply_env_request(env_kernel, "auto, mma, wgmma", requested); !o.ok()) return o;
   return choose_forward_kernel(shape, detail::current_device_cc(), requested, chosen);
 }
 
@@ -160,33 +167,14 @@ bool wgmma_short_schedules_serve(const AttentionShape& shape) { return shape.dim
 namespace {
 
 // CPGOLD_FORWARD_SCHEDULE, read once: the schedule that replaces `automatic`.
-struct EnvSchedule {
-  bool set = false, valid = true;
-  ForwardSchedule schedule = ForwardSchedule::automatic;
-  std::string text;
-};
-const EnvSchedule& env_schedule() {
-  static const EnvSchedule request = [] {
-    EnvSchedule r;
-    if (const char* v = std::getenv("CPGOLD_FORWARD_SCHEDULE"); v != nullptr && *v != '\0') {
-      r.set = true;
-      r.text = v;
-      r.valid = parse_forward_schedule(r.text, r.schedule);
-    }
-    return r;
-  }();
+const detail::EnvRequest<ForwardSchedule>& env_schedule() {
+  static const auto request = detail::read_env_request("CPGOLD_FORWARD_SCHEDULE", parse_forward_schedule);
   return request;
 }
 
 Outcome env_schedule_request(ForwardSchedule& requested) {
-  if (requested != ForwardSchedule::automatic) return {};
-  const EnvSchedule& env = env_schedule();
-  if (env.set && !env.valid)
-    return {Status::invalid_argument, "CPGOLD_FORWARD_SCHEDULE: value '" + env.text +
-                                          "' is not one of auto, tile128, tile64, persistent, persistent128, "
-                                          "persistent64"};
-  if (env.set) requested = env.schedule;
-  return {};
+  return detail::apply_env_request(env_schedule,
+                                   "auto, tile128, tile64, persistent, persistent128, persistent64", requested);
 }
 
 }  // namespace
@@ -211,30 +199,6 @@ Outcome forward_schedule_for(const AttentionPlan& plan, ForwardSchedule requeste
   if (!small_ok) chosen = {128, false};
   return {};
 }
-
-namespace detail {
-
-int current_device_sm_count() {
-  constexpr int kCached = 64;
-  static std::array<std::atomic<int>, kCached> cache{};  // 0: not read yet
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) {
-    cudaGetLastError();
-    return 1;
-  }
-  if (device >= 0 && device < kCached) {
-    if (const int c = cache[static_cast<size_t>(device)].load(std::memory_order_relaxed); c != 0) return c;
-  }
-  int sms = 0;
-  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || sms <= 0) {
-    cudaGetLastError();
-    return 1;
-  }
-  if (device >= 0 && device < kCached) cache[static_cast<size_t>(device)].store(sms, std::memory_order_relaxed);
-  return sms;
-}
-
-}  // namespace detail
 
 std::string forward_kernel_description(const AttentionShape& shape, ForwardKernel requested) {
   ForwardKernel chosen = ForwardKernel::mma_sync;
