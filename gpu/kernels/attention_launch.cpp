@@ -21,6 +21,64 @@ AttentionParams base_params(const AttentionPlan::Impl& plan) {
   p.sequences = plan.sequences;
   return p;
 }
+
+AttentionParams forward_params(const AttentionPlan::Impl& plan, const ForwardBuffers& b) {
+  AttentionParams p = base_params(plan);
+  p.q = b.q;
+  p.k = b.k;
+  p.v = b.v;
+  p.o = b.o;
+  p.lse = b.lse;
+  return p;
+}
+
+AttentionParams backward_params(const AttentionPlan::Impl& plan, const BackwardBuffers& b) {
+  AttentionParams p = base_params(plan);
+  p.q = b.q;
+  p.k = b.k;
+  p.v = b.v;
+  p.o = const_cast<void*>(b.o);
+  p.lse = const_cast<float*>(b.lse);
+  p.dout = b.dout;
+  p.dq = b.dq;
+  p.dk = b.dk;
+  p.dv = b.dv;
+  p.dq_sum = b.dq_sum.data;
+  p.dk_sum = b.dk_sum.data;
+  p.dv_sum = b.dv_sum.data;
+  p.q_sum_rows = b.dq_sum.rows;
+  p.kv_sum_rows = b.dk_sum.rows;
+  p.dq_sum_assign = b.dq_sum.assign;
+  p.dk_sum_assign = b.dk_sum.assign;
+  p.dv_sum_assign = b.dv_sum.assign;
+  p.dq_result = b.dq_sum.result;
+  p.dk_result = b.dk_sum.result;
+  p.dv_result = b.dv_sum.result;
+  p.delta = const_cast<float*>(b.delta);
+  return p;
+}
+
+cudaError_t allocate_backward_workspace(AttentionParams& p, bool atomic, int dim_qk, cudaStream_t stream,
+                                        BackwardWorkspace& w) {
+  w.own_delta = p.delta == nullptr;
+  const size_t delta_elems = w.own_delta ? static_cast<size_t>(p.heads_q) * p.q_rows : 0;
+  w.accum_elems = atomic ? static_cast<size_t>(p.q_rows) * p.heads_q * dim_qk : 0;
+  const size_t bytes = (delta_elems + w.accum_elems) * sizeof(float);
+  w.data = nullptr;
+  if (bytes > 0) {
+    if (cudaError_t e = cudaMallocAsync(&w.data, bytes, stream); e != cudaSuccess) {
+      w.data = nullptr;
+      return e;
+    }
+  }
+  p.dq_accum = static_cast<float*>(w.data);
+  if (w.own_delta) p.delta = static_cast<float*>(w.data) + w.accum_elems;
+  return cudaSuccess;
+}
+
+cudaError_t free_backward_workspace(const BackwardWorkspace& w, cudaStream_t stream) {
+  return w.data != nullptr ? cudaFreeAsync(w.data, stream) : cudaSuccess;
+}
 }  // namespace detail
 
 Outcome attention_forward(const AttentionPlan& plan, const ForwardBuffers& b, void* stream, ForwardKernel kernel,

@@ -41,20 +41,11 @@ Outcome forward_dims(AttentionParams p, cudaStream_t stream, const AttentionPlan
 
 template <class T>
 Outcome forward_typed(const AttentionPlan::Impl& plan, const ForwardBuffers& b, cudaStream_t stream) {
-  AttentionParams p = base_params(plan);
-  p.q = b.q;
-  p.k = b.k;
-  p.v = b.v;
-  p.o = b.o;
-  p.lse = b.lse;
-  const int d = plan.shape.dim_qk, dv = plan.shape.dim_v;
-  if (d == 32 && dv == 32) return forward_dims<T, 32, 32>(p, stream, plan);
-  if (d == 64 && dv == 64) return forward_dims<T, 64, 64>(p, stream, plan);
-  if (d == 96 && dv == 96) return forward_dims<T, 96, 96>(p, stream, plan);
-  if (d == 128 && dv == 128) return forward_dims<T, 128, 128>(p, stream, plan);
-  if (d == 128 && dv == 64) return forward_dims<T, 128, 64>(p, stream, plan);
-  if (d == 192 && dv == 128) return forward_dims<T, 192, 128>(p, stream, plan);
-  if (d == 256 && dv == 256) return forward_dims<T, 256, 256>(p, stream, plan);
+  const AttentionParams p = forward_params(plan, b);
+  Outcome out;
+  if (run_for_head_dims(plan.shape.dim_qk, plan.shape.dim_v,
+                        [&]<int D, int DV>() { return forward_dims<T, D, DV>(p, stream, plan); }, out))
+    return out;
   return {Status::unsupported, "head dims outside the capability table"};
 }
 
@@ -65,17 +56,11 @@ Outcome backward_dims(AttentionParams p, BackwardMode mode, cudaStream_t stream,
   p.kv_tiles = plan.kv_tiles;
   p.kv_tile_count = plan.kv_tile_count;
   const bool atomic = mode == BackwardMode::atomic;
-  const bool own_delta = p.delta == nullptr;  // else BackwardBuffers::delta, computed by attention_row_delta
-  const size_t delta_elems = own_delta ? static_cast<size_t>(p.heads_q) * p.q_rows : 0;
-  const size_t accum_elems = atomic ? static_cast<size_t>(p.q_rows) * p.heads_q * D : 0;
-  const size_t bytes = (delta_elems + accum_elems) * sizeof(float);
-  void* workspace = nullptr;
-  if (bytes > 0) {
-    if (cudaError_t e = cudaMallocAsync(&workspace, bytes, stream); e != cudaSuccess)
-      return cuda_failure("cudaMallocAsync of the backward workspace", e);
-  }
-  p.dq_accum = static_cast<float*>(workspace);
-  if (own_delta) p.delta = static_cast<float*>(workspace) + accum_elems;
+  BackwardWorkspace workspace;
+  if (cudaError_t e = allocate_backward_workspace(p, atomic, D, stream, workspace); e != cudaSuccess)
+    return cuda_failure("cudaMallocAsync of the backward workspace", e);
+  const bool own_delta = workspace.own_delta;
+  const size_t accum_elems = workspace.accum_elems;
   Outcome out;
   auto step = [&](Outcome o) {
     if (out.ok() && !o.ok()) out = std::move(o);
@@ -119,46 +104,19 @@ Outcome backward_dims(AttentionParams p, BackwardMode mode, cudaStream_t stream,
       step(launch(attention_backward_dq_kernel<T, D, DV>, dim3(p.q_tile_count, p.heads_q), Dq::kThreads,
                   Dq::kSmemBytes, stream, p, "attention_backward_dq_kernel"));
   }
-  if (workspace != nullptr) {
-    if (cudaError_t e = cudaFreeAsync(workspace, stream); e != cudaSuccess)
-      step(cuda_failure("cudaFreeAsync of the backward workspace", e));
-  }
+  if (cudaError_t e = free_backward_workspace(workspace, stream); e != cudaSuccess)
+    step(cuda_failure("cudaFreeAsync of the backward workspace", e));
   return out;
 }
 
 template <class T>
 Outcome backward_typed(const AttentionPlan::Impl& plan, const BackwardBuffers& b, BackwardMode mode,
                        cudaStream_t stream) {
-  AttentionParams p = base_params(plan);
-  p.q = b.q;
-  p.k = b.k;
-  p.v = b.v;
-  p.o = const_cast<void*>(b.o);
-  p.lse = const_cast<float*>(b.lse);
-  p.dout = b.dout;
-  p.dq = b.dq;
-  p.dk = b.dk;
-  p.dv = b.dv;
-  p.dq_sum = b.dq_sum.data;
-  p.dk_sum = b.dk_sum.data;
-  p.dv_sum = b.dv_sum.data;
-  p.q_sum_rows = b.dq_sum.rows;
-  p.kv_sum_rows = b.dk_sum.rows;
-  p.dq_sum_assign = b.dq_sum.assign;
-  p.dk_sum_assign = b.dk_sum.assign;
-  p.dv_sum_assign = b.dv_sum.assign;
-  p.dq_result = b.dq_sum.result;
-  p.dk_result = b.dk_sum.result;
-  p.dv_result = b.dv_sum.result;
-  p.delta = const_cast<float*>(b.delta);
-  const int d = plan.shape.dim_qk, dv = plan.shape.dim_v;
-  if (d == 32 && dv == 32) return backward_dims<T, 32, 32>(p, mode, stream, plan);
-  if (d == 64 && dv == 64) return backward_dims<T, 64, 64>(p, mode, stream, plan);
-  if (d == 96 && dv == 96) return backward_dims<T, 96, 96>(p, mode, stream, plan);
-  if (d == 128 && dv == 128) return backward_dims<T, 128, 128>(p, mode, stream, plan);
-  if (d == 128 && dv == 64) return backward_dims<T, 128, 64>(p, mode, stream, plan);
-  if (d == 192 && dv == 128) return backward_dims<T, 192, 128>(p, mode, stream, plan);
-  if (d == 256 && dv == 256) return backward_dims<T, 256, 256>(p, mode, stream, plan);
+  const AttentionParams p = backward_params(plan, b);
+  Outcome out;
+  if (run_for_head_dims(plan.shape.dim_qk, plan.shape.dim_v,
+                        [&]<int D, int DV>() { return backward_dims<T, D, DV>(p, mode, stream, plan); }, out))
+    return out;
   return {Status::unsupported, "head dims outside the capability table"};
 }
 

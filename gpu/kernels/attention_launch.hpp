@@ -7,6 +7,38 @@
 namespace cpgold::gpu::detail {
 
 AttentionParams base_params(const AttentionPlan::Impl& plan);
+// base_params with the call's buffers (attention_launch.cpp).
+AttentionParams forward_params(const AttentionPlan::Impl& plan, const ForwardBuffers& buffers);
+AttentionParams backward_params(const AttentionPlan::Impl& plan, const BackwardBuffers& buffers);
+
+// Calls run.template operator()<D, DV>() for the capability table's head-dim pair (d, dv) and stores its outcome in
+// `out`; false (nothing run) for a pair outside the table.
+template <class Run>
+bool run_for_head_dims(int d, int dv, Run&& run, Outcome& out) {
+  if (d == 32 && dv == 32) out = run.template operator()<32, 32>();
+  else if (d == 64 && dv == 64) out = run.template operator()<64, 64>();
+  else if (d == 96 && dv == 96) out = run.template operator()<96, 96>();
+  else if (d == 128 && dv == 128) out = run.template operator()<128, 128>();
+  else if (d == 128 && dv == 64) out = run.template operator()<128, 64>();
+  else if (d == 192 && dv == 128) out = run.template operator()<192, 128>();
+  else if (d == 256 && dv == 256) out = run.template operator()<256, 256>();
+  else return false;
+  return true;
+}
+
+// The backward's float32 workspace, allocated and freed on the call's stream: the atomic mode's dQ accumulator
+// ([q_rows, h_q, d_qk]) first, then delta ([h_q, q_rows]) unless the caller gave BackwardBuffers::delta.
+struct BackwardWorkspace {
+  bool own_delta = false;  // else BackwardBuffers::delta, computed by attention_row_delta
+  size_t accum_elems = 0;
+  void* data = nullptr;
+};
+// Allocates it for head dim `dim_qk` and points p.dq_accum (and p.delta when owned) into it; on an error nothing is
+// allocated and `p` is left as it was.
+cudaError_t allocate_backward_workspace(AttentionParams& p, bool atomic, int dim_qk, cudaStream_t stream,
+                                        BackwardWorkspace& workspace);
+// Frees it (cudaSuccess when nothing was allocated).
+cudaError_t free_backward_workspace(const BackwardWorkspace& workspace, cudaStream_t stream);
 
 Outcome launch_forward_bf16(const AttentionPlan::Impl& plan, const ForwardBuffers& buffers, cudaStream_t stream);
 Outcome launch_forward_fp16(const AttentionPlan::Impl& plan, const ForwardBuffers& buffers, cudaStream_t stream);

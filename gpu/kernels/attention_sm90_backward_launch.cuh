@@ -24,56 +24,26 @@ Outcome backward_sm90_dims(AttentionParams p, BackwardMode mode, cudaStream_t st
   p.kv_tile_count = plan.kv_tile_large_count;
   if (p.heads_q == 0 || (p.q_tile_count == 0 && p.kv_tile_count == 0)) return {};
   const bool atomic = mode == BackwardMode::atomic;
-  const bool own_delta = p.delta == nullptr;  // else BackwardBuffers::delta, computed by attention_row_delta
-  const size_t delta_elems = own_delta ? static_cast<size_t>(p.heads_q) * p.q_rows : 0;
-  const size_t accum_elems = atomic ? static_cast<size_t>(p.q_rows) * p.heads_q * D : 0;
-  const size_t bytes = (delta_elems + accum_elems) * sizeof(float);
-  void* workspace = nullptr;
-  if (bytes > 0) {
-    if (cudaError_t e = cudaMallocAsync(&workspace, bytes, stream); e != cudaSuccess)
-      return {Status::cuda_error, std::string("attention_backward (wgmma): cudaMallocAsync of the workspace: ") +
-                                      cudaGetErrorString(e)};
-  }
-  p.dq_accum = static_cast<float*>(workspace);
-  if (own_delta) p.delta = static_cast<float*>(workspace) + accum_elems;
+  BackwardWorkspace workspace;
+  if (cudaError_t e = allocate_backward_workspace(p, atomic, D, stream, workspace); e != cudaSuccess)
+    return {Status::cuda_error, std::string("attention_backward (wgmma): cudaMallocAsync of the workspace: ") +
+                                    cudaGetErrorString(e)};
+  const bool own_delta = workspace.own_delta;
   const std::string err =
       atomic ? sm90::launch_backward_sm90<T, D, true>(p, sm90::Watchdog{}, stream, own_delta)
              : sm90::launch_backward_sm90<T, D, false>(p, sm90::Watchdog{}, stream, own_delta);
   Outcome out;
   if (!err.empty()) out = {Status::cuda_error, "attention_backward (wgmma): " + err};
-  if (workspace != nullptr) {
-    if (cudaError_t e = cudaFreeAsync(workspace, stream); e != cudaSuccess && out.ok())
-      out = {Status::cuda_error, std::string("attention_backward (wgmma): cudaFreeAsync of the workspace: ") +
-                                     cudaGetErrorString(e)};
-  }
+  if (cudaError_t e = free_backward_workspace(workspace, stream); e != cudaSuccess && out.ok())
+    out = {Status::cuda_error, std::string("attention_backward (wgmma): cudaFreeAsync of the workspace: ") +
+                                   cudaGetErrorString(e)};
   return out;
 }
 
 template <class T>
 Outcome backward_sm90_typed(const AttentionPlan::Impl& plan, const BackwardBuffers& b, BackwardMode mode,
                             cudaStream_t stream) {
-  AttentionParams p = base_params(plan);
-  p.q = b.q;
-  p.k = b.k;
-  p.v = b.v;
-  p.o = const_cast<void*>(b.o);
-  p.lse = const_cast<float*>(b.lse);
-  p.dout = b.dout;
-  p.dq = b.dq;
-  p.dk = b.dk;
-  p.dv = b.dv;
-  p.dq_sum = b.dq_sum.data;
-  p.dk_sum = b.dk_sum.data;
-  p.dv_sum = b.dv_sum.data;
-  p.q_sum_rows = b.dq_sum.rows;
-  p.kv_sum_rows = b.dk_sum.rows;
-  p.dq_sum_assign = b.dq_sum.assign;
-  p.dk_sum_assign = b.dk_sum.assign;
-  p.dv_sum_assign = b.dv_sum.assign;
-  p.dq_result = b.dq_sum.result;
-  p.dk_result = b.dk_sum.result;
-  p.dv_result = b.dv_sum.result;
-  p.delta = const_cast<float*>(b.delta);
+  const AttentionParams p = backward_params(plan, b);
   const int d = plan.shape.dim_qk, dv = plan.shape.dim_v;
   if (d == 64 && dv == 64) return backward_sm90_dims<T, 64>(p, mode, stream, plan);
   if (d == 128 && dv == 128) return backward_sm90_dims<T, 128>(p, mode, stream, plan);

@@ -70,20 +70,12 @@ Outcome forward_sm90_dims(AttentionParams p, cudaStream_t stream, const Attentio
 template <class T>
 Outcome forward_sm90_typed(const AttentionPlan::Impl& plan, const ForwardBuffers& b, ForwardScheduleChoice schedule,
                            cudaStream_t stream) {
-  AttentionParams p = base_params(plan);
-  p.q = b.q;
-  p.k = b.k;
-  p.v = b.v;
-  p.o = b.o;
-  p.lse = b.lse;
+  const AttentionParams p = forward_params(plan, b);
   const int d = plan.shape.dim_qk, dv = plan.shape.dim_v;
-  if (d == 32 && dv == 32) return forward_sm90_dims<T, 32, 32>(p, stream, plan, schedule);
-  if (d == 64 && dv == 64) return forward_sm90_dims<T, 64, 64>(p, stream, plan, schedule);
-  if (d == 96 && dv == 96) return forward_sm90_dims<T, 96, 96>(p, stream, plan, schedule);
-  if (d == 128 && dv == 128) return forward_sm90_dims<T, 128, 128>(p, stream, plan, schedule);
-  if (d == 128 && dv == 64) return forward_sm90_dims<T, 128, 64>(p, stream, plan, schedule);
-  if (d == 192 && dv == 128) return forward_sm90_dims<T, 192, 128>(p, stream, plan, schedule);
-  if (d == 256 && dv == 256) return forward_sm90_dims<T, 256, 256>(p, stream, plan, schedule);
+  Outcome out;
+  if (run_for_head_dims(d, dv, [&]<int D, int DV>() { return forward_sm90_dims<T, D, DV>(p, stream, plan, schedule); },
+                        out))
+    return out;
   return {Status::unsupported, "attention_forward (wgmma): head dims d_qk=" + std::to_string(d) +
                                    ", d_v=" + std::to_string(dv) + " are not served by the wgmma forward"};
 }
