@@ -1,0 +1,387 @@
+#pragma once
+// Host harness shared by the self-checking programs bench/hopper_forward.cu and bench/hopper_backward.cu (one
+// translation unit each, built by bench/hopper_forward.sh and hopper_backward.sh): RESULT lines and the summary,
+// CUDA error checks and the hang limit (exit 4 and 5, "FAULTED <name>" for the scripts' reruns), bf16/fp16 bits,
+// device buffers, the mbarrier watchdog, random data, and the varlen test cases with their tile lists. Include it
+// after the sm90 kernel header the program tests.
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "gpu/kernels/kernel_params.hpp"
+#include "gpu/kernels/sm90/ptx_sm90.cuh"
+
+namespace hf {
+
+using cpgold::gpu::AttentionParams;
+using cpgold::gpu::RowTile;
+using cpgold::gpu::SequenceDesc;
+namespace sm90 = cpgold::gpu::sm90;
+using bf16 = __nv_bfloat16;
+
+// ---------------------------------------------------------------------------------------------------------------
+// Reporting.
+
+struct Result {
+  std::string stage, name;
+  bool pass;
+  std::string detail;
+};
+std::vector<Result> g_results;
+std::vector<std::string> g_timing_rows;
+std::vector<std::string> g_exclude;
+std::string g_current = "setup";  // what runs now, named on a fatal error
+
+bool excluded(const std::string& name) {
+  return std::find(g_exclude.begin(), g_exclude.end(), name) != g_exclude.end();
+}
+
+void record(const std::string& stage, const std::string& name, bool pass, const std::string& detail) {
+  g_results.push_back({stage, name, pass, detail});
+  std::printf("RESULT|%s|%s|%s|%s\n", stage.c_str(), name.c_str(), pass ? "PASS" : "FAIL", detail.c_str());
+  std::fflush(stdout);
+}
+
+bool passed(const std::string& stage, const std::string& name) {
+  for (const Result& r : g_results)
+    if (r.stage == stage && r.name == name) return r.pass;
+  return false;
+}
+
+void print_summary() {
+  std::printf("\n==== summary ====\n");
+  int pass = 0, fail = 0;
+  for (const Result& r : g_results) {
+    // Passing lines shortened (the full ones are the RESULT lines above); failing ones in full.
+    const std::string detail = r.pass && r.detail.size() > 96 ? r.detail.substr(0, 93) + "..." : r.detail;
+    std::printf("%-7s %-4s %-52s %s\n", r.stage.c_str(), r.pass ? "PASS" : "FAIL", r.name.c_str(), detail.c_str());
+    (r.pass ? pass : fail)++;
+  }
+  if (!g_timing_rows.empty()) {
+    std::printf("\n==== timing ====\n");
+    for (const std::string& s : g_timing_rows) std::printf("%s\n", s.c_str());
+  }
+  std::printf("\n%d passed, %d failed\n", pass, fail);
+  std::fflush(stdout);
+}
+
+[[noreturn]] void fatal(const std::string& what, int code) {
+  std::printf("FATAL while running %s: %s\n", g_current.c_str(), what.c_str());
+  std::printf("FAULTED %s\n", g_current.c_str());
+  print_summary();
+  std::exit(code);
+}
+
+void check(cudaError_t e, const char* call, int line) {
+  if (e != cudaSuccess) fatal(std::string(call) + " (line " + std::to_string(line) + "): " + cudaGetErrorString(e), 4);
+}
+#define CK(call) ::hf::check((call), #call, __LINE__)
+
+// Adds the names of a comma-separated --exclude list.
+void add_excludes(const std::string& list) {
+  for (size_t p = 0; p <= list.size();) {
+    const size_t q = list.find(',', p);
+    const std::string name = list.substr(p, q == std::string::npos ? std::string::npos : q - p);
+    if (!name.empty()) g_exclude.push_back(name);
+    if (q == std::string::npos) break;
+    p = q + 1;
+  }
+}
+
+// The "excluded:" line at the start of a run with --exclude.
+void print_excluded() {
+  if (!g_exclude.empty()) {
+    std::printf("excluded:");
+    for (const auto& e : g_exclude) std::printf(" %s", e.c_str());
+    std::printf("\n");
+  }
+}
+
+bool any_failed() {
+  for (const Result& r : g_results)
+    if (!r.pass) return true;
+  return false;
+}
+
+// Waits for all work on the device with a wall-clock limit: a kernel that never ends (a deadlock the mbarrier
+// watchdog cannot see) is reported by name instead of hanging the run.
+void sync_or_die(double seconds = 120.0) {
+  cudaEvent_t ev;
+  CK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+  CK(cudaEventRecord(ev, 0));
+  const auto t0 = std::chrono::steady_clock::now();
+  for (;;) {
+    const cudaError_t e = cudaEventQuery(ev);
+    if (e == cudaSuccess) break;
+    if (e != cudaErrorNotReady) check(e, "cudaEventQuery", __LINE__);
+    if (std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() > seconds) {
+      std::printf("HANG: the device did not finish within %.0f s\n", seconds);
+      std::printf("FAULTED %s\n", g_current.c_str());
+      print_summary();
+      std::fflush(stdout);
+      std::_Exit(5);
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+  CK(cudaEventDestroy(ev));
+  CK(cudaGetLastError());
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Host element types.
+
+uint16_t float_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+float bf16_to_float(uint16_t h) {
+  const uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+uint16_t float_to_half(float f) {
+  const __half h = __float2half_rn(f);
+  uint16_t b;
+  std::memcpy(&b, &h, 2);
+  return b;
+}
+float half_to_float(uint16_t b) {
+  __half h;
+  std::memcpy(&h, &b, 2);
+  return __half2float(h);
+}
+uint16_t to_bits(float f, bool fp16) { return fp16 ? float_to_half(f) : float_to_bf16(f); }
+float from_bits(uint16_t b, bool fp16) { return fp16 ? half_to_float(b) : bf16_to_float(b); }
+uint16_t nan_bits(bool fp16) { return fp16 ? 0x7e00 : 0x7fc0; }
+
+template <class T>
+struct DeviceBuffer {
+  T* ptr = nullptr;
+  size_t count = 0;
+  DeviceBuffer() = default;
+  explicit DeviceBuffer(size_t n) : count(n) {
+    if (n > 0) CK(cudaMalloc(&ptr, n * sizeof(T)));
+  }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  ~DeviceBuffer() {
+    if (ptr != nullptr) cudaFree(ptr);
+  }
+  void reset(size_t n) {
+    if (ptr != nullptr) CK(cudaFree(ptr));
+    ptr = nullptr;
+    count = n;
+    if (n > 0) CK(cudaMalloc(&ptr, n * sizeof(T)));
+  }
+  void upload(const std::vector<T>& h) {
+    if (!h.empty()) CK(cudaMemcpy(ptr, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
+  }
+  std::vector<T> download() const {
+    std::vector<T> h(count);
+    if (count > 0) CK(cudaMemcpy(h.data(), ptr, count * sizeof(T), cudaMemcpyDeviceToHost));
+    return h;
+  }
+};
+
+// The name of the barrier a watchdog code stands for ("?" for an unknown code); each program defines it for the
+// codes its kernels use.
+const char* watchdog_wait_name(int code);
+
+// Watchdog flag of the kernels' mbarrier waits (gpu/kernels/sm90/ptx_sm90.cuh).
+struct DeviceWatchdog {
+  DeviceBuffer<int> flag{8};
+  sm90::Watchdog arm() {
+    CK(cudaMemset(flag.ptr, 0, 8 * sizeof(int)));
+    return sm90::Watchdog{flag.ptr};
+  }
+  // "" or a description of the wait that timed out.
+  std::string report() const {
+    const std::vector<int> f = flag.download();
+    if (f[0] == 0) return {};
+    return std::string("watchdog: a wait on '") + watchdog_wait_name(f[0]) + "' timed out (block " + std::to_string(f[1]) + "," +
+           std::to_string(f[2]) + ", thread " + std::to_string(f[3]) + ", iteration " + std::to_string(f[4]) + ")";
+  }
+};
+
+std::string fmt(const char* f, double v) {
+  char b[64];
+  std::snprintf(b, sizeof b, f, v);
+  return b;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Random data.
+
+std::vector<uint16_t> random_bf16(size_t n, std::mt19937_64& rng, float scale = 1.f) {
+  std::normal_distribution<float> nd(0.f, scale);
+  std::vector<uint16_t> v(n);
+  for (auto& x : v) x = float_to_bf16(nd(rng));
+  return v;
+}
+
+template <class Kernel>
+void set_smem(Kernel k, int bytes) {
+  CK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Test cases: varlen THD batches and their tile lists.
+
+struct Case {
+  std::string name;
+  bool fp16 = false;
+  int d = 128;
+  int heads_q = 2, heads_kv = 2;
+  int wl = -1, wr = -1;  // window (wr = 0, wl = -1: causal)
+  std::vector<SequenceDesc> seqs;
+  int64_t q_rows = 0, kv_rows = 0;
+  uint64_t seed = 1;
+};
+
+SequenceDesc one_segment(int64_t q_row, int q_len, int64_t kv_row, int kv_len) {
+  SequenceDesc s{};
+  s.q_first_row[0] = q_row;
+  s.q_count[0] = q_len;
+  s.kv_first_row[0] = kv_row;
+  s.kv_count[0] = kv_len;
+  s.length_q = q_len;
+  s.length_kv = kv_len;
+  return s;
+}
+
+// Sequences (q length, kv length) laid out one after the other with `pad` rows after each (none after the last).
+Case make_case(std::string name, const std::vector<std::pair<int, int>>& lens, int pad, bool causal) {
+  Case c;
+  c.name = std::move(name);
+  if (causal) c.wr = 0;
+  for (size_t i = 0; i < lens.size(); ++i) {
+    c.seqs.push_back(one_segment(c.q_rows, lens[i].first, c.kv_rows, lens[i].second));
+    const int gap = i + 1 < lens.size() ? pad : 0;
+    c.q_rows += lens[i].first + gap;
+    c.kv_rows += lens[i].second + gap;
+  }
+  return c;
+}
+
+std::vector<Case> forward_cases() {
+  std::vector<Case> cases;
+  const std::vector<int> mixed = {1, 17, 100, 128, 129, 4096, 0, 1000};  // the last ends at the tensor end
+  std::vector<std::pair<int, int>> same;
+  for (int l : mixed) same.push_back({l, l});
+  cases.push_back(make_case("full-mixed", same, 5, false));
+  cases.push_back(make_case("causal-mixed", same, 5, true));
+  cases.push_back(make_case("causal-q-ne-kv", {{100, 40}, {17, 300}, {50, 0}, {129, 129}, {1000, 1000}, {3, 700}}, 7,
+                            true));
+  {
+    Case c = make_case("gqa4-2-window-96-0", {{300, 300}, {777, 777}, {64, 64}, {1, 1}}, 3, false);
+    c.heads_q = 4;
+    c.wl = 96;
+    c.wr = 0;
+    cases.push_back(c);
+  }
+  {
+    Case c = make_case("band-40-24-q-ne-kv", {{300, 500}, {200, 130}, {129, 257}}, 2, false);
+    c.wl = 40;
+    c.wr = 24;
+    cases.push_back(c);
+  }
+  {
+    // Two segments per sequence as a context-parallel rank holds them (length 1000, 4 chunks of 250: chunks 0 and 3
+    // of Q and KV, causal), and a sequence whose Q is chunk 2 alone against all 1000 keys in two KV segments.
+    Case c;
+    c.name = "causal-two-segments";
+    c.wr = 0;
+    SequenceDesc a{};
+    a.q_first_row[0] = 0, a.q_count[0] = 250, a.q_position[0] = 0;
+    a.q_first_row[1] = 250, a.q_count[1] = 250, a.q_position[1] = 750;
+    a.kv_first_row[0] = 0, a.kv_count[0] = 250, a.kv_position[0] = 0;
+    a.kv_first_row[1] = 250, a.kv_count[1] = 250, a.kv_position[1] = 750;
+    a.length_q = a.length_kv = 1000;
+    SequenceDesc b{};
+    b.q_first_row[0] = 503, b.q_count[0] = 250, b.q_position[0] = 500;
+    b.kv_first_row[0] = 503, b.kv_count[0] = 600, b.kv_position[0] = 0;
+    b.kv_first_row[1] = 1110, b.kv_count[1] = 400, b.kv_position[1] = 600;
+    b.length_q = b.length_kv = 1000;
+    c.seqs = {a, b};
+    c.q_rows = 753 + 4;
+    c.kv_rows = 1510;
+    cases.push_back(c);
+  }
+  {
+    std::vector<std::pair<int, int>> l64;
+    for (int l : {1, 17, 100, 128, 129, 2048, 0, 1000}) l64.push_back({l, l});
+    Case c = make_case("d64-causal-mixed", l64, 5, true);
+    c.d = 64;
+    cases.push_back(c);
+  }
+  {
+    Case c = make_case("fp16-full", {{1, 1}, {129, 129}, {1000, 1000}, {2048, 2048}}, 3, false);
+    c.fp16 = true;
+    cases.push_back(c);
+  }
+  for (size_t i = 0; i < cases.size(); ++i) cases[i].seed = 1000 + i;
+  return cases;
+}
+
+// Row tiles of `rows` rows over the Q segments, then pad tiles over the rows no segment covers.
+std::vector<RowTile> q_tiles(const Case& c, int rows) {
+  std::vector<RowTile> tiles;
+  std::vector<uint8_t> covered(c.q_rows, 0);
+  for (size_t s = 0; s < c.seqs.size(); ++s)
+    for (int g = 0; g < 2; ++g) {
+      const SequenceDesc& q = c.seqs[s];
+      for (int r0 = 0; r0 < q.q_count[g]; r0 += rows) {
+        tiles.push_back({q.q_first_row[g] + r0, std::min(rows, q.q_count[g] - r0), q.q_position[g] + r0,
+                         static_cast<int32_t>(s), g});
+      }
+      for (int r = 0; r < q.q_count[g]; ++r) covered[q.q_first_row[g] + r] = 1;
+    }
+  for (int64_t r = 0; r < c.q_rows;) {
+    if (covered[r]) {
+      ++r;
+      continue;
+    }
+    int64_t e = r;
+    while (e < c.q_rows && !covered[e] && e - r < rows) ++e;
+    tiles.push_back({r, static_cast<int32_t>(e - r), 0, -1, 0});
+    r = e;
+  }
+  return tiles;
+}
+
+bool visible(const Case& c, int64_t delta, int64_t qp, int64_t kp) {
+  return (c.wl < 0 || kp >= qp + delta - c.wl) && (c.wr < 0 || kp <= qp + delta + c.wr);
+}
+
+template <class F>
+void parallel_for(int64_t n, F f) {
+  const int threads = std::max(1u, std::min(64u, std::thread::hardware_concurrency()));
+  std::atomic<int64_t> next{0};
+  std::vector<std::thread> pool;
+  for (int t = 0; t < threads; ++t)
+    pool.emplace_back([&] {
+      for (int64_t i; (i = next.fetch_add(1)) < n;) f(i);
+    });
+  for (auto& t : pool) t.join();
+}
+
+}  // namespace hf
