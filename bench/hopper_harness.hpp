@@ -217,8 +217,9 @@ struct DeviceWatchdog {
   std::string report() const {
     const std::vector<int> f = flag.download();
     if (f[0] == 0) return {};
-    return std::string("watchdog: a wait on '") + watchdog_wait_name(f[0]) + "' timed out (block " + std::to_string(f[1]) + "," +
-           std::to_string(f[2]) + ", thread " + std::to_string(f[3]) + ", iteration " + std::to_string(f[4]) + ")";
+    return std::string("watchdog: a wait on '") + watchdog_wait_name(f[0]) + "' timed out (block " +
+           std::to_string(f[1]) + "," + std::to_string(f[2]) + ", thread " + std::to_string(f[3]) + ", iteration " +
+           std::to_string(f[4]) + ")";
   }
 };
 

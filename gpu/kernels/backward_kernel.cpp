@@ -9,21 +9,10 @@
 
 namespace cpgold::gpu {
 
-std::string_view backward_kernel_name(BackwardKernel kernel) {
-  switch (kernel) {
-    case BackwardKernel::automatic: return "automatic";
-    case BackwardKernel::mma_sync: return "mma.sync";
-    case BackwardKernel::wgmma: return "wgmma";
-  }
-  return "?";
-}
+std::string_view backward_kernel_name(BackwardKernel kernel) { return detail::kernel_choice_name(kernel); }
 
 bool parse_backward_kernel(std::string_view text, BackwardKernel& kernel) {
-  if (text == "auto" || text == "automatic") kernel = BackwardKernel::automatic;
-  else if (text == "mma" || text == "mma.sync") kernel = BackwardKernel::mma_sync;
-  else if (text == "wgmma") kernel = BackwardKernel::wgmma;
-  else return false;
-  return true;
+  return detail::parse_kernel_choice(text, kernel);
 }
 
 bool wgmma_backward_serves(const AttentionShape& shape) {

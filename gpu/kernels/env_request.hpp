@@ -1,7 +1,8 @@
 #pragma once
-// A kernel or schedule request read from an environment variable (CPGOLD_FORWARD_KERNEL, CPGOLD_BACKWARD_KERNEL,
-// CPGOLD_FORWARD_SCHEDULE): read once, it replaces a call's `automatic` request; a value the parser rejects makes
-// such a call fail with invalid_argument naming the variable and the value.
+// The names ForwardKernel and BackwardKernel share, and a kernel or schedule request read from an environment variable
+// (CPGOLD_FORWARD_KERNEL, CPGOLD_BACKWARD_KERNEL, CPGOLD_FORWARD_SCHEDULE): read once, it replaces a call's
+// `automatic` request; a value the parser rejects makes such a call fail with invalid_argument naming the variable and
+// the value.
 #include <cstdlib>
 #include <string>
 #include <string_view>
@@ -9,6 +10,27 @@
 #include "gpu/kernels/attention.hpp"
 
 namespace cpgold::gpu::detail {
+
+// Names of the kernel choices ForwardKernel and BackwardKernel share.
+template <class Kernel>
+std::string_view kernel_choice_name(Kernel kernel) {
+  switch (kernel) {
+    case Kernel::automatic: return "automatic";
+    case Kernel::mma_sync: return "mma.sync";
+    case Kernel::wgmma: return "wgmma";
+  }
+  return "?";
+}
+
+// auto/automatic, mma/mma.sync, wgmma; false (kernel untouched) for anything else.
+template <class Kernel>
+bool parse_kernel_choice(std::string_view text, Kernel& kernel) {
+  if (text == "auto" || text == "automatic") kernel = Kernel::automatic;
+  else if (text == "mma" || text == "mma.sync") kernel = Kernel::mma_sync;
+  else if (text == "wgmma") kernel = Kernel::wgmma;
+  else return false;
+  return true;
+}
 
 template <class Request>
 struct EnvRequest {

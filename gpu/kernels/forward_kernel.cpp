@@ -13,21 +13,10 @@
 
 namespace cpgold::gpu {
 
-std::string_view forward_kernel_name(ForwardKernel kernel) {
-  switch (kernel) {
-    case ForwardKernel::automatic: return "automatic";
-    case ForwardKernel::mma_sync: return "mma.sync";
-    case ForwardKernel::wgmma: return "wgmma";
-  }
-  return "?";
-}
+std::string_view forward_kernel_name(ForwardKernel kernel) { return detail::kernel_choice_name(kernel); }
 
 bool parse_forward_kernel(std::string_view text, ForwardKernel& kernel) {
-  if (text == "auto" || text == "automatic") kernel = ForwardKernel::automatic;
-  else if (text == "mma" || text == "mma.sync") kernel = ForwardKernel::mma_sync;
-  else if (text == "wgmma") kernel = ForwardKernel::wgmma;
-  else return false;
-  return true;
+  return detail::parse_kernel_choice(text, kernel);
 }
 
 bool wgmma_forward_serves(const AttentionShape& shape) {
