@@ -57,7 +57,7 @@ struct TempDir {
 std::string make_fixture(const TempDir& dir, const std::string& name, sim::CaseSpec spec, bool trace) {
   spec.pad_fill = sim::PadFill::nan;
   const std::string path = (dir.path / (name + (trace ? "_trace" : "") + ".h5")).string();
-  fx::write_fixture(fx::generate(spec, fx::GenerateOptions{trace}), path, fx::WriteOptions{true});
+  fx::write_fixture(fx::generate(spec, fx::GenerateOptions{.trace = trace}), path, fx::WriteOptions{.force = true});
   return path;
 }
 
