@@ -329,48 +329,7 @@ void run_unit_tests(std::mt19937_64& rng) {
 // Backward: cases and the float64 CPU reference.
 
 std::vector<Case> backward_cases() {
-  std::vector<Case> cases;
-  const std::vector<int> mixed = {1, 17, 100, 128, 129, 1500, 0, 700};  // the last ends at the tensor end
-  std::vector<std::pair<int, int>> same;
-  for (int l : mixed) same.push_back({l, l});
-  cases.push_back(make_case("full-mixed", same, 5, false));
-  cases.push_back(make_case("causal-mixed", same, 5, true));
-  cases.push_back(make_case("causal-q-ne-kv", {{100, 40}, {17, 300}, {50, 0}, {129, 129}, {600, 600}, {3, 700}}, 7,
-                            true));
-  {
-    Case c = make_case("gqa4-2-window-96-0", {{300, 300}, {777, 777}, {64, 64}, {1, 1}}, 3, false);
-    c.heads_q = 4;
-    c.wl = 96;
-    c.wr = 0;
-    cases.push_back(c);
-  }
-  {
-    Case c = make_case("band-40-24-q-ne-kv", {{300, 500}, {200, 130}, {129, 257}}, 2, false);
-    c.wl = 40;
-    c.wr = 24;
-    cases.push_back(c);
-  }
-  {
-    // A context-parallel rank's two chunks (length 1000, chunks 0 and 3 of 4) and a Q chunk against two KV segments.
-    Case c;
-    c.name = "causal-two-segments";
-    c.wr = 0;
-    SequenceDesc a{};
-    a.q_first_row[0] = 0, a.q_count[0] = 250, a.q_position[0] = 0;
-    a.q_first_row[1] = 250, a.q_count[1] = 250, a.q_position[1] = 750;
-    a.kv_first_row[0] = 0, a.kv_count[0] = 250, a.kv_position[0] = 0;
-    a.kv_first_row[1] = 250, a.kv_count[1] = 250, a.kv_position[1] = 750;
-    a.length_q = a.length_kv = 1000;
-    SequenceDesc b{};
-    b.q_first_row[0] = 503, b.q_count[0] = 250, b.q_position[0] = 500;
-    b.kv_first_row[0] = 503, b.kv_count[0] = 600, b.kv_position[0] = 0;
-    b.kv_first_row[1] = 1110, b.kv_count[1] = 400, b.kv_position[1] = 600;
-    b.length_q = b.length_kv = 1000;
-    c.seqs = {a, b};
-    c.q_rows = 753 + 4;
-    c.kv_rows = 1510;
-    cases.push_back(c);
-  }
+  std::vector<Case> cases = shared_cases(1500, 700, 600);
   {
     Case c = make_case("fp16-causal", {{1, 1}, {129, 129}, {1000, 1000}, {300, 300}}, 3, true);
     c.fp16 = true;

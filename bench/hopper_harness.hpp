@@ -283,14 +283,17 @@ Case make_case(std::string name, const std::vector<std::pair<int, int>>& lens, i
   return c;
 }
 
-std::vector<Case> forward_cases() {
+// The varlen cases both programs check first: mixed lengths (full and causal), L_q != L_kv, GQA with a window, a
+// two-sided band, and a context-parallel rank's two segments. `longest` and `last` are two of the mixed lengths (the
+// last ends at the tensor end), `equal` the one L_q = L_kv sequence of length above 129 in the L_q != L_kv case.
+std::vector<Case> shared_cases(int longest, int last, int equal) {
   std::vector<Case> cases;
-  const std::vector<int> mixed = {1, 17, 100, 128, 129, 4096, 0, 1000};  // the last ends at the tensor end
+  const std::vector<int> mixed = {1, 17, 100, 128, 129, longest, 0, last};
   std::vector<std::pair<int, int>> same;
   for (int l : mixed) same.push_back({l, l});
   cases.push_back(make_case("full-mixed", same, 5, false));
   cases.push_back(make_case("causal-mixed", same, 5, true));
-  cases.push_back(make_case("causal-q-ne-kv", {{100, 40}, {17, 300}, {50, 0}, {129, 129}, {1000, 1000}, {3, 700}}, 7,
+  cases.push_back(make_case("causal-q-ne-kv", {{100, 40}, {17, 300}, {50, 0}, {129, 129}, {equal, equal}, {3, 700}}, 7,
                             true));
   {
     Case c = make_case("gqa4-2-window-96-0", {{300, 300}, {777, 777}, {64, 64}, {1, 1}}, 3, false);
@@ -327,6 +330,11 @@ std::vector<Case> forward_cases() {
     c.kv_rows = 1510;
     cases.push_back(c);
   }
+  return cases;
+}
+
+std::vector<Case> forward_cases() {
+  std::vector<Case> cases = shared_cases(4096, 1000, 1000);
   {
     std::vector<std::pair<int, int>> l64;
     for (int l : {1, 17, 100, 128, 129, 2048, 0, 1000}) l64.push_back({l, l});
