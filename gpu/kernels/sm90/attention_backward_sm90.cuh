@@ -32,6 +32,7 @@
 #include <type_traits>
 
 #include "gpu/kernels/kernel_params.hpp"
+#include "gpu/kernels/mask_ranges.cuh"
 #include "gpu/kernels/sm90/attention_forward_sm90.cuh"
 #include "gpu/kernels/sm90/ptx_sm90.cuh"
 #include "gpu/kernels/sm90/wgmma_ops.cuh"
@@ -104,17 +105,6 @@ struct BackwardDqSm90Config {
 };
 
 namespace detail {
-
-// Query indices [lo, hi] of a Q segment (position q_pos, q_count rows) that some key position in [kp_lo, kp_hi]
-// sees: kp >= qp + delta - wl and kp <= qp + delta + wr, i.e. kp_lo - delta - wr <= qp <= kp_hi - delta + wl.
-__device__ __forceinline__ void visible_query_range(int wl, int wr, int64_t delta, int64_t kp_lo, int64_t kp_hi,
-                                                    int q_pos, int q_count, int& lo, int& hi) {
-  int64_t l = 0, h = q_count - 1;
-  if (wr >= 0) l = max(l, kp_lo - delta - wr - q_pos);
-  if (wl >= 0) h = min(h, kp_hi - delta + wl - q_pos);
-  lo = static_cast<int>(l);
-  hi = static_cast<int>(max(h, l - 1));
-}
 
 // The Q blocks a key tile visits: for each query head of the group (in order), segment 0's blocks then segment 1's.
 // Producer and consumers derive the same list.

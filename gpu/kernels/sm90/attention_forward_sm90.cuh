@@ -38,6 +38,7 @@
 #include <type_traits>
 
 #include "gpu/kernels/kernel_params.hpp"
+#include "gpu/kernels/mask_ranges.cuh"
 #include "gpu/kernels/sm90/ptx_sm90.cuh"
 #include "gpu/kernels/sm90/wgmma_ops.cuh"
 
@@ -116,22 +117,6 @@ struct ForwardTensorMaps {
 };
 
 namespace detail {
-
-// Key indices [lo, hi] of a KV segment (position kv_pos, kv_count rows) that some query position in
-// [qp_lo, qp_hi] may see: qp + delta - wl <= kp <= qp + delta + wr (a -1 side unbounded).
-__device__ __forceinline__ void visible_key_range(int wl, int wr, int64_t delta, int64_t qp_lo, int64_t qp_hi,
-                                                  int kv_pos, int kv_count, int& lo, int& hi) {
-  int64_t l = 0, h = kv_count - 1;
-  if (wl >= 0) l = max(l, qp_lo + delta - wl - kv_pos);
-  if (wr >= 0) h = min(h, qp_hi + delta + wr - kv_pos);
-  lo = static_cast<int>(l);
-  hi = static_cast<int>(max(h, l - 1));
-}
-
-__device__ __forceinline__ bool tile_fully_visible(int wl, int wr, int64_t delta, int64_t qp_lo, int64_t qp_hi,
-                                                   int64_t kp_lo, int64_t kp_hi) {
-  return (wr < 0 || kp_hi <= qp_lo + delta + wr) && (wl < 0 || kp_lo >= qp_hi + delta - wl);
-}
 
 // The key blocks a Q tile visits, segment 0 first: iteration i < count[0] is block first[0] + i of segment 0, the
 // rest blocks of segment 1. Producer and consumers derive the same list.
