@@ -397,7 +397,8 @@ struct BwdVariant {
   std::function<std::string(const AttentionParams&, sm90::Watchdog)> launch;
 };
 
-template <class T, int D, bool ATOMIC>
+template <class T, int D, bool ATOMIC, sm90::DqSplit SPLIT = sm90::DqSplit::columns, bool OVERLAP = false,
+          bool TMA_DQ = false>
 BwdVariant sm90_variant(const std::string& name) {
   BwdVariant v;
   v.name = name;
@@ -405,7 +406,7 @@ BwdVariant sm90_variant(const std::string& name) {
   v.fp16 = std::is_same_v<T, __half>;
   v.atomic = ATOMIC;
   v.launch = [](const AttentionParams& p, sm90::Watchdog dog) {
-    return sm90::launch_backward_sm90<T, D, ATOMIC>(p, dog, 0);
+    return sm90::launch_backward_sm90<T, D, ATOMIC, SPLIT, OVERLAP, TMA_DQ>(p, dog, 0);
   };
   return v;
 }
@@ -460,15 +461,27 @@ BwdVariant mma_sync_variant_bwd(const std::string& name) {
 
 std::vector<BwdVariant> all_bwd_variants() {
   std::vector<BwdVariant> v;
-  v.push_back(sm90_variant<bf16, 128, true>("sm90-bwd-atomic"));
+  using sm90::DqSplit;
+  // The configurations attention_backward runs (gpu/kernels/attention_sm90_backward_launch.cuh): atomic mode d 128
+  // with the dQ columns split, the overlapped softmax and dQ by TMA reduce-add; d 64 with the keys split and TMA.
+  v.push_back(sm90_variant<bf16, 128, true, DqSplit::columns, true, true>("sm90-bwd-atomic"));
   v.push_back(sm90_variant<bf16, 128, false>("sm90-bwd-deterministic"));
-  v.push_back(sm90_variant<__half, 128, true>("sm90-bwd-atomic-fp16"));
+  v.push_back(sm90_variant<__half, 128, true, DqSplit::columns, true, true>("sm90-bwd-atomic-fp16"));
   v.push_back(sm90_variant<__half, 128, false>("sm90-bwd-deterministic-fp16"));
-  v.push_back(sm90_variant<bf16, 64, true>("sm90-bwd-atomic-d64"));
+  v.push_back(sm90_variant<bf16, 64, true, DqSplit::keys, false, true>("sm90-bwd-atomic-d64"));
   v.push_back(sm90_variant<bf16, 64, false>("sm90-bwd-deterministic-d64"));
+  // The schedules measured against them (run B2 of docs/GPU_RESULTS.md): float2 atomics from every consumer thread
+  // (the v1 dQ write), without the overlap, d 64's columns split with warpgroup 1's copy discarded (v1) or with
+  // warpgroup 0 alone.
+  v.push_back(sm90_variant<bf16, 128, true>("sm90-bwd-atomic-v1"));
+  v.push_back(sm90_variant<bf16, 128, true, DqSplit::columns, false, true>("sm90-bwd-atomic-tma-no-ov"));
+  v.push_back(sm90_variant<bf16, 64, true>("sm90-bwd-atomic-d64-v1"));
+  v.push_back(sm90_variant<bf16, 64, true, DqSplit::first_warpgroup, false>("sm90-bwd-atomic-d64-first"));
+  v.push_back(sm90_variant<bf16, 64, true, DqSplit::keys, true, true>("sm90-bwd-atomic-d64-keys-tma-ov"));
 #ifdef HF_HAVE_MMA_SYNC_FORWARD
   v.push_back(mma_sync_variant_bwd<bf16, 128, true>("mma-sync-bwd-atomic"));
   v.push_back(mma_sync_variant_bwd<bf16, 128, false>("mma-sync-bwd-deterministic"));
+  v.push_back(mma_sync_variant_bwd<bf16, 64, true>("mma-sync-bwd-atomic-d64"));
 #else
   record("setup", "mma-sync-bwd", false, "gpu/kernels/attention_kernels.cuh not found: no baseline to time against");
 #endif
@@ -676,16 +689,16 @@ std::string host_diff(const std::vector<uint16_t>& a, const std::vector<uint16_t
 void run_timing(const std::vector<BwdVariant>& variants, int reps) {
   std::printf("\n==== timing ====\n");
   static const int cycle[] = {512, 1536, 2560, 3584, 1024, 3072, 2048, 4096};
-  const int heads = 16, d = 128;
   char line[512];
   std::snprintf(line, sizeof line, "%-7s %-6s %-28s %9s %9s %8s  %s", "mask", "tokens", "kernel", "ms", "TFLOP/s",
                 "vs mma", "rel diff to mma-sync-bwd-atomic (dQ / dK / dV)");
   g_timing_rows.push_back(line);
-  using FwdCfg = sm90::ForwardSm90Config<bf16, 128, 128, 2, 128, sm90::Loader::tma>;
+  for (int d : {128, 64})
   for (int64_t total : {16384, 65536})
     for (bool causal : {true, false}) {
+      const int heads = 2048 / d;  // bench/gpu/varlen_batches.md
       Case c;
-      c.name = std::string(causal ? "causal" : "full") + "-" + std::to_string(total);
+      c.name = std::string(causal ? "causal" : "full") + "-d" + std::to_string(d) + "-" + std::to_string(total);
       c.heads_q = c.heads_kv = heads;
       c.d = d;
       if (causal) c.wr = 0;
@@ -709,8 +722,16 @@ void run_timing(const std::vector<BwdVariant>& variants, int reps) {
         AttentionParams pf = dd.params(128);
         sm90::ForwardTensorMaps maps;
         std::memset(&maps, 0, sizeof maps);
-        if (std::string e = sm90::encode_forward_maps<FwdCfg>(pf, maps); !e.empty()) fatal(e, 4);
-        if (std::string e = sm90::launch_forward_sm90<FwdCfg>(pf, maps, sm90::Watchdog{}, 0); !e.empty()) fatal(e, 4);
+        auto forward = [&](auto cfg) {
+          using FwdCfg = decltype(cfg);
+          if (std::string e = sm90::encode_forward_maps<FwdCfg>(pf, maps); !e.empty()) fatal(e, 4);
+          if (std::string e = sm90::launch_forward_sm90<FwdCfg>(pf, maps, sm90::Watchdog{}, 0); !e.empty())
+            fatal(e, 4);
+        };
+        if (d == 128)
+          forward(sm90::ForwardSm90Config<bf16, 128, 128, 2, 128, sm90::Loader::tma>{});
+        else
+          forward(sm90::ForwardSm90Config<bf16, 64, 64, 2, 128, sm90::Loader::tma>{});
       }
       sync_or_die();
       std::vector<uint16_t> base_q, base_k, base_v;

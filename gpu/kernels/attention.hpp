@@ -215,6 +215,15 @@ Outcome attention_backward(const AttentionPlan& plan, const BackwardBuffers& buf
                            BackwardMode mode = BackwardMode::atomic, void* stream = nullptr,
                            BackwardKernel kernel = BackwardKernel::automatic);
 
+// The backward's float32 workspace (delta, and the atomic mode's dQ accumulator: 4 x q_rows x h_q x (d_qk + 1)
+// bytes) comes from a memory pool of the library, one per device, that keeps its memory reserved between calls (the
+// default pool would give it back at every synchronisation and each call would map it again). The reserve grows to
+// the largest concurrent need and stays until this call hands the unused part back to the driver (after the caller
+// has synchronised the streams the backward ran on; memory of calls still in flight stays).
+Outcome release_workspace_memory();
+// Bytes the pool of `device` holds now (0 before its first backward).
+Outcome workspace_memory_reserved(int device, uint64_t& bytes);
+
 // delta[h * rows + r] = sum over x of dO[r, h, x] * O[r, h, x] in float32 for every row r < rows and query head h,
 // summed as attention_backward sums it for its own rows (o, dout: [rows, h_q, d_v] of the shape's dtype). One pass
 // over a CP rank's O and dO serves every step's backward (BackwardBuffers::delta). Rows holding NaN (pads) give NaN,

@@ -66,7 +66,9 @@ cudaError_t allocate_backward_workspace(AttentionParams& p, bool atomic, int dim
   const size_t bytes = (delta_elems + w.accum_elems) * sizeof(float);
   w.data = nullptr;
   if (bytes > 0) {
-    if (cudaError_t e = cudaMallocAsync(&w.data, bytes, stream); e != cudaSuccess) {
+    cudaMemPool_t pool = nullptr;
+    if (cudaError_t e = workspace_pool(pool); e != cudaSuccess) return e;
+    if (cudaError_t e = cudaMallocFromPoolAsync(&w.data, bytes, pool, stream); e != cudaSuccess) {
       w.data = nullptr;
       return e;
     }

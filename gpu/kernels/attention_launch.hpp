@@ -33,7 +33,10 @@ struct BackwardWorkspace {
   size_t accum_elems = 0;
   void* data = nullptr;
 };
-// Allocates it for head dim `dim_qk` and points p.dq_accum (and p.delta when owned) into it; on an error nothing is
+// The current device's workspace pool (gpu/kernels/workspace_pool.cpp): created on first use, memory kept between
+// calls until release_workspace_memory().
+cudaError_t workspace_pool(cudaMemPool_t& pool);
+// Allocates it (from workspace_pool) for head dim `dim_qk` and points p.dq_accum (and p.delta when owned) into it; on an error nothing is
 // allocated and `p` is left as it was.
 cudaError_t allocate_backward_workspace(AttentionParams& p, bool atomic, int dim_qk, cudaStream_t stream,
                                         BackwardWorkspace& workspace);

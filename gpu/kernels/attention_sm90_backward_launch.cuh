@@ -4,8 +4,8 @@
 // are compiled for sm_90a only (gpu/CMakeLists.txt). Head dims 64/64 and 128/128 (docs/gpu-kernels.md, "Backward
 // kernels"): the dK/dV pass runs on the plan's 128-row KV tiles, the delta kernel, the deterministic dQ pass and the
 // atomic mode's dQ finish on its 128-row Q tiles. The workspace (float32 delta unless the caller gives
-// BackwardBuffers::delta; the atomic mode's dQ accumulator) is allocated and freed on the stream, as the mma.sync
-// backward does.
+// BackwardBuffers::delta; the atomic mode's dQ accumulator) is allocated from the library's workspace pool and freed
+// on the stream, as the mma.sync backward does.
 #include <string>
 
 #include "gpu/kernels/attention_launch.hpp"
@@ -29,8 +29,12 @@ Outcome backward_sm90_dims(AttentionParams p, BackwardMode mode, cudaStream_t st
     return {Status::cuda_error, std::string("attention_backward (wgmma): cudaMallocAsync of the workspace: ") +
                                     cudaGetErrorString(e)};
   const bool own_delta = workspace.own_delta;
+  // The schedules of run B2 (docs/hopper-kernels.md, "Backward v2"): atomic mode with dQ added by TMA reduce-add; d 128
+  // splits dQ's columns between the warpgroups and overlaps the softmax with dP's product; d 64 splits the keys
+  // (each warpgroup adds its own keys' share, no barrier between the two).
+  constexpr sm90::DqSplit kSplit = D == 64 ? sm90::DqSplit::keys : sm90::DqSplit::columns;
   const std::string err =
-      atomic ? sm90::launch_backward_sm90<T, D, true>(p, sm90::Watchdog{}, stream, own_delta)
+      atomic ? sm90::launch_backward_sm90<T, D, true, kSplit, D == 128, true>(p, sm90::Watchdog{}, stream, own_delta)
              : sm90::launch_backward_sm90<T, D, false>(p, sm90::Watchdog{}, stream, own_delta);
   Outcome out;
   if (!err.empty()) out = {Status::cuda_error, "attention_backward (wgmma): " + err};

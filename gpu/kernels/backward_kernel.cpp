@@ -73,7 +73,8 @@ std::string backward_kernel_description(const AttentionShape& shape, BackwardKer
   BackwardKernel chosen = BackwardKernel::mma_sync;
   if (Outcome o = backward_kernel_for(shape, requested, chosen); !o.ok()) return "unsupported: " + o.message;
   if (chosen == BackwardKernel::wgmma)
-    return "wgmma sm_90a (key tile 128, Q blocks 64, 2 consumer warpgroups; deterministic dQ: Q tile 128)";
+    return "wgmma sm_90a (key tile 128, Q blocks 64, 2 consumer warpgroups; atomic dQ: TMA reduce-add; "
+           "deterministic dQ: Q tile 128)";
   return "mma.sync (key tile 64, Q tile 64)";
 }
 

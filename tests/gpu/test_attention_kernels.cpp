@@ -313,6 +313,48 @@ TEST_CASE("gpu attention: deterministic backward is bitwise identical over 10 ru
   CHECK(same_bits(fwd.o, fwd2.o));
 }
 
+// The backward's workspace pool: after a backward (atomic mode: delta and the float32 dQ accumulator) the pool of
+// the device holds at least that workspace; release_workspace_memory hands it back once nothing is in flight, and a
+// backward after that allocates afresh and gives the same bits (deterministic mode).
+TEST_CASE("gpu attention: the backward workspace stays reserved between calls until release_workspace_memory") {
+  CPGOLD_REQUIRE_DEVICE();
+  const Case c = make_case("workspace", DType::bf16, 4, 2, 128, 128, {-1, 0}, {700, 129}, {700, 129}, 21);
+  gpu::HostForward fwd;
+  REQUIRE(gpu::forward_on_device(c.call, c.dtype, c.q, c.k, c.v, fwd).ok());
+  int device = 0;
+  REQUIRE(cudaGetDevice(&device) == cudaSuccess);
+  gpu::HostBackward atomic;
+  REQUIRE(gpu::backward_on_device(c.call, c.dtype, c.q, c.k, c.v, fwd.o, fwd.lse, c.dout, gpu::BackwardMode::atomic,
+                                  atomic)
+              .ok());
+  // float32 dQ accumulator [q_rows, 4, 128] and delta [4, q_rows]
+  const uint64_t workspace = 4ull * static_cast<uint64_t>(c.call.q_rows) * 4 * (128 + 1);
+  uint64_t held = 0;
+  REQUIRE(gpu::workspace_memory_reserved(device, held).ok());
+  std::printf("VERDICT workspace pool after an atomic backward: %llu bytes reserved (workspace %llu)\n",
+              static_cast<unsigned long long>(held), static_cast<unsigned long long>(workspace));
+  CHECK(held >= workspace);
+  REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+  REQUIRE(gpu::release_workspace_memory().ok());
+  REQUIRE(gpu::workspace_memory_reserved(device, held).ok());
+  CHECK(held == 0);
+  gpu::HostBackward det1, det2;
+  REQUIRE(gpu::backward_on_device(c.call, c.dtype, c.q, c.k, c.v, fwd.o, fwd.lse, c.dout,
+                                  gpu::BackwardMode::deterministic, det1)
+              .ok());
+  REQUIRE(gpu::release_workspace_memory().ok());
+  REQUIRE(gpu::backward_on_device(c.call, c.dtype, c.q, c.k, c.v, fwd.o, fwd.lse, c.dout,
+                                  gpu::BackwardMode::deterministic, det2)
+              .ok());
+  auto same = [](const Tensor3<float>& a, const Tensor3<float>& b) {
+    return a.values.size() == b.values.size() &&
+           std::memcmp(a.values.data(), b.values.data(), a.values.size() * sizeof(float)) == 0;
+  };
+  CHECK(same(det1.dq, det2.dq));
+  CHECK(same(det1.dk, det2.dk));
+  CHECK(same(det1.dv, det2.dv));
+}
+
 // The summing backward (BackwardBuffers' RowSum) against the plain backward plus a host float32 add at the mapped rows:
 // the same bits in the deterministic mode (dQ too); in the atomic mode dK and dV bit for bit, dQ within one dtype ulp
 // (its float32 atomics add in a different order on every run). Sums larger than the call, rows mapped by a random

@@ -28,6 +28,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <type_traits>
 
@@ -43,12 +44,31 @@ namespace cpgold::gpu::sm90 {
 enum BackwardWaitCode : int { kWaitKV = 6, kWaitQStage = 7, kWaitDoStage = 8, kWaitQdO = 9, kWaitKStage = 10,
                               kWaitVStage = 11, kWaitEmptyStage = 12 };
 
-// dK/dV pass: kBlockN = 128 keys (two consumer warpgroups of 64 keys), Q blocks of kBlockM = 64 rows.
-template <class T_, int D_, bool ATOMIC_DQ>
+// How the two consumer warpgroups of the dK/dV pass share the atomic mode's dQ = dS K of a Q block:
+//   columns          warpgroup w computes columns 64 w .. over all 128 keys (d = 64: both compute the same 64 columns
+//                    and warpgroup 1's copy is discarded); one barrier across both warpgroups per block (dS of all
+//                    keys must be staged);
+//   first_warpgroup  d = 64: warpgroup 0 alone computes the 64 columns over all keys (one barrier across both);
+//   keys             warpgroup w computes all d columns over its own 64 keys and adds them (twice the atomics of
+//                    columns; only a barrier inside the warpgroup, so the two drift apart freely).
+enum class DqSplit : int { columns = 0, first_warpgroup = 1, keys = 2 };
+
+// dK/dV pass: kBlockN = 128 keys (two consumer warpgroups of 64 keys), Q blocks of kBlockM = 64 rows. OVERLAP: the
+// softmax of S^T and dV's product are issued while dP^T is still being computed (wgmma_wait<1>); the same float32
+// operations either way, so dK and dV are bit-identical between the two.
+// TMA_DQ (atomic mode): the dQ block of a warpgroup is staged in shared memory (float32, two boxes of 64 rows x 32
+// columns with the 128-byte swizzle) and added to the float32 workspace by TMA reduce-add (cp.reduce.async.bulk
+// .tensor), issued by one thread, instead of float2 atomics from every thread.
+template <class T_, int D_, bool ATOMIC_DQ, DqSplit DQ_SPLIT = DqSplit::columns, bool OVERLAP = false,
+          bool TMA_DQ = false>
 struct BackwardSm90Config {
   using T = T_;
   static constexpr int D = D_;
   static constexpr bool kAtomicDq = ATOMIC_DQ;
+  static constexpr DqSplit kDqSplit = DQ_SPLIT;
+  static constexpr bool kOverlap = OVERLAP;
+  static constexpr bool kTmaDq = ATOMIC_DQ && TMA_DQ;
+  static constexpr int kDqCols = DQ_SPLIT == DqSplit::keys ? D : 64;  // dQ columns per warpgroup's product
   static constexpr int kConsumers = 2;
   static constexpr int kBlockN = 64 * kConsumers;
   static constexpr int kBlockM = 64;
@@ -65,7 +85,9 @@ struct BackwardSm90Config {
   static constexpr int kOffDs = kOffDo + kStages * kQBytes;  // 2 buffers (atomic mode only)
   static constexpr int kOffLse = kOffDs + (ATOMIC_DQ ? 2 * kDsBytes : 0);
   static constexpr int kOffDelta = kOffLse + kStages * kBlockM * 4;
-  static constexpr int kOffBarriers = kOffDelta + kStages * kBlockM * 4;
+  static constexpr int kDqStageBytes = 64 * 64 * 4;  // one warpgroup's 64 x 64 float32 dQ block (two 8 KB boxes)
+  static constexpr int kOffDqStage = (kOffDelta + kStages * kBlockM * 4 + 1023) / 1024 * 1024;
+  static constexpr int kOffBarriers = kOffDqStage + (kTmaDq ? kConsumers * kDqStageBytes : 0);
   static constexpr int kBarriers = 1 + 3 * kStages;  // kv_full, then the ring: full_k (Q, LSE), full_v (dO, delta), empty
   static constexpr int kSmemBytes = kOffBarriers + kBarriers * 8 + 1024;
   static constexpr int kLaunchRegs = (65536 / kThreads) / 8 * 8;  // 168
@@ -74,6 +96,8 @@ struct BackwardSm90Config {
   static_assert(128 * kProducerRegs + 128 * kConsumers * kConsumerRegs <= kLaunchRegs * kThreads, "register split");
   static_assert(kSmemBytes <= 227 * 1024, "shared memory per block");
   static_assert(D == 64 || D == 128, "head dim 64 or 128");
+  static_assert(DQ_SPLIT != DqSplit::first_warpgroup || D == 64, "first_warpgroup: d = 64 only");
+  static_assert(!TMA_DQ || kDqCols == 64, "TMA dQ: one 64-column block per warpgroup");
   static_assert(kQBytes % 1024 == 0 && kKVBytes % 1024 == 0 && kDsBytes % 1024 == 0, "1024-aligned tiles");
 };
 
@@ -268,7 +292,7 @@ template <class Cfg>
 __device__ __forceinline__ void bwd_consume(const AttentionParams& p, const Watchdog& dog, const RowTile& kv_tile,
                                             const SequenceDesc& seq, const QueryBlocks<Cfg::kBlockM>& qb,
                                             uint32_t smem, uint8_t* smem_ptr, uint32_t kv_full,
-                                            Ring<Cfg::kStages> ring, int kv_head, int cw) {
+                                            Ring<Cfg::kStages> ring, int kv_head, int cw, const CUtensorMap* dq_map) {
   using T = typename Cfg::T;
   constexpr int D = Cfg::D;
   constexpr int BM = Cfg::kBlockM;
@@ -329,9 +353,13 @@ __device__ __forceinline__ void bwd_consume(const AttentionParams& p, const Watc
       Wgmma<BM, T, 0>::ss(dpt, desc_k_major(v_tile, BN, 64 * cw, 16 * kk), desc_k_major(do_tile, BM, 0, 16 * kk),
                           kk > 0 ? 1 : 0);
     wgmma_commit();
-    wgmma_wait<0>();
+    // Overlapped: only S^T is waited for here; P^T and dV's product are issued while dP^T is still computed.
+    if constexpr (Cfg::kOverlap)
+      wgmma_wait<1>();
+    else
+      wgmma_wait<0>();
     fence_registers(st);
-    fence_registers(dpt);
+    if constexpr (!Cfg::kOverlap) fence_registers(dpt);
 
     const int64_t qp_lo = static_cast<int64_t>(q_pos) + row0, qp_hi = qp_lo + valid - 1;
     const bool full = keys_full && valid == BM &&
@@ -339,43 +367,56 @@ __device__ __forceinline__ void bwd_consume(const AttentionParams& p, const Watc
     if (!full)
       apply_mask_transposed<BM>(st, p.window_left, p.window_right, delta_pos, key0 + 64 * cw + 16 * warp + g, kv_pos,
                                 kv_count, row0, q_pos, q_count, c);
-    // P^T = exp2(S^T scale log2e - LSE log2e) and dS^T = P^T (dP^T - delta), per query column.
+    // P^T = exp2(S^T scale log2e - LSE log2e), per query column (the same float32 operations in both schedules).
 #pragma unroll
     for (int j = 0; j < BM / 8; ++j) {
       const float2 l = *reinterpret_cast<const float2*>(lse_s + 8 * j + 2 * c);
-      const float2 dl = *reinterpret_cast<const float2*>(delta_s + 8 * j + 2 * c);
       const float l0 = lse_to_log2(l.x), l1 = lse_to_log2(l.y);
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int i0 = 4 * j + 2 * half;
-        const float p0 = exp2f(fmaf(st[i0], sl2, -l0));
-        const float p1 = exp2f(fmaf(st[i0 + 1], sl2, -l1));
-        st[i0] = p0;
-        st[i0 + 1] = p1;
-        dpt[i0] = p0 * (dpt[i0] - dl.x);
-        dpt[i0 + 1] = p1 * (dpt[i0 + 1] - dl.y);
+        st[i0] = exp2f(fmaf(st[i0], sl2, -l0));
+        st[i0 + 1] = exp2f(fmaf(st[i0 + 1], sl2, -l1));
       }
     }
     uint32_t pa[BM / 16][4], dsa[BM / 16][4];
     accumulators_to_a<T, BM / 16>(pa, st);
-    accumulators_to_a<T, BM / 16>(dsa, dpt);
-
-    // dV += P^T dO, dK += dS^T Q (RS; dO and Q MN-major: K = queries, N = d).
-    fence_registers(dk);
+    // dV += P^T dO (RS; dO MN-major: K = queries, N = d).
     fence_registers(dv);
     fence_registers(pa);
-    fence_registers(dsa);
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < BM / 16; ++kk) Wgmma<D, T, 1>::rs(dv, pa[kk], desc_mn_major(do_tile, BM, 16 * kk), 1);
+    wgmma_commit();
+    if constexpr (Cfg::kOverlap) {
+      wgmma_wait<1>();  // dP^T complete; dV's product may still run
+      fence_registers(dpt);
+    }
+    // dS^T = P^T (dP^T - delta).
+#pragma unroll
+    for (int j = 0; j < BM / 8; ++j) {
+      const float2 dl = *reinterpret_cast<const float2*>(delta_s + 8 * j + 2 * c);
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int i0 = 4 * j + 2 * half;
+        dpt[i0] = st[i0] * (dpt[i0] - dl.x);
+        dpt[i0 + 1] = st[i0 + 1] * (dpt[i0 + 1] - dl.y);
+      }
+    }
+    accumulators_to_a<T, BM / 16>(dsa, dpt);
+    // dK += dS^T Q (RS; Q MN-major).
+    fence_registers(dk);
+    fence_registers(dsa);
+    wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < BM / 16; ++kk) Wgmma<D, T, 1>::rs(dk, dsa[kk], desc_mn_major(q_tile, BM, 16 * kk), 1);
     wgmma_commit();
 
     if constexpr (Cfg::kAtomicDq) {
       // dS^T (dtype) into buffer it % 2 as [keys][queries]: the A fragment registers are (key g.., query 16k + 2c..).
-      // Buffer it % 2 was last read by the dQ products of iteration it - 2, which every consumer finished before it
-      // arrived at the barrier of iteration it - 1.
+      // Columns split: buffer it % 2 was last read by the dQ products of iteration it - 2, which every consumer
+      // finished before it arrived at the barrier of iteration it - 1. Keys split: each warpgroup reads only the
+      // rows it wrote, and its own dQ products of iteration it - 2 are complete.
       uint8_t* ds_ptr = smem_ptr + Cfg::kOffDs + (it % 2) * Cfg::kDsBytes;
       const int kr = 64 * cw + 16 * warp + g;
 #pragma unroll
@@ -386,20 +427,35 @@ __device__ __forceinline__ void bwd_consume(const AttentionParams& p, const Watc
         *reinterpret_cast<uint32_t*>(ds_ptr + sw128_offset(BN, kr + 8, 16 * k + 8 + 2 * c)) = dsa[k][3];
       }
       fence_proxy_async();
-      named_barrier_sync(1, Cfg::kConsumerThreads);
-      // dQ[:, 64 cw ..] (64 queries x 64 columns) = dS K[:, 64 cw ..]: A = dS through the transpose bit (the
-      // [keys][queries] tile is MN-major for A = dS [queries][keys]), B = K column block cw, MN-major (K = keys).
+      if constexpr (Cfg::kDqSplit == DqSplit::keys)
+        named_barrier_sync(2 + cw, 128);
+      else
+        named_barrier_sync(1, Cfg::kConsumerThreads);
       const uint32_t ds_tile = smem + Cfg::kOffDs + (it % 2) * Cfg::kDsBytes;
-      float dq[32];
+      // Columns split: dQ[:, 64 cw ..] (64 queries x 64 columns) = dS K[:, 64 cw ..] over all BN keys (d = 64: one
+      // warpgroup, or both computing the same columns with warpgroup 1's discarded). Keys split: dQ (64 queries x D)
+      // = dS[:, keys of cw] K[keys of cw, :]. A = dS through the transpose bit (the [keys][queries] tile is MN-major
+      // for A = dS [queries][keys]); B = K, MN-major (K = keys).
+      const bool does_dq = Cfg::kDqSplit != DqSplit::first_warpgroup || cw == 0;
+      float dq[Cfg::kDqCols / 2];
 #pragma unroll
-      for (int i = 0; i < 32; ++i) dq[i] = 0.f;
-      fence_registers(dq);
-      wgmma_fence();
+      for (int i = 0; i < Cfg::kDqCols / 2; ++i) dq[i] = 0.f;
+      if (does_dq) {
+        fence_registers(dq);
+        wgmma_fence();
+        if constexpr (Cfg::kDqSplit == DqSplit::keys) {
 #pragma unroll
-      for (int kk = 0; kk < BN / 16; ++kk)
-        WgmmaTA<64, T, 1>::ss(dq, desc_mn_major_a(ds_tile, BN, 16 * kk),
-                              desc_mn_major(k_tile + (D == 128 ? cw * BN * 128 : 0), BN, 16 * kk), kk > 0 ? 1 : 0);
-      wgmma_commit();
+          for (int kk = 0; kk < 64 / 16; ++kk)
+            WgmmaTA<D, T, 1>::ss(dq, desc_mn_major_a(ds_tile, BN, 64 * cw + 16 * kk),
+                                 desc_mn_major(k_tile, BN, 64 * cw + 16 * kk), kk > 0 ? 1 : 0);
+        } else {
+#pragma unroll
+          for (int kk = 0; kk < BN / 16; ++kk)
+            WgmmaTA<64, T, 1>::ss(dq, desc_mn_major_a(ds_tile, BN, 16 * kk),
+                                  desc_mn_major(k_tile + (D == 128 ? cw * BN * 128 : 0), BN, 16 * kk), kk > 0 ? 1 : 0);
+        }
+        wgmma_commit();
+      }
       wgmma_wait<0>();
       fence_registers(dq);
       fence_registers(dk);
@@ -407,16 +463,49 @@ __device__ __forceinline__ void bwd_consume(const AttentionParams& p, const Watc
       fence_registers(pa);
       fence_registers(dsa);
       ring.release(it);
-      // d = 64: both warpgroups computed the same 64 columns; warpgroup 1 adds nothing.
-      if (D == 128 || cw == 0) {
+      // Columns split at d = 64: warpgroup 1's copy of the same 64 columns adds nothing.
+      const bool adds = Cfg::kDqSplit == DqSplit::keys || D == 128 || cw == 0;
+      if constexpr (Cfg::kTmaDq) {
+        // Stage the 64 x 64 block (rows past the segment hold exact zeros: their dS columns are 0, so adding them to
+        // the rows that follow changes nothing; rows past the tensor are skipped by the TMA), then one thread adds
+        // it to the workspace by two TMA reduce-adds. The staging is reused once the previous reduce has read it.
+        if (adds) {
+          const uint32_t stage_box = smem + Cfg::kOffDqStage + cw * Cfg::kDqStageBytes;
+          if (tid == 0) bulk_wait_group_read<0>();
+          named_barrier_sync(2 + cw, 128);
+          // Element (r, col) of the block: box col / 32 (64 rows x 128 bytes each), row r, 16-byte chunk
+          // (col % 32) / 4 XOR r % 8 (r % 8 = g for this thread's rows). The thread's part of the address is
+          // recomputed here (opaque_u32) rather than hoisted out of the block loop into 16 live registers.
+          const uint32_t row_addr = stage_box + static_cast<uint32_t>(16 * warp + g) * 128u;
+          const uint32_t gx = opaque_u32(static_cast<uint32_t>(g));
+#pragma unroll
+          for (int j = 0; j < 8; ++j) {
+            const uint32_t chunk = ((2u * (j % 4) + static_cast<uint32_t>(c / 2)) ^ gx) * 16u;
+            const uint32_t addr = row_addr + (j / 4) * 64u * 128u + chunk + static_cast<uint32_t>(c % 2) * 8u;
+#pragma unroll
+            for (int half = 0; half < 2; ++half)
+              st_shared_f2(addr + half * 8u * 128u, dq[4 * j + 2 * half], dq[4 * j + 2 * half + 1]);
+          }
+          fence_proxy_async();
+          named_barrier_sync(2 + cw, 128);
+          if (tid == 0) {
+            const int first_row = static_cast<int>(seq.q_first_row[s_idx] + row0);
+            const int col0 = D == 64 || Cfg::kDqSplit == DqSplit::keys ? 0 : 64 * cw;
+            tma_reduce_add_3d(dq_map, stage_box, col0, head, first_row);
+            tma_reduce_add_3d(dq_map, stage_box + 64 * 128, col0 + 32, head, first_row);
+            bulk_commit_group();
+          }
+        }
+      } else if (adds) {
         const int64_t first_row = seq.q_first_row[s_idx] + row0;
-        float* dq_rows = p.dq_accum + first_row * q_stride + static_cast<int64_t>(head) * D + (D == 128 ? 64 * cw : 0);
+        const int col0 = Cfg::kDqSplit == DqSplit::keys || D == 64 ? 0 : 64 * cw;
+        float* dq_rows = p.dq_accum + first_row * q_stride + static_cast<int64_t>(head) * D + col0;
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
           const int r = 16 * warp + g + 8 * half;
           if (r < valid) {
 #pragma unroll
-            for (int j = 0; j < 8; ++j)
+            for (int j = 0; j < Cfg::kDqCols / 8; ++j)
               atomicAdd(reinterpret_cast<float2*>(dq_rows + r * q_stride + 8 * j + 2 * c),
                         make_float2(dq[4 * j + 2 * half], dq[4 * j + 2 * half + 1]));
           }
@@ -430,6 +519,10 @@ __device__ __forceinline__ void bwd_consume(const AttentionParams& p, const Watc
       fence_registers(dsa);
       ring.release(it);
     }
+  }
+
+  if constexpr (Cfg::kTmaDq) {
+    if (tid == 0) bulk_wait_group<0>();  // the staging stays valid until the last reduce has read it
   }
 
   // Epilogue: dK = scale dS^T Q, dV = P^T dO staged as dtype in this warpgroup's rows of the K and V tiles (every
@@ -495,7 +588,8 @@ __device__ __forceinline__ void bwd_consume(const AttentionParams& p, const Watc
 // One CTA per (key tile of p.kv_tiles with kBlockN = 128 rows, kv head); grid (kv_tile_count, heads_kv).
 template <class Cfg>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
-    attention_backward_dkdv_sm90_kernel(const AttentionParams p, const Watchdog dog) {
+    attention_backward_dkdv_sm90_kernel(const AttentionParams p, const __grid_constant__ CUtensorMap dq_map,
+                                        const Watchdog dog) {
   using T = typename Cfg::T;
   constexpr int D = Cfg::D;
   extern __shared__ uint8_t smem_raw[];
@@ -531,7 +625,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     detail::bwd_produce<Cfg>(p, dog, kv_tile, seq, qb, smem, kv_full, ring, kv_head);
   } else {
     setmaxnreg_inc<Cfg::kConsumerRegs>();
-    detail::bwd_consume<Cfg>(p, dog, kv_tile, seq, qb, smem, smem_ptr, kv_full, ring, kv_head, threadIdx.x / 128 - 1);
+    detail::bwd_consume<Cfg>(p, dog, kv_tile, seq, qb, smem, smem_ptr, kv_full, ring, kv_head, threadIdx.x / 128 - 1,
+                             &dq_map);
   }
 }
 
@@ -807,16 +902,23 @@ __global__ void __launch_bounds__(128) attention_backward_finish_dq_sm90_kernel(
 // ---------------------------------------------------------------------------------------------------------------
 // Host side.
 
+// The float32 dQ accumulator [q_rows, heads_q, d] as the TMA reduce's destination: boxes of 32 columns (128 bytes)
+// by 64 rows.
+inline std::string encode_dq_accum_map(CUtensorMap& map, float* dq_accum, int64_t q_rows, int heads_q, int d) {
+  return encode_thd_map(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, dq_accum, q_rows, heads_q, d, 32, 64);
+}
+
 // The whole backward on p: p.q_tiles must have BackwardDqSm90Config::kBlockM = 128 rows per tile (work and pad
 // tiles covering every Q row), p.kv_tiles BackwardSm90Config::kBlockN = 128 rows (covering every KV row);
 // p.o, p.lse, p.dout inputs; p.delta [heads_q, q_rows] float workspace; atomic mode: p.dq_accum [q_rows, heads_q, D]
 // float workspace. Writes dq/dk/dv (or the summing form). compute_delta false: p.delta already holds the rows'
 // delta (attention_row_delta, the same summation order as the delta kernel here) and is only read. Returns "" or the
 // failed call.
-template <class T, int D, bool ATOMIC_DQ>
+template <class T, int D, bool ATOMIC_DQ, DqSplit DQ_SPLIT = DqSplit::columns, bool OVERLAP = false,
+          bool TMA_DQ = false>
 std::string launch_backward_sm90(const AttentionParams& p, Watchdog dog, cudaStream_t stream,
                                  bool compute_delta = true) {
-  using Cfg = BackwardSm90Config<T, D, ATOMIC_DQ>;
+  using Cfg = BackwardSm90Config<T, D, ATOMIC_DQ, DQ_SPLIT, OVERLAP, TMA_DQ>;
   using DqCfg = BackwardDqSm90Config<T, D>;
   auto fail = [](const char* what, cudaError_t e) { return std::string(what) + ": " + cudaGetErrorString(e); };
   if (compute_delta && p.q_tile_count > 0 && p.heads_q > 0) {
@@ -833,7 +935,14 @@ std::string launch_backward_sm90(const AttentionParams& p, Watchdog dog, cudaStr
     if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
         e != cudaSuccess)
       return fail("cudaFuncSetAttribute(dkdv)", e);
-    kernel<<<dim3(p.kv_tile_count, p.heads_kv), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p, dog);
+    CUtensorMap dq_map;
+    std::memset(&dq_map, 0, sizeof dq_map);
+    if constexpr (Cfg::kTmaDq) {
+      if (p.q_rows > 0)
+        if (std::string err = encode_dq_accum_map(dq_map, p.dq_accum, p.q_rows, p.heads_q, D); !err.empty())
+          return "dQ accumulator tensor map: " + err;
+    }
+    kernel<<<dim3(p.kv_tile_count, p.heads_kv), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p, dq_map, dog);
     if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return fail("dkdv kernel launch", e);
   }
   if (p.q_tile_count > 0 && p.heads_q > 0) {

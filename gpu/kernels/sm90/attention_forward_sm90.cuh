@@ -563,12 +563,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kCtasPerSm)
 // ---------------------------------------------------------------------------------------------------------------
 // Host side.
 
-// Encodes a 3-D tensor map over a THD tensor [rows, heads, d] of 16-bit elements (rows contiguous, row stride
-// heads * d), dims (column, head, row), box (64 columns, 1 head, box_rows rows), SWIZZLE_128B, zero fill out of
-// bounds, through the driver's cuTensorMapEncodeTiled reached by the runtime (no link against libcuda).
-// Returns "" or what failed.
-inline std::string encode_thd_tile_map(CUtensorMap& map, bool fp16, const void* base, int64_t rows, int heads, int d,
-                                       int box_rows) {
+// Encodes a 3-D tensor map over a THD tensor [rows, heads, d] (rows contiguous, row stride heads * d) of `type`
+// (elements of elem_bytes), dims (column, head, row), box (box_cols columns, 1 head, box_rows rows), SWIZZLE_128B
+// (box_cols * elem_bytes = 128), zero fill out of bounds, through the driver's cuTensorMapEncodeTiled reached by the
+// runtime (no link against libcuda). Returns "" or what failed.
+inline std::string encode_thd_map(CUtensorMap& map, CUtensorMapDataType type, int elem_bytes, const void* base,
+                                  int64_t rows, int heads, int d, int box_cols, int box_rows) {
   using EncodeFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
                                 const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
                                 CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
@@ -584,17 +584,25 @@ inline std::string encode_thd_tile_map(CUtensorMap& map, bool fp16, const void* 
   }
   const cuuint64_t dims[3] = {static_cast<cuuint64_t>(d), static_cast<cuuint64_t>(heads),
                               static_cast<cuuint64_t>(rows > 0 ? rows : 1)};  // an empty tensor is never read
-  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(d) * 2, static_cast<cuuint64_t>(heads) * d * 2};
-  const cuuint32_t box[3] = {64, 1, static_cast<cuuint32_t>(box_rows)};
+  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(d) * elem_bytes,
+                                 static_cast<cuuint64_t>(heads) * d * elem_bytes};
+  const cuuint32_t box[3] = {static_cast<cuuint32_t>(box_cols), 1, static_cast<cuuint32_t>(box_rows)};
   const cuuint32_t elem_strides[3] = {1, 1, 1};
-  const CUresult r = encode(&map, fp16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3,
-                            const_cast<void*>(base), dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                            CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+  const CUresult r = encode(&map, type, 3, const_cast<void*>(base), dims, strides, box, elem_strides,
+                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return r == CUDA_SUCCESS ? std::string()
                            : "cuTensorMapEncodeTiled failed with CUresult " + std::to_string(static_cast<int>(r)) +
                                  " (rows " + std::to_string(rows) + ", heads " + std::to_string(heads) + ", d " +
-                                 std::to_string(d) + ", box rows " + std::to_string(box_rows) + ")";
+                                 std::to_string(d) + ", box " + std::to_string(box_cols) + " x " +
+                                 std::to_string(box_rows) + ")";
+}
+
+// The tiles of the forward's TMA loader: 16-bit elements, boxes of 64 columns (128 bytes) and box_rows rows.
+inline std::string encode_thd_tile_map(CUtensorMap& map, bool fp16, const void* base, int64_t rows, int heads, int d,
+                                       int box_rows) {
+  return encode_thd_map(map, fp16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, base, rows,
+                        heads, d, 64, box_rows);
 }
 
 // The three maps of the TMA loader for p. Returns "" or what failed.

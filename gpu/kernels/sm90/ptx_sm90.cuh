@@ -297,6 +297,39 @@ __device__ __forceinline__ void cp_async_4(uint32_t dst, const void* src, bool v
                : "memory");
 }
 
+// The value, opaque to the compiler (keeps address arithmetic inside a loop instead of hoisted into live registers).
+__device__ __forceinline__ uint32_t opaque_u32(uint32_t x) {
+  uint32_t y;
+  asm volatile("mov.b32 %0, %1;\n" : "=r"(y) : "r"(x));
+  return y;
+}
+// 8-byte store to a shared memory address (32-bit: no generic 64-bit address per store).
+__device__ __forceinline__ void st_shared_f2(uint32_t addr, float a, float b) {
+  asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(a), "f"(b) : "memory");
+}
+
+// TMA reduce: adds a box in shared memory (at `src`, laid out as the map's box with its swizzle) into the global
+// tensor of a 3-D tensor map (dims: column, head, row) at the coordinates, element-wise (float32 add for a float32
+// map); rows and columns outside the tensor are skipped. Tracked by the issuing thread's bulk async-groups.
+__device__ __forceinline__ void tma_reduce_add_3d(const CUtensorMap* map, uint32_t src, int col, int head, int row) {
+  asm volatile(
+      "cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile.bulk_group [%0, {%1, %2, %3}], [%4];\n" ::"l"(
+          reinterpret_cast<uint64_t>(map)),
+      "r"(col), "r"(head), "r"(row), "r"(src)
+      : "memory");
+}
+__device__ __forceinline__ void bulk_commit_group() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+// Waits until at most N of the thread's bulk groups are still reading their shared memory source.
+template <int N>
+__device__ __forceinline__ void bulk_wait_group_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
+}
+// Waits until at most N of the thread's bulk groups are incomplete (their global writes done).
+template <int N>
+__device__ __forceinline__ void bulk_wait_group() {
+  asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
 // Descriptor of an MN-major A (imm-trans-a = 1: A [M][K] stored as K-rows of M contiguous elements, e.g. dS^T
 // [keys][queries] read as A = dS) at K-rows k0 .. k0 + 15 of an SW128 tile of `rows` K-rows whose columns are the M
 // dimension: the same canonical layout as an MN-major B (CUTLASS builds both with one function): K-rows 128 bytes
