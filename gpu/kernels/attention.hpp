@@ -145,7 +145,8 @@ Outcome forward_kernel_for(const AttentionShape& shape, ForwardKernel requested,
 std::string forward_kernel_description(const AttentionShape& shape, ForwardKernel requested = ForwardKernel::automatic);
 
 // The backward kernels (docs/gpu-kernels.md, "Backward kernels"): the sm_90a wgmma backward (gpu/kernels/sm90/
-// attention_backward_sm90.cuh: dK/dV pass over 128-key tiles, dQ by float32 atomics or a query-stationary pass)
+// attention_backward_sm90.cuh: dK/dV pass over 128-key tiles, dQ by TMA reduce-add into a float32 accumulator or a
+// query-stationary pass)
 // serves head dims 64/64 and 128/128 (bf16, fp16) on devices of compute capability 9.0, with every feature of
 // attention_backward (both modes, BackwardBuffers::delta, the summing form with assign and result, OutsideRows); the
 // mma.sync backward serves every device and shape of the table and is the backward everywhere else.

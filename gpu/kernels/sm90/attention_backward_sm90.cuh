@@ -18,6 +18,10 @@
 //       float32 workspace. Deterministic mode: a Q-stationary pass (one CTA per (128-row Q tile, head), K/V of 64
 //       keys in a 2-stage ring): S = Q K^T, dP = dO V^T (SS), dS in registers as the A of dQ += dS K (RS, K
 //       MN-major), the key blocks in a fixed order.
+//   v2  (runs B1-B3, docs/hopper-kernels.md "Backward v2") atomic mode: dQ blocks staged in shared memory and added
+//       by TMA reduce-add instead of float2 atomics (TMA_DQ; d 128 +17-20%); d 64 splits dQ by keys (each warpgroup
+//       its own 64 keys, no barrier between the warpgroups; +9-10%); d 128 overlaps the softmax and dV's product with
+//       dP's (OVERLAP, +0.5-1.5%). attention_backward runs these; the defaults of the templates stay v1 (the A side).
 //
 // Conventions as in attention_forward_sm90.cuh: tid = thread index in its warpgroup, warp = tid / 32, lane = 4 g + c;
 // accumulator element 4 j + e of a 64 x N product is row 16 warp + g + 8 (e / 2), column 8 j + 2 c + e % 2.
