@@ -30,6 +30,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -200,6 +201,55 @@ __device__ __forceinline__ void apply_mask_transposed(float (&s)[N / 2], int wl,
 // LSE of a row in the exp2 domain; -inf (no visible key) becomes +inf so that P = exp2(s - inf) = 0, never NaN.
 __device__ __forceinline__ float lse_to_log2(float lse) { return lse == -INFINITY ? INFINITY : lse * kLog2e; }
 
+// The summing form's add (BackwardBuffers' RowSum): for piece i of `pieces` per row (four columns each, rows of
+// `rows`), sum[map[r] * stride + col0 + 4 x] = (assign ? 0 : sum[..]) + float(four dtype values of source(r, 4 x)),
+// or the dtype of that into result at the same offset. Threads `thread` of `threads` take pieces thread, thread +
+// threads, ...; each issues the map loads of BATCH pieces, then their sum and source loads, before its first store
+// (one piece at a time waited for two memory round trips per piece, which made this the longest part of a short
+// tile's work). source(r, col) returns the four dtype values as a uint2 (from shared memory, or rounded from the
+// float32 workspace).
+template <class T, int BATCH, class Source>
+__device__ __forceinline__ void add_rows_to_sum(int rows, int pieces, const int64_t* map, int64_t stride, int64_t col0,
+                                                float* sum, bool assign, T* result, const Source& source, int thread,
+                                                int threads) {
+  const int total = rows * pieces;
+  for (int i0 = thread; i0 < total; i0 += threads * BATCH) {
+    int64_t off[BATCH];
+    uint2 raw[BATCH];
+    float4 y[BATCH];
+#pragma unroll
+    for (int b = 0; b < BATCH; ++b) {
+      const int i = i0 + b * threads;
+      off[b] = i < total ? map[i / pieces] * stride + col0 + (i % pieces) * 4 : 0;
+    }
+#pragma unroll
+    for (int b = 0; b < BATCH; ++b) {
+      const int i = i0 + b * threads;
+      if (i >= total) continue;
+      raw[b] = source(i / pieces, (i % pieces) * 4);
+      y[b] = assign ? make_float4(0.f, 0.f, 0.f, 0.f) : *reinterpret_cast<const float4*>(sum + off[b]);
+    }
+#pragma unroll
+    for (int b = 0; b < BATCH; ++b) {
+      if (i0 + b * threads >= total) continue;
+      T e[4];
+      memcpy(e, &raw[b], 8);
+      y[b].x += static_cast<float>(e[0]);
+      y[b].y += static_cast<float>(e[1]);
+      y[b].z += static_cast<float>(e[2]);
+      y[b].w += static_cast<float>(e[3]);
+      if (result == nullptr)
+        *reinterpret_cast<float4*>(sum + off[b]) = y[b];
+      else
+        *reinterpret_cast<uint2*>(result + off[b]) = make_uint2(pack2<T>(y[b].x, y[b].y), pack2<T>(y[b].z, y[b].w));
+    }
+  }
+}
+
+// Pieces in flight per thread in the summing epilogues (map, sum and source loads of this many pieces before the
+// first store).
+constexpr int kSumBatch = 8;
+
 // Rows outside every segment: zeros, or +0 in the summing form (assign: the sum becomes 0).
 template <class T, int D, int THREADS>
 __device__ __forceinline__ void store_zero_rows(int64_t first_row, int rows, T* out, int64_t stride, int64_t col0,
@@ -211,19 +261,8 @@ __device__ __forceinline__ void store_zero_rows(int64_t first_row, int rows, T* 
           make_uint4(0, 0, 0, 0);
     return;
   }
-  constexpr int kChunks = D / 4;
-  for (int i = tid; i < rows * kChunks; i += THREADS) {
-    const int64_t off = map[first_row + i / kChunks] * stride + col0 + (i % kChunks) * 4;
-    float4 y = assign ? make_float4(0.f, 0.f, 0.f, 0.f) : *reinterpret_cast<const float4*>(sum + off);
-    y.x += 0.f;
-    y.y += 0.f;
-    y.z += 0.f;
-    y.w += 0.f;
-    if (result == nullptr)
-      *reinterpret_cast<float4*>(sum + off) = y;
-    else
-      *reinterpret_cast<uint2*>(result + off) = make_uint2(pack2<T>(y.x, y.y), pack2<T>(y.z, y.w));
-  }
+  add_rows_to_sum<T, kSumBatch>(rows, D / 4, map + first_row, stride, col0, sum, assign, result,
+                                [](int, int) { return make_uint2(0, 0); }, tid, THREADS);
 }
 
 // Stages a warpgroup's 64 x D float accumulators (times `scale`, as dtype) in rows row0 .. row0 + 63 of an SW128
@@ -559,31 +598,16 @@ __device__ __forceinline__ void bwd_consume(const AttentionParams& p, const Watc
           *reinterpret_cast<const uint4*>(v_rows + sw128_offset(BN, 64 * cw + r, ch * 8));
     }
   } else {
-    constexpr int kChunks = D / 4;
     const int64_t* map = p.kv_sum_rows + first;
-    for (int i = tid; i < rows * kChunks; i += 128) {
-      const int r = i / kChunks, c4 = (i % kChunks) * 4;
-      const int64_t off = map[r] * kv_stride + static_cast<int64_t>(kv_head) * D + c4;
-#pragma unroll
-      for (int which = 0; which < 2; ++which) {
-        float* sum = which == 0 ? p.dk_sum : p.dv_sum;
-        const bool assign = (which == 0 ? p.dk_sum_assign : p.dv_sum_assign) != 0;
-        T* result = static_cast<T*>(which == 0 ? p.dk_result : p.dv_result);
-        const uint8_t* st_rows = which == 0 ? k_rows : v_rows;
-        float4 y = assign ? make_float4(0.f, 0.f, 0.f, 0.f) : *reinterpret_cast<const float4*>(sum + off);
-        const uint2 raw = *reinterpret_cast<const uint2*>(st_rows + sw128_offset(BN, 64 * cw + r, c4));
-        T e[4];
-        memcpy(e, &raw, 8);
-        y.x += static_cast<float>(e[0]);
-        y.y += static_cast<float>(e[1]);
-        y.z += static_cast<float>(e[2]);
-        y.w += static_cast<float>(e[3]);
-        if (result == nullptr)
-          *reinterpret_cast<float4*>(sum + off) = y;
-        else
-          *reinterpret_cast<uint2*>(result + off) = make_uint2(pack2<T>(y.x, y.y), pack2<T>(y.z, y.w));
-      }
-    }
+    const int64_t col0 = static_cast<int64_t>(kv_head) * D;
+    add_rows_to_sum<T, kSumBatch>(
+        rows, D / 4, map, kv_stride, col0, p.dk_sum, p.dk_sum_assign != 0, static_cast<T*>(p.dk_result),
+        [&](int r, int col) { return *reinterpret_cast<const uint2*>(k_rows + sw128_offset(BN, 64 * cw + r, col)); },
+        tid, 128);
+    add_rows_to_sum<T, kSumBatch>(
+        rows, D / 4, map, kv_stride, col0, p.dv_sum, p.dv_sum_assign != 0, static_cast<T*>(p.dv_result),
+        [&](int r, int col) { return *reinterpret_cast<const uint2*>(v_rows + sw128_offset(BN, 64 * cw + r, col)); },
+        tid, 128);
   }
 }
 
@@ -783,26 +807,13 @@ __device__ __forceinline__ void dq_consume(const AttentionParams& p, const Watch
           *reinterpret_cast<const uint4*>(q_ptr + sw128_offset(Cfg::kBlockM, 64 * cw + r, ch * 8));
     }
   } else {
-    constexpr int kChunks = D / 4;
-    const int64_t* map = p.q_sum_rows + first;
-    const bool assign = p.dq_sum_assign != 0;
-    T* result = static_cast<T*>(p.dq_result);
-    for (int i = tid; i < rows * kChunks; i += 128) {
-      const int r = i / kChunks, c4 = (i % kChunks) * 4;
-      const int64_t off = map[r] * q_stride + col0 + c4;
-      float4 y = assign ? make_float4(0.f, 0.f, 0.f, 0.f) : *reinterpret_cast<const float4*>(p.dq_sum + off);
-      const uint2 raw = *reinterpret_cast<const uint2*>(q_ptr + sw128_offset(Cfg::kBlockM, 64 * cw + r, c4));
-      T e[4];
-      memcpy(e, &raw, 8);
-      y.x += static_cast<float>(e[0]);
-      y.y += static_cast<float>(e[1]);
-      y.z += static_cast<float>(e[2]);
-      y.w += static_cast<float>(e[3]);
-      if (result == nullptr)
-        *reinterpret_cast<float4*>(p.dq_sum + off) = y;
-      else
-        *reinterpret_cast<uint2*>(result + off) = make_uint2(pack2<T>(y.x, y.y), pack2<T>(y.z, y.w));
-    }
+    add_rows_to_sum<T, kSumBatch>(
+        rows, D / 4, p.q_sum_rows + first, q_stride, col0, p.dq_sum, p.dq_sum_assign != 0,
+        static_cast<T*>(p.dq_result),
+        [&](int r, int col) {
+          return *reinterpret_cast<const uint2*>(q_ptr + sw128_offset(Cfg::kBlockM, 64 * cw + r, col));
+        },
+        tid, 128);
   }
 }
 
@@ -872,35 +883,34 @@ __global__ void __launch_bounds__(128) attention_backward_delta_sm90_kernel(Atte
 
 // dQ = dtype(dq_accum * scale) for every row of the tiles (pad rows hold 0 in dq_accum), or the summing form:
 // dq_sum[q_sum_rows[r]] = (assign ? 0 : dq_sum[..]) + float(dtype(dq_accum[r] * scale)) (or dtype of that to
-// dq_result). Block (x, y): tile x, 4-element pieces y * 128 + thread stepping gridDim.y * 128.
+// dq_result). Block (x, y): tile x, 4-element pieces y * 128 + thread stepping gridDim.y * 128 (finish_dq_grid_y
+// blocks per tile, so that a call over a few short tiles still keeps enough loads in flight).
 template <class T>
 __global__ void __launch_bounds__(128) attention_backward_finish_dq_sm90_kernel(AttentionParams p, int64_t row_elems) {
   const RowTile tile = p.q_tiles[blockIdx.x];
-  const int32_t chunks = static_cast<int32_t>(row_elems / 4);
-  const int32_t total = tile.rows * chunks;
+  const int pieces = static_cast<int>(row_elems / 4);
   const float s = p.softmax_scale;
-  for (int32_t i = blockIdx.y * blockDim.x + threadIdx.x; i < total; i += gridDim.y * blockDim.x) {
-    const int64_t r = tile.first_row + i / chunks, c = static_cast<int64_t>(i % chunks) * 4;
-    const float4 a = *reinterpret_cast<const float4*>(p.dq_accum + r * row_elems + c);
-    const uint32_t lo = pack2<T>(a.x * s, a.y * s), hi = pack2<T>(a.z * s, a.w * s);
-    if (p.dq_sum == nullptr) {
-      *reinterpret_cast<uint2*>(static_cast<T*>(p.dq) + r * row_elems + c) = make_uint2(lo, hi);
-      continue;
-    }
-    T e[4];
-    memcpy(e, &lo, 4);
-    memcpy(e + 2, &hi, 4);
-    const int64_t off = p.q_sum_rows[r] * row_elems + c;
-    float4 y = p.dq_sum_assign != 0 ? make_float4(0.f, 0.f, 0.f, 0.f) : *reinterpret_cast<const float4*>(p.dq_sum + off);
-    y.x += static_cast<float>(e[0]);
-    y.y += static_cast<float>(e[1]);
-    y.z += static_cast<float>(e[2]);
-    y.w += static_cast<float>(e[3]);
-    if (p.dq_result == nullptr)
-      *reinterpret_cast<float4*>(p.dq_sum + off) = y;
-    else
-      *reinterpret_cast<uint2*>(static_cast<T*>(p.dq_result) + off) = make_uint2(pack2<T>(y.x, y.y), pack2<T>(y.z, y.w));
+  const float* accum = p.dq_accum + tile.first_row * row_elems;
+  const auto rounded = [&](int r, int col) {
+    const float4 a = *reinterpret_cast<const float4*>(accum + r * row_elems + col);
+    return make_uint2(pack2<T>(a.x * s, a.y * s), pack2<T>(a.z * s, a.w * s));
+  };
+  const int thread = blockIdx.y * blockDim.x + threadIdx.x, threads = gridDim.y * blockDim.x;
+  if (p.dq_sum == nullptr) {
+    T* dq = static_cast<T*>(p.dq) + tile.first_row * row_elems;
+    for (int i = thread; i < tile.rows * pieces; i += threads)
+      *reinterpret_cast<uint2*>(dq + (i / pieces) * row_elems + (i % pieces) * 4) =
+          rounded(i / pieces, (i % pieces) * 4);
+    return;
   }
+  detail::add_rows_to_sum<T, 4>(tile.rows, pieces, p.q_sum_rows + tile.first_row, row_elems, 0, p.dq_sum,
+                                p.dq_sum_assign != 0, static_cast<T*>(p.dq_result), rounded, thread, threads);
+}
+
+// Blocks per Q tile of the dQ finish: two rounds of 4 pieces per thread over a tile of 128 rows.
+inline int finish_dq_grid_y(int64_t row_elems) {
+  const int64_t pieces = 128 * (row_elems / 4);
+  return static_cast<int>(std::max<int64_t>(1, (pieces + 128 * 8 - 1) / (128 * 8)));
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -952,7 +962,8 @@ std::string launch_backward_sm90(const AttentionParams& p, Watchdog dog, cudaStr
   if (p.q_tile_count > 0 && p.heads_q > 0) {
     if constexpr (ATOMIC_DQ) {
       attention_backward_finish_dq_sm90_kernel<T>
-          <<<dim3(p.q_tile_count, 4), 128, 0, stream>>>(p, static_cast<int64_t>(p.heads_q) * D);
+          <<<dim3(p.q_tile_count, finish_dq_grid_y(static_cast<int64_t>(p.heads_q) * D)), 128, 0, stream>>>(
+              p, static_cast<int64_t>(p.heads_q) * D);
       if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return fail("dq finish kernel launch", e);
     } else {
       auto kernel = attention_backward_dq_sm90_kernel<DqCfg>;
