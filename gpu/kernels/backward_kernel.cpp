@@ -1,5 +1,5 @@
 // Which backward kernel serves a call: the sm_90a wgmma backward on devices of compute capability 9.0 for the head
-// dims it is built for (64/64, 128/128), the mma.sync backward elsewhere; an explicit request or
+// dims it is built for (32/32, 64/64, 96/96, 128/128, 128/64), the mma.sync backward elsewhere; an explicit request or
 // CPGOLD_BACKWARD_KERNEL picks one.
 #include <string>
 
@@ -17,9 +17,11 @@ bool parse_backward_kernel(std::string_view text, BackwardKernel& kernel) {
 
 bool wgmma_backward_serves(const AttentionShape& shape) {
 #if CPGOLD_HAVE_SM90_BACKWARD
-  // The configurations of gpu/kernels/attention_sm90_backward_launch.cuh: d_qk = d_v = 64 or 128.
-  return (shape.dtype == DType::bf16 || shape.dtype == DType::fp16) && shape.dim_qk == shape.dim_v &&
-         (shape.dim_qk == 64 || shape.dim_qk == 128);
+  // The configurations of gpu/kernels/attention_sm90_backward_launch.cuh: d_qk + d_v up to 256 (the dK and dV
+  // accumulators of a consumer thread): 32/32, 64/64, 96/96, 128/128, 128/64.
+  const int d = shape.dim_qk, dv = shape.dim_v;
+  return (shape.dtype == DType::bf16 || shape.dtype == DType::fp16) &&
+         ((d == dv && (d == 32 || d == 64 || d == 96 || d == 128)) || (d == 128 && dv == 64));
 #else
   (void)shape;
   return false;
@@ -32,14 +34,17 @@ Outcome choose_backward_kernel(const AttentionShape& shape, int cc, BackwardKern
   switch (requested) {
     case BackwardKernel::mma_sync: chosen = BackwardKernel::mma_sync; return {};
     case BackwardKernel::automatic:
-      chosen = device_ok && serves ? BackwardKernel::wgmma : BackwardKernel::mma_sync;
+      // d_qk 32 runs in 64-column tiles in the wgmma backward (half of its products are padding): the mma.sync
+      // backward is faster there (0.82-0.89x for wgmma, run B11 of docs/GPU_RESULTS.md), so it stays the choice.
+      chosen = device_ok && serves && shape.dim_qk > 32 ? BackwardKernel::wgmma : BackwardKernel::mma_sync;
       return {};
     case BackwardKernel::wgmma:
       if (!serves) {
 #if CPGOLD_HAVE_SM90_BACKWARD
         return {Status::unsupported, "the wgmma backward does not serve d_qk=" + std::to_string(shape.dim_qk) +
                                          ", d_v=" + std::to_string(shape.dim_v) + " (" +
-                                         std::string(dtype_name(shape.dtype)) + "); it serves 64/64 and 128/128"};
+                                         std::string(dtype_name(shape.dtype)) +
+                                         "); it serves 32/32, 64/64, 96/96, 128/128 and 128/64"};
 #else
         return {Status::unsupported, "the wgmma backward is not in this build (nvcc older than 12.3)"};
 #endif

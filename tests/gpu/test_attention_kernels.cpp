@@ -545,12 +545,13 @@ TEST_CASE("gpu attention: the summing backward adds the rounded outputs at the m
   CPGOLD_REQUIRE_DEVICE();
   check_summing(make_case("summing", DType::bf16, 4, 2, 128, 64, {-1, 0}, {300, 0, 129, 64}, {300, 0, 129, 64}, 21));
   check_summing(make_case("summing d128", DType::fp16, 4, 2, 128, 128, {40, 0}, {300, 0, 129, 64}, {300, 0, 129, 64}, 22));
+  check_summing(make_case("summing d96", DType::bf16, 2, 1, 96, 96, {-1, 0}, {300, 0, 129, 64}, {300, 0, 129, 64}, 23));
 }
 
 // Small enough for compute-sanitizer (memcheck, racecheck): both forward kernels (the automatic choice, the wgmma
 // forward on a 9.0 device for every dim here, d 96 with its zero-filled columns included, and the mma.sync forward
-// forced), both backward kernels (the automatic choice: the wgmma backward on a 9.0 device for d 64 and 128; the
-// mma.sync backward forced, with a caller's delta) and both backward modes,
+// forced), both backward kernels (the automatic choice: the wgmma backward on a 9.0 device for d 64, 96 and 128, d 96
+// in 128-column tiles; the mma.sync backward forced, with a caller's delta) and both backward modes,
 // with pad rows, a zero-length sequence, a partial tile and GQA, head dim 256 (dK/dV in two column slices), and the
 // summing backward (both modes, added into zero sums at reversed rows) on the same shapes, whose dK and dV must be
 // the plain backward's values bit for bit (0 + x = x; dK/dV do not depend on the mode or the run).
@@ -567,7 +568,7 @@ TEST_CASE("gpu attention: small case for the sanitizers") {
     std::printf("sanitizer case d %d/%d: forward kernel %s; backward kernel %s\n", c.dim_qk, c.dim_v,
                 gpu::forward_kernel_description(shape).c_str(), gpu::backward_kernel_description(shape).c_str());
     run_case(c);
-    // The mma.sync backward forced as well (on a 9.0 device d 64 and 128 run the wgmma one in run_case).
+    // The mma.sync backward forced as well (on a 9.0 device d 64, 96 and 128 run the wgmma one in run_case).
     for (gpu::BackwardMode mode : {gpu::BackwardMode::atomic, gpu::BackwardMode::deterministic}) {
       gpu::HostForward fwd_once;
       REQUIRE(gpu::forward_on_device(c.call, c.dtype, c.q, c.k, c.v, fwd_once).ok());
@@ -771,12 +772,13 @@ TEST_CASE("gpu attention: the backward kernel chosen per head dims and device is
   for (DType dtype : {DType::bf16, DType::fp16})
     for (const auto& d : kTableDims) {
       const gpu::AttentionShape shape{dtype, 4, 2, d[0], d[1]};
-      const bool served = d[0] == d[1] && (d[0] == 64 || d[0] == 128);
+      const bool served = d[0] + d[1] <= 256;  // 32/32, 64/64, 96/96, 128/128, 128/64; not 192/128, 256/256
       INFO(dtype_name(dtype), " d", d[0], "/", d[1]);
       CHECK(gpu::wgmma_backward_serves(shape) == served);
       gpu::BackwardKernel chosen{};
       REQUIRE(gpu::choose_backward_kernel(shape, 90, gpu::BackwardKernel::automatic, chosen).ok());
-      CHECK(chosen == (served ? gpu::BackwardKernel::wgmma : gpu::BackwardKernel::mma_sync));
+      // d_qk 32: served on request, but the automatic choice stays mma.sync (faster there, docs/gpu-kernels.md).
+      CHECK(chosen == (served && d[0] > 32 ? gpu::BackwardKernel::wgmma : gpu::BackwardKernel::mma_sync));
       REQUIRE(gpu::choose_backward_kernel(shape, 90, gpu::BackwardKernel::mma_sync, chosen).ok());
       CHECK(chosen == gpu::BackwardKernel::mma_sync);
       const gpu::Outcome on_hopper = gpu::choose_backward_kernel(shape, 90, gpu::BackwardKernel::wgmma, chosen);
@@ -845,6 +847,10 @@ TEST_CASE("gpu attention: the wgmma backward against the mma.sync backward") {
   cases.push_back(make_case("bwd A/B window fp16", DType::fp16, 2, 1, 64, 64, {40, 24}, {129, 1, 300, 0, 257}, {100, 1, 300, 0, 260}, 52));
   cases.push_back(make_case("bwd A/B full d64 bf16", DType::bf16, 3, 3, 64, 64, {-1, -1}, {1, 127, 128, 129}, {1, 127, 128, 129}, 53));
   cases.push_back(make_case("bwd A/B causal fp16 L_q > L_kv", DType::fp16, 2, 2, 128, 128, {-1, 0}, {200, 70}, {90, 70}, 54));
+  // The head dims carried in padded tiles (32 as 64 columns, 96 as 128) and d_v < d_qk.
+  cases.push_back(make_case("bwd A/B causal d96 GQA", DType::bf16, 4, 2, 96, 96, {-1, 0}, kTileEdgeLengths, kTileEdgeLengths, 55));
+  cases.push_back(make_case("bwd A/B window d32 fp16", DType::fp16, 2, 1, 32, 32, {40, 24}, {129, 1, 300, 0, 257}, {100, 1, 300, 0, 260}, 56));
+  cases.push_back(make_case("bwd A/B causal 128/64", DType::bf16, 4, 2, 128, 64, {-1, 0}, {1, 127, 128, 129, 300}, {1, 127, 128, 129, 300}, 57));
   for (const Case& c : cases) {
     const std::string label = describe_case(c);
     INFO(label);

@@ -64,30 +64,37 @@ enum class DqSplit : int { columns = 0, first_warpgroup = 1, keys = 2 };
 // TMA_DQ (atomic mode): the dQ block of a warpgroup is staged in shared memory (float32, two boxes of 64 rows x 32
 // columns with the 128-byte swizzle) and added to the float32 workspace by TMA reduce-add (cp.reduce.async.bulk
 // .tensor), issued by one thread, instead of float2 atomics from every thread.
+// DV_: d_v (D_ is d_qk). The shared tiles and the products run on whole 64-column blocks: d 32 and 96 are carried as
+// 64 and 128 columns whose extra columns the loads zero-fill, so the products' extra columns are 0 and never stored.
 template <class T_, int D_, bool ATOMIC_DQ, DqSplit DQ_SPLIT = DqSplit::columns, bool OVERLAP = false,
-          bool TMA_DQ = false>
+          bool TMA_DQ = false, int DV_ = D_>
 struct BackwardSm90Config {
   using T = T_;
   static constexpr int D = D_;
+  static constexpr int DV = DV_;
+  static constexpr int kQKCols = (D + 63) / 64 * 64;
+  static constexpr int kVCols = (DV + 63) / 64 * 64;
   static constexpr bool kAtomicDq = ATOMIC_DQ;
   static constexpr DqSplit kDqSplit = DQ_SPLIT;
   static constexpr bool kOverlap = OVERLAP;
   static constexpr bool kTmaDq = ATOMIC_DQ && TMA_DQ;
-  static constexpr int kDqCols = DQ_SPLIT == DqSplit::keys ? D : 64;  // dQ columns per warpgroup's product
+  static constexpr int kDqCols = DQ_SPLIT == DqSplit::keys ? kQKCols : 64;  // dQ columns per warpgroup's product
   static constexpr int kConsumers = 2;
   static constexpr int kBlockN = 64 * kConsumers;
   static constexpr int kBlockM = 64;
   static constexpr int kStages = 2;
   static constexpr int kThreads = 128 * (kConsumers + 1);
   static constexpr int kConsumerThreads = 128 * kConsumers;
-  static constexpr int kKVBytes = kBlockN * D * 2;  // the K tile, the V tile
-  static constexpr int kQBytes = kBlockM * D * 2;   // one Q or dO stage
+  static constexpr int kKBytes = kBlockN * kQKCols * 2;  // the K tile
+  static constexpr int kVBytes = kBlockN * kVCols * 2;   // the V tile
+  static constexpr int kQBytes = kBlockM * kQKCols * 2;  // one Q stage
+  static constexpr int kDoBytes = kBlockM * kVCols * 2;  // one dO stage
   static constexpr int kDsBytes = kBlockN * kBlockM * 2;
   static constexpr int kOffK = 0;
-  static constexpr int kOffV = kOffK + kKVBytes;
-  static constexpr int kOffQ = kOffV + kKVBytes;
+  static constexpr int kOffV = kOffK + kKBytes;
+  static constexpr int kOffQ = kOffV + kVBytes;
   static constexpr int kOffDo = kOffQ + kStages * kQBytes;
-  static constexpr int kOffDs = kOffDo + kStages * kQBytes;  // 2 buffers (atomic mode only)
+  static constexpr int kOffDs = kOffDo + kStages * kDoBytes;  // 2 buffers (atomic mode only)
   static constexpr int kOffLse = kOffDs + (ATOMIC_DQ ? 2 * kDsBytes : 0);
   static constexpr int kOffDelta = kOffLse + kStages * kBlockM * 4;
   static constexpr int kDqStageBytes = 64 * 64 * 4;  // one warpgroup's 64 x 64 float32 dQ block (two 8 KB boxes)
@@ -100,30 +107,39 @@ struct BackwardSm90Config {
   static constexpr int kConsumerRegs = 232;
   static_assert(128 * kProducerRegs + 128 * kConsumers * kConsumerRegs <= kLaunchRegs * kThreads, "register split");
   static_assert(kSmemBytes <= 227 * 1024, "shared memory per block");
-  static_assert(D == 64 || D == 128, "head dim 64 or 128");
-  static_assert(DQ_SPLIT != DqSplit::first_warpgroup || D == 64, "first_warpgroup: d = 64 only");
+  static_assert((kQKCols == 64 || kQKCols == 128) && (kVCols == 64 || kVCols == 128) && D % 16 == 0 &&
+                    DV % 16 == 0 && DV <= D,
+                "head dims: d_qk and d_v multiples of 16 up to 128, d_v <= d_qk");
+  static_assert(DQ_SPLIT != DqSplit::first_warpgroup || kQKCols == 64, "first_warpgroup: d_qk <= 64 only");
   static_assert(!TMA_DQ || kDqCols == 64, "TMA dQ: one 64-column block per warpgroup");
-  static_assert(kQBytes % 1024 == 0 && kKVBytes % 1024 == 0 && kDsBytes % 1024 == 0, "1024-aligned tiles");
+  static_assert(kQBytes % 1024 == 0 && kDoBytes % 1024 == 0 && kKBytes % 1024 == 0 && kVBytes % 1024 == 0 &&
+                    kDsBytes % 1024 == 0,
+                "1024-aligned tiles");
 };
 
 // Deterministic dQ pass: Q tiles of kBlockM = 128 rows (two consumer warpgroups), K/V blocks of 64 keys.
-template <class T_, int D_>
+template <class T_, int D_, int DV_ = D_>
 struct BackwardDqSm90Config {
   using T = T_;
   static constexpr int D = D_;
+  static constexpr int DV = DV_;
+  static constexpr int kQKCols = (D + 63) / 64 * 64;  // as BackwardSm90Config
+  static constexpr int kVCols = (DV + 63) / 64 * 64;
   static constexpr int kConsumers = 2;
   static constexpr int kBlockM = 64 * kConsumers;
   static constexpr int kBlockN = 64;
   static constexpr int kStages = 2;
   static constexpr int kThreads = 128 * (kConsumers + 1);
   static constexpr int kConsumerThreads = 128 * kConsumers;
-  static constexpr int kQBytes = kBlockM * D * 2;
-  static constexpr int kKVBytes = kBlockN * D * 2;
+  static constexpr int kQBytes = kBlockM * kQKCols * 2;
+  static constexpr int kDoBytes = kBlockM * kVCols * 2;
+  static constexpr int kKBytes = kBlockN * kQKCols * 2;
+  static constexpr int kVBytes = kBlockN * kVCols * 2;
   static constexpr int kOffQ = 0;
   static constexpr int kOffDo = kOffQ + kQBytes;
-  static constexpr int kOffK = kOffDo + kQBytes;
-  static constexpr int kOffV = kOffK + kStages * kKVBytes;
-  static constexpr int kOffBarriers = kOffV + kStages * kKVBytes;
+  static constexpr int kOffK = kOffDo + kDoBytes;
+  static constexpr int kOffV = kOffK + kStages * kKBytes;
+  static constexpr int kOffBarriers = kOffV + kStages * kVBytes;
   static constexpr int kBarriers = 1 + 3 * kStages;  // q_full (Q and dO), then the ring
   static constexpr int kSmemBytes = kOffBarriers + kBarriers * 8 + 1024;
   static constexpr int kLaunchRegs = (65536 / kThreads) / 8 * 8;
@@ -293,15 +309,19 @@ __device__ __forceinline__ void bwd_produce(const AttentionParams& p, const Watc
   constexpr int BM = Cfg::kBlockM;
   const int tid = threadIdx.x;
   if (qb.total == 0) return;
-  const int64_t q_stride = static_cast<int64_t>(p.heads_q) * D;
-  const int64_t kv_stride = static_cast<int64_t>(p.heads_kv) * D;
+  constexpr int DV = Cfg::DV;
+  const int64_t q_stride = static_cast<int64_t>(p.heads_q) * D, do_stride = static_cast<int64_t>(p.heads_q) * DV;
+  const int64_t k_stride = static_cast<int64_t>(p.heads_kv) * D, v_stride = static_cast<int64_t>(p.heads_kv) * DV;
   const T* q = static_cast<const T*>(p.q);
   const T* dout = static_cast<const T*>(p.dout);
   const T* k = static_cast<const T*>(p.k);
   const T* v = static_cast<const T*>(p.v);
-  const int64_t kv_off = kv_tile.first_row * kv_stride + static_cast<int64_t>(kv_head) * D;
-  load_tile_sw128_cp_async<Cfg::kBlockN, D, 128>(smem + Cfg::kOffK, k + kv_off, kv_stride, kv_tile.rows, k, tid);
-  load_tile_sw128_cp_async<Cfg::kBlockN, D, 128>(smem + Cfg::kOffV, v + kv_off, kv_stride, kv_tile.rows, v, tid);
+  load_tile_sw128_cp_async<Cfg::kBlockN, Cfg::kQKCols, 128, T, D>(
+      smem + Cfg::kOffK, k + kv_tile.first_row * k_stride + static_cast<int64_t>(kv_head) * D, k_stride, kv_tile.rows,
+      k, tid);
+  load_tile_sw128_cp_async<Cfg::kBlockN, Cfg::kVCols, 128, T, DV>(
+      smem + Cfg::kOffV, v + kv_tile.first_row * v_stride + static_cast<int64_t>(kv_head) * DV, v_stride, kv_tile.rows,
+      v, tid);
   mbar_arrive_on_cp_async(kv_full);
 #pragma unroll 1
   for (int it = 0; it < qb.total; ++it) {
@@ -313,15 +333,17 @@ __device__ __forceinline__ void bwd_produce(const AttentionParams& p, const Watc
     const int valid = min(BM, seq.q_count[s] - row0);
     const int64_t first_row = seq.q_first_row[s] + row0;
     const int64_t q_off = first_row * q_stride + static_cast<int64_t>(head) * D;
-    load_tile_sw128_cp_async<BM, D, 128>(smem + Cfg::kOffQ + stage * Cfg::kQBytes, q + q_off, q_stride, valid, q, tid);
+    load_tile_sw128_cp_async<BM, Cfg::kQKCols, 128, T, D>(smem + Cfg::kOffQ + stage * Cfg::kQBytes, q + q_off, q_stride,
+                                                          valid, q, tid);
     const int64_t lse_index = static_cast<int64_t>(head) * p.q_rows + first_row;
     if (tid < BM) {
       const bool ok = tid < valid;
       cp_async_4(smem + Cfg::kOffLse + (stage * BM + tid) * 4, ok ? p.lse + lse_index + tid : p.lse, ok);
     }
     mbar_arrive_on_cp_async(ring.full_k(it));
-    load_tile_sw128_cp_async<BM, D, 128>(smem + Cfg::kOffDo + stage * Cfg::kQBytes, dout + q_off, q_stride, valid,
-                                         dout, tid);
+    load_tile_sw128_cp_async<BM, Cfg::kVCols, 128, T, DV>(smem + Cfg::kOffDo + stage * Cfg::kDoBytes,
+                                                          dout + first_row * do_stride + static_cast<int64_t>(head) * DV,
+                                                          do_stride, valid, dout, tid);
     if (tid < BM) {
       const bool ok = tid < valid;
       cp_async_4(smem + Cfg::kOffDelta + (stage * BM + tid) * 4, ok ? p.delta + lse_index + tid : p.delta, ok);
@@ -353,9 +375,12 @@ __device__ __forceinline__ void bwd_consume(const AttentionParams& p, const Watc
   const uint32_t k_tile = smem + Cfg::kOffK, v_tile = smem + Cfg::kOffV;
   const int64_t q_stride = static_cast<int64_t>(p.heads_q) * D;
 
-  float dk[D / 2], dv[D / 2];
+  constexpr int QKC = Cfg::kQKCols, VC = Cfg::kVCols;
+  float dk[QKC / 2], dv[VC / 2];
 #pragma unroll
-  for (int i = 0; i < D / 2; ++i) dk[i] = dv[i] = 0.f;
+  for (int i = 0; i < QKC / 2; ++i) dk[i] = 0.f;
+#pragma unroll
+  for (int i = 0; i < VC / 2; ++i) dv[i] = 0.f;
 
   if (qb.total > 0) {
     mbar_wait(kv_full, 0, dog, kWaitKV, -1);
@@ -371,7 +396,7 @@ __device__ __forceinline__ void bwd_consume(const AttentionParams& p, const Watc
     const int q_pos = seq.q_position[s_idx];
     const int valid = min(BM, q_count - row0);
     const uint32_t q_tile = smem + Cfg::kOffQ + stage * Cfg::kQBytes;
-    const uint32_t do_tile = smem + Cfg::kOffDo + stage * Cfg::kQBytes;
+    const uint32_t do_tile = smem + Cfg::kOffDo + stage * Cfg::kDoBytes;
     const float* lse_s = reinterpret_cast<const float*>(smem_ptr + Cfg::kOffLse) + stage * BM;
     const float* delta_s = reinterpret_cast<const float*>(smem_ptr + Cfg::kOffDelta) + stage * BM;
 
@@ -392,7 +417,7 @@ __device__ __forceinline__ void bwd_consume(const AttentionParams& p, const Watc
     mbar_wait(ring.full_v(it), ring.parity(it), dog, kWaitDoStage, it);
     fence_proxy_async();
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk)
+    for (int kk = 0; kk < Cfg::DV / 16; ++kk)
       Wgmma<BM, T, 0>::ss(dpt, desc_k_major(v_tile, BN, 64 * cw, 16 * kk), desc_k_major(do_tile, BM, 0, 16 * kk),
                           kk > 0 ? 1 : 0);
     wgmma_commit();
@@ -429,7 +454,7 @@ __device__ __forceinline__ void bwd_consume(const AttentionParams& p, const Watc
     fence_registers(pa);
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < BM / 16; ++kk) Wgmma<D, T, 1>::rs(dv, pa[kk], desc_mn_major(do_tile, BM, 16 * kk), 1);
+    for (int kk = 0; kk < BM / 16; ++kk) Wgmma<VC, T, 1>::rs(dv, pa[kk], desc_mn_major(do_tile, BM, 16 * kk), 1);
     wgmma_commit();
     if constexpr (Cfg::kOverlap) {
       wgmma_wait<1>();  // dP^T complete; dV's product may still run
@@ -452,7 +477,7 @@ __device__ __forceinline__ void bwd_consume(const AttentionParams& p, const Watc
     fence_registers(dsa);
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < BM / 16; ++kk) Wgmma<D, T, 1>::rs(dk, dsa[kk], desc_mn_major(q_tile, BM, 16 * kk), 1);
+    for (int kk = 0; kk < BM / 16; ++kk) Wgmma<QKC, T, 1>::rs(dk, dsa[kk], desc_mn_major(q_tile, BM, 16 * kk), 1);
     wgmma_commit();
 
     if constexpr (Cfg::kAtomicDq) {
@@ -489,13 +514,14 @@ __device__ __forceinline__ void bwd_consume(const AttentionParams& p, const Watc
         if constexpr (Cfg::kDqSplit == DqSplit::keys) {
 #pragma unroll
           for (int kk = 0; kk < 64 / 16; ++kk)
-            WgmmaTA<D, T, 1>::ss(dq, desc_mn_major_a(ds_tile, BN, 64 * cw + 16 * kk),
+            WgmmaTA<QKC, T, 1>::ss(dq, desc_mn_major_a(ds_tile, BN, 64 * cw + 16 * kk),
                                  desc_mn_major(k_tile, BN, 64 * cw + 16 * kk), kk > 0 ? 1 : 0);
         } else {
 #pragma unroll
           for (int kk = 0; kk < BN / 16; ++kk)
             WgmmaTA<64, T, 1>::ss(dq, desc_mn_major_a(ds_tile, BN, 16 * kk),
-                                  desc_mn_major(k_tile + (D == 128 ? cw * BN * 128 : 0), BN, 16 * kk), kk > 0 ? 1 : 0);
+                                  desc_mn_major(k_tile + (QKC == 128 ? cw * BN * 128 : 0), BN, 16 * kk),
+                                  kk > 0 ? 1 : 0);
         }
         wgmma_commit();
       }
@@ -507,7 +533,7 @@ __device__ __forceinline__ void bwd_consume(const AttentionParams& p, const Watc
       fence_registers(dsa);
       ring.release(it);
       // Columns split at d = 64: warpgroup 1's copy of the same 64 columns adds nothing.
-      const bool adds = Cfg::kDqSplit == DqSplit::keys || D == 128 || cw == 0;
+      const bool adds = Cfg::kDqSplit == DqSplit::keys || QKC == 128 || cw == 0;
       if constexpr (Cfg::kTmaDq) {
         // Stage the 64 x 64 block (rows past the segment hold exact zeros: their dS columns are 0, so adding them to
         // the rows that follow changes nothing; rows past the tensor are skipped by the TMA), then one thread adds
@@ -533,7 +559,7 @@ __device__ __forceinline__ void bwd_consume(const AttentionParams& p, const Watc
           named_barrier_sync(2 + cw, 128);
           if (tid == 0) {
             const int first_row = static_cast<int>(seq.q_first_row[s_idx] + row0);
-            const int col0 = D == 64 || Cfg::kDqSplit == DqSplit::keys ? 0 : 64 * cw;
+            const int col0 = QKC == 64 || Cfg::kDqSplit == DqSplit::keys ? 0 : 64 * cw;
             tma_reduce_add_3d(dq_map, stage_box, col0, head, first_row);
             tma_reduce_add_3d(dq_map, stage_box + 64 * 128, col0 + 32, head, first_row);
             bulk_commit_group();
@@ -541,7 +567,7 @@ __device__ __forceinline__ void bwd_consume(const AttentionParams& p, const Watc
         }
       } else if (adds) {
         const int64_t first_row = seq.q_first_row[s_idx] + row0;
-        const int col0 = Cfg::kDqSplit == DqSplit::keys || D == 64 ? 0 : 64 * cw;
+        const int col0 = Cfg::kDqSplit == DqSplit::keys || QKC == 64 ? 0 : 64 * cw;
         float* dq_rows = p.dq_accum + first_row * q_stride + static_cast<int64_t>(head) * D + col0;
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
@@ -549,8 +575,9 @@ __device__ __forceinline__ void bwd_consume(const AttentionParams& p, const Watc
           if (r < valid) {
 #pragma unroll
             for (int j = 0; j < Cfg::kDqCols / 8; ++j)
-              atomicAdd(reinterpret_cast<float2*>(dq_rows + r * q_stride + 8 * j + 2 * c),
-                        make_float2(dq[4 * j + 2 * half], dq[4 * j + 2 * half + 1]));
+              if (col0 + 8 * j < D)  // padded columns (d_qk 32, 96) are not the row's
+                atomicAdd(reinterpret_cast<float2*>(dq_rows + r * q_stride + 8 * j + 2 * c),
+                          make_float2(dq[4 * j + 2 * half], dq[4 * j + 2 * half + 1]));
           }
         }
       }
@@ -574,11 +601,12 @@ __device__ __forceinline__ void bwd_consume(const AttentionParams& p, const Watc
   named_barrier_sync(1, Cfg::kConsumerThreads);
   uint8_t* k_ptr = smem_ptr + Cfg::kOffK;
   uint8_t* v_ptr = smem_ptr + Cfg::kOffV;
-  stage_accumulators<T, BN, D>(k_ptr, 64 * cw, dk, p.softmax_scale, warp, g, c);
-  stage_accumulators<T, BN, D>(v_ptr, 64 * cw, dv, 1.f, warp, g, c);
+  stage_accumulators<T, BN, QKC>(k_ptr, 64 * cw, dk, p.softmax_scale, warp, g, c);
+  stage_accumulators<T, BN, VC>(v_ptr, 64 * cw, dv, 1.f, warp, g, c);
   named_barrier_sync(2 + cw, 128);
   const int rows = max(0, min(64, kv_tile.rows - 64 * cw));
-  const int64_t kv_stride = static_cast<int64_t>(p.heads_kv) * D;
+  constexpr int DV = Cfg::DV;
+  const int64_t k_stride = static_cast<int64_t>(p.heads_kv) * D, v_stride = static_cast<int64_t>(p.heads_kv) * DV;
   const bool summing = p.dk_sum != nullptr;
   const int64_t first = kv_tile.first_row + 64 * cw;
   // Staging rows 64 cw ..: offset the tile by 64 cw rows (column blocks are BN rows apart, so read through the
@@ -586,26 +614,40 @@ __device__ __forceinline__ void bwd_consume(const AttentionParams& p, const Watc
   const uint8_t* k_rows = k_ptr;
   const uint8_t* v_rows = v_ptr;
   if (!summing) {
-    T* dk_out = static_cast<T*>(p.dk) + first * kv_stride;
-    T* dv_out = static_cast<T*>(p.dv) + first * kv_stride;
-    constexpr int kChunks = D / 8;
-    for (int i = tid; i < rows * kChunks; i += 128) {
-      const int r = i / kChunks, ch = i % kChunks;
-      const int64_t off = r * kv_stride + static_cast<int64_t>(kv_head) * D + ch * 8;
-      *reinterpret_cast<uint4*>(dk_out + off) =
-          *reinterpret_cast<const uint4*>(k_rows + sw128_offset(BN, 64 * cw + r, ch * 8));
-      *reinterpret_cast<uint4*>(dv_out + off) =
-          *reinterpret_cast<const uint4*>(v_rows + sw128_offset(BN, 64 * cw + r, ch * 8));
+    T* dk_out = static_cast<T*>(p.dk) + first * k_stride + static_cast<int64_t>(kv_head) * D;
+    T* dv_out = static_cast<T*>(p.dv) + first * v_stride + static_cast<int64_t>(kv_head) * DV;
+    if constexpr (D == DV) {
+      constexpr int kChunks = D / 8;
+      for (int i = tid; i < rows * kChunks; i += 128) {
+        const int r = i / kChunks, ch = i % kChunks;
+        const int64_t off = r * k_stride + ch * 8;
+        *reinterpret_cast<uint4*>(dk_out + off) =
+            *reinterpret_cast<const uint4*>(k_rows + sw128_offset(BN, 64 * cw + r, ch * 8));
+        *reinterpret_cast<uint4*>(dv_out + off) =
+            *reinterpret_cast<const uint4*>(v_rows + sw128_offset(BN, 64 * cw + r, ch * 8));
+      }
+    } else {
+      for (int i = tid; i < rows * (D / 8); i += 128) {
+        const int r = i / (D / 8), ch = i % (D / 8);
+        *reinterpret_cast<uint4*>(dk_out + r * k_stride + ch * 8) =
+            *reinterpret_cast<const uint4*>(k_rows + sw128_offset(BN, 64 * cw + r, ch * 8));
+      }
+      for (int i = tid; i < rows * (DV / 8); i += 128) {
+        const int r = i / (DV / 8), ch = i % (DV / 8);
+        *reinterpret_cast<uint4*>(dv_out + r * v_stride + ch * 8) =
+            *reinterpret_cast<const uint4*>(v_rows + sw128_offset(BN, 64 * cw + r, ch * 8));
+      }
     }
   } else {
     const int64_t* map = p.kv_sum_rows + first;
-    const int64_t col0 = static_cast<int64_t>(kv_head) * D;
     add_rows_to_sum<T, kSumBatch>(
-        rows, D / 4, map, kv_stride, col0, p.dk_sum, p.dk_sum_assign != 0, static_cast<T*>(p.dk_result),
+        rows, D / 4, map, k_stride, static_cast<int64_t>(kv_head) * D, p.dk_sum, p.dk_sum_assign != 0,
+        static_cast<T*>(p.dk_result),
         [&](int r, int col) { return *reinterpret_cast<const uint2*>(k_rows + sw128_offset(BN, 64 * cw + r, col)); },
         tid, 128);
     add_rows_to_sum<T, kSumBatch>(
-        rows, D / 4, map, kv_stride, col0, p.dv_sum, p.dv_sum_assign != 0, static_cast<T*>(p.dv_result),
+        rows, DV / 4, map, v_stride, static_cast<int64_t>(kv_head) * DV, p.dv_sum, p.dv_sum_assign != 0,
+        static_cast<T*>(p.dv_result),
         [&](int r, int col) { return *reinterpret_cast<const uint2*>(v_rows + sw128_offset(BN, 64 * cw + r, col)); },
         tid, 128);
   }
@@ -628,14 +670,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   const RowTile kv_tile = p.kv_tiles[blockIdx.x];
   const int kv_head = blockIdx.y;
   if (kv_tile.sequence < 0) {  // K/V rows outside every segment: dK = dV = 0 (or +0)
-    const int64_t stride = static_cast<int64_t>(p.heads_kv) * D;
-    const int64_t col0 = static_cast<int64_t>(kv_head) * D;
-    detail::store_zero_rows<T, D, Cfg::kThreads>(kv_tile.first_row, kv_tile.rows, static_cast<T*>(p.dk), stride,
-                                                 col0, p.dk_sum, p.kv_sum_rows, p.dk_sum_assign != 0,
+    constexpr int DV = Cfg::DV;
+    detail::store_zero_rows<T, D, Cfg::kThreads>(kv_tile.first_row, kv_tile.rows, static_cast<T*>(p.dk),
+                                                 static_cast<int64_t>(p.heads_kv) * D, static_cast<int64_t>(kv_head) * D,
+                                                 p.dk_sum, p.kv_sum_rows, p.dk_sum_assign != 0,
                                                  static_cast<T*>(p.dk_result), threadIdx.x);
-    detail::store_zero_rows<T, D, Cfg::kThreads>(kv_tile.first_row, kv_tile.rows, static_cast<T*>(p.dv), stride,
-                                                 col0, p.dv_sum, p.kv_sum_rows, p.dv_sum_assign != 0,
-                                                 static_cast<T*>(p.dv_result), threadIdx.x);
+    detail::store_zero_rows<T, DV, Cfg::kThreads>(kv_tile.first_row, kv_tile.rows, static_cast<T*>(p.dv),
+                                                  static_cast<int64_t>(p.heads_kv) * DV,
+                                                  static_cast<int64_t>(kv_head) * DV, p.dv_sum, p.kv_sum_rows,
+                                                  p.dv_sum_assign != 0, static_cast<T*>(p.dv_result), threadIdx.x);
     return;
   }
   const SequenceDesc& seq = p.sequences[kv_tile.sequence];
@@ -671,16 +714,19 @@ __device__ __forceinline__ void dq_produce(const AttentionParams& p, const Watch
   constexpr int D = Cfg::D;
   const int tid = threadIdx.x;
   if (kb.total == 0) return;
+  constexpr int DV = Cfg::DV;
   const int kv_head = head / p.group;
-  const int64_t q_stride = static_cast<int64_t>(p.heads_q) * D;
-  const int64_t kv_stride = static_cast<int64_t>(p.heads_kv) * D;
+  const int64_t q_stride = static_cast<int64_t>(p.heads_q) * D, do_stride = static_cast<int64_t>(p.heads_q) * DV;
+  const int64_t k_stride = static_cast<int64_t>(p.heads_kv) * D, v_stride = static_cast<int64_t>(p.heads_kv) * DV;
   const T* q = static_cast<const T*>(p.q);
   const T* dout = static_cast<const T*>(p.dout);
   const T* k = static_cast<const T*>(p.k);
   const T* v = static_cast<const T*>(p.v);
-  const int64_t q_off = tile.first_row * q_stride + static_cast<int64_t>(head) * D;
-  load_tile_sw128_cp_async<Cfg::kBlockM, D, 128>(smem + Cfg::kOffQ, q + q_off, q_stride, tile.rows, q, tid);
-  load_tile_sw128_cp_async<Cfg::kBlockM, D, 128>(smem + Cfg::kOffDo, dout + q_off, q_stride, tile.rows, dout, tid);
+  load_tile_sw128_cp_async<Cfg::kBlockM, Cfg::kQKCols, 128, T, D>(
+      smem + Cfg::kOffQ, q + tile.first_row * q_stride + static_cast<int64_t>(head) * D, q_stride, tile.rows, q, tid);
+  load_tile_sw128_cp_async<Cfg::kBlockM, Cfg::kVCols, 128, T, DV>(
+      smem + Cfg::kOffDo, dout + tile.first_row * do_stride + static_cast<int64_t>(head) * DV, do_stride, tile.rows,
+      dout, tid);
   mbar_arrive_on_cp_async(q_full);
 #pragma unroll 1
   for (int it = 0; it < kb.total; ++it) {
@@ -689,12 +735,14 @@ __device__ __forceinline__ void dq_produce(const AttentionParams& p, const Watch
     const int s = kb.segment(it);
     const int key0 = kb.key0(it);
     const int valid = min(Cfg::kBlockN, seq.kv_count[s] - key0);
-    const int64_t off = (seq.kv_first_row[s] + key0) * kv_stride + static_cast<int64_t>(kv_head) * D;
-    load_tile_sw128_cp_async<Cfg::kBlockN, D, 128>(smem + Cfg::kOffK + stage * Cfg::kKVBytes, k + off, kv_stride,
-                                                   valid, k, tid);
+    const int64_t row = seq.kv_first_row[s] + key0;
+    load_tile_sw128_cp_async<Cfg::kBlockN, Cfg::kQKCols, 128, T, D>(
+        smem + Cfg::kOffK + stage * Cfg::kKBytes, k + row * k_stride + static_cast<int64_t>(kv_head) * D, k_stride,
+        valid, k, tid);
     mbar_arrive_on_cp_async(ring.full_k(it));
-    load_tile_sw128_cp_async<Cfg::kBlockN, D, 128>(smem + Cfg::kOffV + stage * Cfg::kKVBytes, v + off, kv_stride,
-                                                   valid, v, tid);
+    load_tile_sw128_cp_async<Cfg::kBlockN, Cfg::kVCols, 128, T, DV>(
+        smem + Cfg::kOffV + stage * Cfg::kVBytes, v + row * v_stride + static_cast<int64_t>(kv_head) * DV, v_stride,
+        valid, v, tid);
     mbar_arrive_on_cp_async(ring.full_v(it));
   }
   cp_async_wait_all();
@@ -723,9 +771,10 @@ __device__ __forceinline__ void dq_consume(const AttentionParams& p, const Watch
     lse2[half] = r < tile.rows ? lse_to_log2(p.lse[index]) : INFINITY;
     dl[half] = r < tile.rows ? p.delta[index] : 0.f;
   }
-  float dq[D / 2];
+  constexpr int QKC = Cfg::kQKCols;
+  float dq[QKC / 2];
 #pragma unroll
-  for (int i = 0; i < D / 2; ++i) dq[i] = 0.f;
+  for (int i = 0; i < QKC / 2; ++i) dq[i] = 0.f;
   const uint32_t q_tile = smem + Cfg::kOffQ, do_tile = smem + Cfg::kOffDo;
   if (kb.total > 0) {
     mbar_wait(q_full, 0, dog, kWaitQdO, -1);
@@ -739,8 +788,8 @@ __device__ __forceinline__ void dq_consume(const AttentionParams& p, const Watch
     const int kv_count = seq.kv_count[s_idx];
     const int kv_pos = seq.kv_position[s_idx];
     const int valid = min(BN, kv_count - key0);
-    const uint32_t k_tile = smem + Cfg::kOffK + stage * Cfg::kKVBytes;
-    const uint32_t v_tile = smem + Cfg::kOffV + stage * Cfg::kKVBytes;
+    const uint32_t k_tile = smem + Cfg::kOffK + stage * Cfg::kKBytes;
+    const uint32_t v_tile = smem + Cfg::kOffV + stage * Cfg::kVBytes;
     float s[BN / 2], dp[BN / 2];
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) s[i] = dp[i] = 0.f;
@@ -757,7 +806,7 @@ __device__ __forceinline__ void dq_consume(const AttentionParams& p, const Watch
     mbar_wait(ring.full_v(it), ring.parity(it), dog, kWaitVStage, it);
     fence_proxy_async();
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk)
+    for (int kk = 0; kk < Cfg::DV / 16; ++kk)
       Wgmma<BN, T, 0>::ss(dp, desc_k_major(do_tile, Cfg::kBlockM, 64 * cw, 16 * kk),
                           desc_k_major(v_tile, BN, 0, 16 * kk), kk > 0 ? 1 : 0);
     wgmma_commit();
@@ -782,7 +831,7 @@ __device__ __forceinline__ void dq_consume(const AttentionParams& p, const Watch
     fence_registers(dsa);
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk) Wgmma<D, T, 1>::rs(dq, dsa[kk], desc_mn_major(k_tile, BN, 16 * kk), 1);
+    for (int kk = 0; kk < BN / 16; ++kk) Wgmma<QKC, T, 1>::rs(dq, dsa[kk], desc_mn_major(k_tile, BN, 16 * kk), 1);
     wgmma_commit();
     wgmma_wait<0>();
     fence_registers(dq);
@@ -792,7 +841,7 @@ __device__ __forceinline__ void dq_consume(const AttentionParams& p, const Watch
   // dQ = scale dS K, staged as dtype in this warpgroup's rows of the Q tile (its wgmma reads are complete).
   fence_proxy_async();
   uint8_t* q_ptr = smem_ptr + Cfg::kOffQ;
-  stage_accumulators<T, Cfg::kBlockM, D>(q_ptr, 64 * cw, dq, p.softmax_scale, warp, g, c);
+  stage_accumulators<T, Cfg::kBlockM, QKC>(q_ptr, 64 * cw, dq, p.softmax_scale, warp, g, c);
   named_barrier_sync(2 + cw, 128);
   const int rows = max(0, min(64, tile.rows - 64 * cw));
   const int64_t q_stride = static_cast<int64_t>(p.heads_q) * D;
@@ -929,14 +978,14 @@ inline std::string encode_dq_accum_map(CUtensorMap& map, float* dq_accum, int64_
 // delta (attention_row_delta, the same summation order as the delta kernel here) and is only read. Returns "" or the
 // failed call.
 template <class T, int D, bool ATOMIC_DQ, DqSplit DQ_SPLIT = DqSplit::columns, bool OVERLAP = false,
-          bool TMA_DQ = false>
+          bool TMA_DQ = false, int DV = D>
 std::string launch_backward_sm90(const AttentionParams& p, Watchdog dog, cudaStream_t stream,
                                  bool compute_delta = true) {
-  using Cfg = BackwardSm90Config<T, D, ATOMIC_DQ, DQ_SPLIT, OVERLAP, TMA_DQ>;
-  using DqCfg = BackwardDqSm90Config<T, D>;
+  using Cfg = BackwardSm90Config<T, D, ATOMIC_DQ, DQ_SPLIT, OVERLAP, TMA_DQ, DV>;
+  using DqCfg = BackwardDqSm90Config<T, D, DV>;
   auto fail = [](const char* what, cudaError_t e) { return std::string(what) + ": " + cudaGetErrorString(e); };
   if (compute_delta && p.q_tile_count > 0 && p.heads_q > 0) {
-    attention_backward_delta_sm90_kernel<T, D><<<dim3(p.q_tile_count, p.heads_q), 128, 0, stream>>>(p);
+    attention_backward_delta_sm90_kernel<T, DV><<<dim3(p.q_tile_count, p.heads_q), 128, 0, stream>>>(p);
     if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return fail("delta kernel launch", e);
   }
   if (ATOMIC_DQ && p.q_rows > 0) {

@@ -224,17 +224,19 @@ __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wai
 // Copies rows 0 .. valid - 1 of a ROWS x COLS tile (row stride `stride` elements) into the SW128 tile at `dst`
 // (shared address, 1024-aligned) by THREADS threads (thread index `tid`); rows valid .. ROWS - 1 are zero-filled
 // without a global read (`safe` is any readable address, never dereferenced). Consecutive threads take consecutive
-// 16-byte chunks of a row (coalesced reads).
-template <int ROWS, int COLS, int THREADS, class T>
+// 16-byte chunks of a row (coalesced reads). Columns VALID_COLS .. COLS - 1 (a head dim of 32 or 96 in a tile of 64 or
+// 128 columns) are zero-filled the same way: their source would be the next head's columns.
+template <int ROWS, int COLS, int THREADS, class T, int VALID_COLS = COLS>
 __device__ __forceinline__ void load_tile_sw128_cp_async(uint32_t dst, const T* src, int64_t stride, int valid,
                                                          const T* safe, int tid) {
   static_assert(COLS % 64 == 0 && ROWS % 8 == 0, "SW128 tile shape");
+  static_assert(VALID_COLS % 8 == 0 && VALID_COLS <= COLS, "whole 16-byte chunks");
   constexpr int kChunks = COLS / 8;
 #pragma unroll 4
   for (int i = tid; i < ROWS * kChunks; i += THREADS) {
     const int r = i / kChunks;
     const int c = i % kChunks;
-    const bool ok = r < valid;
+    const bool ok = r < valid && (VALID_COLS == COLS || c < VALID_COLS / 8);
     cp_async_16(dst + sw128_offset(ROWS, r, c * 8), ok ? src + r * stride + c * 8 : safe, ok);
   }
 }
