@@ -22,6 +22,9 @@
 //       by TMA reduce-add instead of float2 atomics (TMA_DQ; d 128 +17-20%); d 64 splits dQ by keys (each warpgroup
 //       its own 64 keys, no barrier between the warpgroups; +9-10%); d 128 overlaps the softmax and dV's product with
 //       dP's (OVERLAP, +0.5-1.5%). attention_backward runs these; the defaults of the templates stay v1 (the A side).
+//   v2.1 (runs B6-B12) the summing adds issue the loads of several pieces before their stores (add_rows_to_sum) and
+//       the dQ finish runs enough blocks per tile for a CP step's few short tiles; d_qk and d_v separate (DV_), d 32
+//       and 96 in zero-filled 64- and 128-column tiles: head dims 32/32, 96/96, 128/64 besides 64/64 and 128/128.
 //
 // Conventions as in attention_forward_sm90.cuh: tid = thread index in its warpgroup, warp = tid / 32, lane = 4 g + c;
 // accumulator element 4 j + e of a 64 x N product is row 16 warp + g + 8 (e / 2), column 8 j + 2 c + e % 2.
