@@ -1,5 +1,5 @@
 // Which backward kernel serves a call: the sm_90a wgmma backward on devices of compute capability 9.0 for the head
-// dims it is built for (32/32, 64/64, 96/96, 128/128, 128/64), the mma.sync backward elsewhere; an explicit request or
+// dims of the capability table (fixtures/gpu_table.hpp), the mma.sync backward elsewhere; an explicit request or
 // CPGOLD_BACKWARD_KERNEL picks one.
 #include <string>
 
@@ -17,11 +17,13 @@ bool parse_backward_kernel(std::string_view text, BackwardKernel& kernel) {
 
 bool wgmma_backward_serves(const AttentionShape& shape) {
 #if CPGOLD_HAVE_SM90_BACKWARD
-  // The configurations of gpu/kernels/attention_sm90_backward_launch.cuh: d_qk + d_v up to 256 (the dK and dV
-  // accumulators of a consumer thread): 32/32, 64/64, 96/96, 128/128, 128/64.
+  // The configurations of gpu/kernels/attention_sm90_backward_launch.cuh: every head-dim pair of the capability
+  // table (32/32, 64/64, 96/96, 128/128, 128/64 with 128 keys per CTA; 192/128 and 256/256 in the wide
+  // configuration, 64 keys per CTA).
   const int d = shape.dim_qk, dv = shape.dim_v;
   return (shape.dtype == DType::bf16 || shape.dtype == DType::fp16) &&
-         ((d == dv && (d == 32 || d == 64 || d == 96 || d == 128)) || (d == 128 && dv == 64));
+         ((d == dv && (d == 32 || d == 64 || d == 96 || d == 128 || d == 256)) || (d == 128 && dv == 64) ||
+          (d == 192 && dv == 128));
 #else
   (void)shape;
   return false;
@@ -44,7 +46,7 @@ Outcome choose_backward_kernel(const AttentionShape& shape, int cc, BackwardKern
         return {Status::unsupported, "the wgmma backward does not serve d_qk=" + std::to_string(shape.dim_qk) +
                                          ", d_v=" + std::to_string(shape.dim_v) + " (" +
                                          std::string(dtype_name(shape.dtype)) +
-                                         "); it serves 32/32, 64/64, 96/96, 128/128 and 128/64"};
+                                         "); it serves 32/32, 64/64, 96/96, 128/128, 128/64, 192/128 and 256/256"};
 #else
         return {Status::unsupported, "the wgmma backward is not in this build (nvcc older than 12.3)"};
 #endif

@@ -546,6 +546,8 @@ TEST_CASE("gpu attention: the summing backward adds the rounded outputs at the m
   check_summing(make_case("summing", DType::bf16, 4, 2, 128, 64, {-1, 0}, {300, 0, 129, 64}, {300, 0, 129, 64}, 21));
   check_summing(make_case("summing d128", DType::fp16, 4, 2, 128, 128, {40, 0}, {300, 0, 129, 64}, {300, 0, 129, 64}, 22));
   check_summing(make_case("summing d96", DType::bf16, 2, 1, 96, 96, {-1, 0}, {300, 0, 129, 64}, {300, 0, 129, 64}, 23));
+  check_summing(make_case("summing d256", DType::bf16, 2, 1, 256, 256, {-1, 0}, {300, 0, 129, 64}, {300, 0, 129, 64}, 24));
+  check_summing(make_case("summing 192/128", DType::fp16, 4, 2, 192, 128, {40, 0}, {300, 0, 129, 64}, {300, 0, 129, 64}, 25));
 }
 
 // Small enough for compute-sanitizer (memcheck, racecheck): both forward kernels (the automatic choice, the wgmma
@@ -772,7 +774,7 @@ TEST_CASE("gpu attention: the backward kernel chosen per head dims and device is
   for (DType dtype : {DType::bf16, DType::fp16})
     for (const auto& d : kTableDims) {
       const gpu::AttentionShape shape{dtype, 4, 2, d[0], d[1]};
-      const bool served = d[0] + d[1] <= 256;  // 32/32, 64/64, 96/96, 128/128, 128/64; not 192/128, 256/256
+      const bool served = true;  // every pair of the table, 192/128 and 256/256 in the wide configuration
       INFO(dtype_name(dtype), " d", d[0], "/", d[1]);
       CHECK(gpu::wgmma_backward_serves(shape) == served);
       gpu::BackwardKernel chosen{};
@@ -794,6 +796,16 @@ TEST_CASE("gpu attention: the backward kernel chosen per head dims and device is
         CHECK(refused.status == gpu::Status::unsupported);
       }
     }
+  // A pair outside the table, and float32, are not the wgmma backward's.
+  for (const gpu::AttentionShape& shape :
+       {gpu::AttentionShape{DType::bf16, 4, 2, 160, 160}, gpu::AttentionShape{DType::fp32, 4, 2, 128, 128}}) {
+    INFO(dtype_name(shape.dtype), " d", shape.dim_qk, "/", shape.dim_v);
+    CHECK_FALSE(gpu::wgmma_backward_serves(shape));
+    gpu::BackwardKernel chosen{};
+    const gpu::Outcome refused = gpu::choose_backward_kernel(shape, 90, gpu::BackwardKernel::wgmma, chosen);
+    CHECK(refused.status == gpu::Status::unsupported);
+    CHECK(refused.message.find("does not serve") != std::string::npos);
+  }
   gpu::BackwardKernel parsed{};
   CHECK((gpu::parse_backward_kernel("mma", parsed) && parsed == gpu::BackwardKernel::mma_sync));
   CHECK((gpu::parse_backward_kernel("mma.sync", parsed) && parsed == gpu::BackwardKernel::mma_sync));
@@ -851,6 +863,11 @@ TEST_CASE("gpu attention: the wgmma backward against the mma.sync backward") {
   cases.push_back(make_case("bwd A/B causal d96 GQA", DType::bf16, 4, 2, 96, 96, {-1, 0}, kTileEdgeLengths, kTileEdgeLengths, 55));
   cases.push_back(make_case("bwd A/B window d32 fp16", DType::fp16, 2, 1, 32, 32, {40, 24}, {129, 1, 300, 0, 257}, {100, 1, 300, 0, 260}, 56));
   cases.push_back(make_case("bwd A/B causal 128/64", DType::bf16, 4, 2, 128, 64, {-1, 0}, {1, 127, 128, 129, 300}, {1, 127, 128, 129, 300}, 57));
+  // The wide configuration (64 keys per CTA, head-dim columns split between the warpgroups).
+  cases.push_back(make_case("bwd A/B causal 256 GQA", DType::bf16, 4, 2, 256, 256, {-1, 0}, kTileEdgeLengths, kTileEdgeLengths, 58));
+  cases.push_back(make_case("bwd A/B window 256 fp16", DType::fp16, 2, 1, 256, 256, {40, 24}, {129, 1, 300, 0, 257}, {100, 1, 300, 0, 260}, 59));
+  cases.push_back(make_case("bwd A/B causal 192/128 GQA", DType::bf16, 4, 2, 192, 128, {-1, 0}, kTileEdgeLengths, kTileEdgeLengths, 60));
+  cases.push_back(make_case("bwd A/B full 192/128 fp16 L_q > L_kv", DType::fp16, 2, 2, 192, 128, {-1, -1}, {200, 70, 1}, {90, 70, 64}, 61));
   for (const Case& c : cases) {
     const std::string label = describe_case(c);
     INFO(label);

@@ -81,6 +81,7 @@ struct BackwardSm90Config {
   static constexpr DqSplit kDqSplit = DQ_SPLIT;
   static constexpr bool kOverlap = OVERLAP;
   static constexpr bool kTmaDq = ATOMIC_DQ && TMA_DQ;
+  static constexpr bool kHeadSplit = false;  // each consumer owns 64 keys (BackwardWideSm90Config: both share them)
   static constexpr int kDqCols = DQ_SPLIT == DqSplit::keys ? kQKCols : 64;  // dQ columns per warpgroup's product
   static constexpr int kConsumers = 2;
   static constexpr int kBlockN = 64 * kConsumers;
@@ -120,7 +121,88 @@ struct BackwardSm90Config {
                 "1024-aligned tiles");
 };
 
-// Deterministic dQ pass: Q tiles of kBlockM = 128 rows (two consumer warpgroups), K/V blocks of 64 keys.
+// dK/dV pass of the wide head dims (192/128, 256/256), whose dK and dV accumulators for 64 keys do not fit one
+// consumer thread (d_qk + d_v >= 320 floats besides S^T and dP^T). kBlockN = 64 keys, shared by both consumer
+// warpgroups, which split the head-dim columns instead of the keys. Per Q block of 64 rows, warpgroup w computes S^T
+// and dP^T for queries 32 w .. 32 w + 31 (N = 32, the same float32 operations per element as BackwardSm90Config),
+// writes its columns of P^T and dS^T (dtype) into shared [keys][queries] tiles and, after a barrier across both,
+// computes its 64-column blocks of dV, dK (and dQ, atomic mode) over all 64 queries with those tiles as the A
+// operands (wgmma SS). Column blocks: d_qk blocks [0, kKBlocks0) and d_v blocks [0, kVBlocks0) to warpgroup 0, the
+// rest to warpgroup 1, so that both issue the same products per block (dK and dQ count twice: 256/256 gives each
+// warpgroup 2 d_qk and 2 d_v blocks; 192/128 gives warpgroup 0 two d_qk blocks, warpgroup 1 one d_qk and two d_v
+// blocks). The tiles of P^T and dS^T are double-buffered where shared memory allows (one barrier per block), else
+// single (a second barrier before they are overwritten). Atomic mode: dQ by TMA reduce-add of 64 x 32 float32 boxes
+// staged kDqRoundBoxes at a time per warpgroup (all at once at 192/128; one at a time at 256/256, where the two Q/dO
+// stages, K and V take 193 KB).
+template <class T_, int D_, int DV_, bool ATOMIC_DQ>
+struct BackwardWideSm90Config {
+  using T = T_;
+  static constexpr int D = D_;
+  static constexpr int DV = DV_;
+  static constexpr int kQKCols = D;
+  static constexpr int kVCols = DV;
+  static constexpr bool kAtomicDq = ATOMIC_DQ;
+  static constexpr bool kTmaDq = ATOMIC_DQ;
+  static constexpr bool kHeadSplit = true;
+  static constexpr int kConsumers = 2;
+  static constexpr int kBlockN = 64;
+  static constexpr int kBlockM = 64;
+  static constexpr int kStages = 2;
+  static constexpr int kThreads = 128 * (kConsumers + 1);
+  static constexpr int kConsumerThreads = 128 * kConsumers;
+  // Column blocks of 64 per warpgroup.
+  static constexpr int kKBlocksAll = D / 64;
+  static constexpr int kVBlocksAll = DV / 64;
+  static constexpr int kKBlocks0 = (kKBlocksAll + 1) / 2;
+  static constexpr int kVBlocks0 = (2 * kKBlocksAll + kVBlocksAll) / 2 - 2 * kKBlocks0;
+  static constexpr int k_blocks(int cw) { return cw == 0 ? kKBlocks0 : kKBlocksAll - kKBlocks0; }
+  static constexpr int k_first(int cw) { return cw == 0 ? 0 : kKBlocks0; }
+  static constexpr int v_blocks(int cw) { return cw == 0 ? kVBlocks0 : kVBlocksAll - kVBlocks0; }
+  static constexpr int v_first(int cw) { return cw == 0 ? 0 : kVBlocks0; }
+  static constexpr int kKBytes = kBlockN * D * 2;
+  static constexpr int kVBytes = kBlockN * DV * 2;
+  static constexpr int kQBytes = kBlockM * D * 2;
+  static constexpr int kDoBytes = kBlockM * DV * 2;
+  static constexpr int kPBytes = kBlockN * kBlockM * 2;  // one [keys][queries] tile of P^T or dS^T
+  static constexpr int kBoxBytes = 64 * 32 * 4;          // one TMA reduce box of dQ
+  static constexpr int kMaxBoxes = 2 * (kKBlocks0 > kKBlocksAll - kKBlocks0 ? kKBlocks0 : kKBlocksAll - kKBlocks0);
+  static constexpr int kBaseBytes = kKBytes + kVBytes + kStages * (kQBytes + kDoBytes) + 2 * kStages * kBlockM * 4;
+  static constexpr int kSpare = 227 * 1024 - 1024 - 64 - kBaseBytes;  // after the alignment slack and the barriers
+  static constexpr int kPBuffers =
+      kSpare >= 2 * 2 * kPBytes + (kTmaDq ? kConsumers * kMaxBoxes * kBoxBytes : 0) ? 2 : 1;
+  static constexpr int kDqRoundBoxes =
+      !kTmaDq ? 0
+              : ((kSpare - kPBuffers * 2 * kPBytes) / (kConsumers * kBoxBytes) < kMaxBoxes
+                     ? (kSpare - kPBuffers * 2 * kPBytes) / (kConsumers * kBoxBytes)
+                     : kMaxBoxes);
+  static constexpr int kOffK = 0;
+  static constexpr int kOffV = kOffK + kKBytes;
+  static constexpr int kOffQ = kOffV + kVBytes;
+  static constexpr int kOffDo = kOffQ + kStages * kQBytes;
+  static constexpr int kOffP = kOffDo + kStages * kDoBytes;
+  static constexpr int kOffDs = kOffP + kPBuffers * kPBytes;
+  static constexpr int kOffLse = kOffDs + kPBuffers * kPBytes;
+  static constexpr int kOffDelta = kOffLse + kStages * kBlockM * 4;
+  static constexpr int kOffDqStage = (kOffDelta + kStages * kBlockM * 4 + 1023) / 1024 * 1024;
+  static constexpr int kOffBarriers = kOffDqStage + kConsumers * kDqRoundBoxes * kBoxBytes;
+  static constexpr int kBarriers = 1 + 3 * kStages;
+  static constexpr int kSmemBytes = kOffBarriers + kBarriers * 8 + 1024;
+  static constexpr int kLaunchRegs = (65536 / kThreads) / 8 * 8;
+  static constexpr int kProducerRegs = 40;
+  static constexpr int kConsumerRegs = 232;
+  static_assert(128 * kProducerRegs + 128 * kConsumers * kConsumerRegs <= kLaunchRegs * kThreads, "register split");
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory per block");
+  static_assert(D % 64 == 0 && DV % 64 == 0 && DV <= D && D <= 256, "wide head dims: multiples of 64 up to 256");
+  static_assert(2 * k_blocks(0) + v_blocks(0) == 2 * k_blocks(1) + v_blocks(1) && kVBlocks0 >= 0 &&
+                    kVBlocks0 <= kVBlocksAll,
+                "balanced column blocks");
+  static_assert(k_blocks(0) <= 2 && k_blocks(1) >= 1 && k_blocks(1) <= 2 && v_blocks(0) <= 2 && v_blocks(1) <= 2,
+                "at most 128 columns per product");
+  static_assert(!kTmaDq || kDqRoundBoxes >= 1, "room for one dQ box per warpgroup");
+};
+
+// Deterministic dQ pass: Q tiles of kBlockM = 128 rows (two consumer warpgroups), K/V blocks of 64 keys (32 where two
+// stages of 64 would not fit beside the Q and dO tiles: 256/256).
 template <class T_, int D_, int DV_ = D_>
 struct BackwardDqSm90Config {
   using T = T_;
@@ -130,7 +212,7 @@ struct BackwardDqSm90Config {
   static constexpr int kVCols = (DV + 63) / 64 * 64;
   static constexpr int kConsumers = 2;
   static constexpr int kBlockM = 64 * kConsumers;
-  static constexpr int kBlockN = 64;
+  static constexpr int kBlockN = 512 * (kQKCols + kVCols) + 2048 <= 227 * 1024 ? 64 : 32;
   static constexpr int kStages = 2;
   static constexpr int kThreads = 128 * (kConsumers + 1);
   static constexpr int kConsumerThreads = 128 * kConsumers;
@@ -284,17 +366,17 @@ __device__ __forceinline__ void store_zero_rows(int64_t first_row, int rows, T* 
                                 [](int, int) { return make_uint2(0, 0); }, tid, THREADS);
 }
 
-// Stages a warpgroup's 64 x D float accumulators (times `scale`, as dtype) in rows row0 .. row0 + 63 of an SW128
-// tile of ROWS rows.
+// Stages a warpgroup's 64 x D float accumulators (times `scale`, as dtype) in rows row0 .. row0 + 63 and columns
+// col0 .. col0 + D - 1 of an SW128 tile of ROWS rows.
 template <class T, int ROWS, int D>
 __device__ __forceinline__ void stage_accumulators(uint8_t* tile, int row0, const float (&acc)[D / 2], float scale,
-                                                   int warp, int g, int c) {
+                                                   int warp, int g, int c, int col0 = 0) {
 #pragma unroll
   for (int j = 0; j < D / 8; ++j) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int r = row0 + 16 * warp + g + 8 * half;
-      *reinterpret_cast<uint32_t*>(tile + sw128_offset(ROWS, r, 8 * j + 2 * c)) =
+      *reinterpret_cast<uint32_t*>(tile + sw128_offset(ROWS, r, col0 + 8 * j + 2 * c)) =
           pack2<T>(acc[4 * j + 2 * half] * scale, acc[4 * j + 2 * half + 1] * scale);
     }
   }
@@ -656,9 +738,253 @@ __device__ __forceinline__ void bwd_consume(const AttentionParams& p, const Watc
   }
 }
 
+// Consumer warpgroup CW of BackwardWideSm90Config's dK/dV pass (see there): all 64 keys of the tile, its column
+// blocks of dK, dV (and dQ).
+template <class Cfg, int CW>
+__device__ __forceinline__ void wide_consume(const AttentionParams& p, const Watchdog& dog, const RowTile& kv_tile,
+                                             const SequenceDesc& seq, const QueryBlocks<Cfg::kBlockM>& qb,
+                                             uint32_t smem, uint8_t* smem_ptr, uint32_t kv_full,
+                                             Ring<Cfg::kStages> ring, int kv_head, const CUtensorMap* dq_map) {
+  using T = typename Cfg::T;
+  constexpr int D = Cfg::D, DV = Cfg::DV;
+  constexpr int BM = Cfg::kBlockM, BN = Cfg::kBlockN;
+  constexpr int QC = BM / 2;  // query columns of this warpgroup's S^T and dP^T
+  constexpr int NK = 64 * Cfg::k_blocks(CW), K0 = 64 * Cfg::k_first(CW);  // its d_qk columns (dK, dQ)
+  constexpr int NV = 64 * Cfg::v_blocks(CW), V0 = 64 * Cfg::v_first(CW);  // its d_v columns (dV; may be none)
+  const int tid = threadIdx.x - 128 * (CW + 1);
+  const int warp = tid / 32, lane = tid % 32;
+  const int g = lane / 4, c = lane % 4;
+  const int64_t delta_pos = static_cast<int64_t>(seq.length_kv) - seq.length_q;
+  const int kv_pos = seq.kv_position[kv_tile.segment];
+  const int kv_count = seq.kv_count[kv_tile.segment];
+  const int key0 = kv_tile.position - kv_pos;
+  const int64_t kp_lo = kv_tile.position, kp_hi = static_cast<int64_t>(kv_tile.position) + kv_tile.rows - 1;
+  const bool keys_full = kv_tile.rows == BN;
+  const float sl2 = p.scale_log2;
+  const uint32_t k_tile = smem + Cfg::kOffK, v_tile = smem + Cfg::kOffV;
+
+  float dk[NK / 2], dv[NV > 0 ? NV / 2 : 1];
+#pragma unroll
+  for (int i = 0; i < NK / 2; ++i) dk[i] = 0.f;
+#pragma unroll
+  for (int i = 0; i < (NV > 0 ? NV / 2 : 1); ++i) dv[i] = 0.f;
+
+  if (qb.total > 0) {
+    mbar_wait(kv_full, 0, dog, kWaitKV, -1);
+    fence_proxy_async();
+  }
+#pragma unroll 1
+  for (int it = 0; it < qb.total; ++it) {
+    const int stage = ring.stage(it);
+    const int head = kv_head * p.group + qb.head_offset(it);
+    const int s_idx = qb.segment(it);
+    const int row0 = qb.row0(it);
+    const int q_count = seq.q_count[s_idx];
+    const int q_pos = seq.q_position[s_idx];
+    const int valid = min(BM, q_count - row0);
+    const uint32_t q_tile = smem + Cfg::kOffQ + stage * Cfg::kQBytes;
+    const uint32_t do_tile = smem + Cfg::kOffDo + stage * Cfg::kDoBytes;
+    const float* lse_s = reinterpret_cast<const float*>(smem_ptr + Cfg::kOffLse) + stage * BM + QC * CW;
+    const float* delta_s = reinterpret_cast<const float*>(smem_ptr + Cfg::kOffDelta) + stage * BM + QC * CW;
+
+    // S^T = K Q^T and dP^T = V dO^T: 64 keys x this warpgroup's 32 queries.
+    float st[QC / 2], dpt[QC / 2];
+#pragma unroll
+    for (int i = 0; i < QC / 2; ++i) st[i] = dpt[i] = 0.f;
+    mbar_wait(ring.full_k(it), ring.parity(it), dog, kWaitQStage, it);
+    fence_proxy_async();
+    fence_registers(st);
+    fence_registers(dpt);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk)
+      Wgmma<QC, T, 0>::ss(st, desc_k_major(k_tile, BN, 0, 16 * kk), desc_k_major(q_tile, BM, QC * CW, 16 * kk),
+                          kk > 0 ? 1 : 0);
+    wgmma_commit();
+    mbar_wait(ring.full_v(it), ring.parity(it), dog, kWaitDoStage, it);
+    fence_proxy_async();
+#pragma unroll
+    for (int kk = 0; kk < DV / 16; ++kk)
+      Wgmma<QC, T, 0>::ss(dpt, desc_k_major(v_tile, BN, 0, 16 * kk), desc_k_major(do_tile, BM, QC * CW, 16 * kk),
+                          kk > 0 ? 1 : 0);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_registers(st);
+    fence_registers(dpt);
+
+    const int64_t qp_lo = static_cast<int64_t>(q_pos) + row0, qp_hi = qp_lo + valid - 1;
+    const bool full = keys_full && valid == BM &&
+                      tile_fully_visible(p.window_left, p.window_right, delta_pos, qp_lo, qp_hi, kp_lo, kp_hi);
+    if (!full)
+      apply_mask_transposed<QC>(st, p.window_left, p.window_right, delta_pos, key0 + 16 * warp + g, kv_pos, kv_count,
+                                row0 + QC * CW, q_pos, q_count, c);
+    // P^T and dS^T = P^T (dP^T - delta), per query column, as in BackwardSm90Config.
+#pragma unroll
+    for (int j = 0; j < QC / 8; ++j) {
+      const float2 l = *reinterpret_cast<const float2*>(lse_s + 8 * j + 2 * c);
+      const float2 dl = *reinterpret_cast<const float2*>(delta_s + 8 * j + 2 * c);
+      const float l0 = lse_to_log2(l.x), l1 = lse_to_log2(l.y);
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int i0 = 4 * j + 2 * half;
+        st[i0] = exp2f(fmaf(st[i0], sl2, -l0));
+        st[i0 + 1] = exp2f(fmaf(st[i0 + 1], sl2, -l1));
+        dpt[i0] = st[i0] * (dpt[i0] - dl.x);
+        dpt[i0 + 1] = st[i0 + 1] * (dpt[i0 + 1] - dl.y);
+      }
+    }
+    uint32_t pa[QC / 16][4], dsa[QC / 16][4];
+    accumulators_to_a<T, QC / 16>(pa, st);
+    accumulators_to_a<T, QC / 16>(dsa, dpt);
+    // Into the shared tiles as [keys][queries] (the fragment registers are key g.., queries 16 k + 2 c..). One
+    // buffer: both warpgroups' products of block it - 1 have read it once both pass this barrier. Two buffers:
+    // buffer it % 2 was last read by the products of block it - 2, complete before either passed the barrier of
+    // block it - 1.
+    const int buf = Cfg::kPBuffers == 2 ? it % 2 : 0;
+    if constexpr (Cfg::kPBuffers == 1) named_barrier_sync(1, Cfg::kConsumerThreads);
+    uint8_t* p_ptr = smem_ptr + Cfg::kOffP + buf * Cfg::kPBytes;
+    uint8_t* ds_ptr = smem_ptr + Cfg::kOffDs + buf * Cfg::kPBytes;
+    const int kr = 16 * warp + g;
+#pragma unroll
+    for (int k = 0; k < QC / 16; ++k) {
+      const int col = QC * CW + 16 * k + 2 * c;
+      *reinterpret_cast<uint32_t*>(p_ptr + sw128_offset(BN, kr, col)) = pa[k][0];
+      *reinterpret_cast<uint32_t*>(p_ptr + sw128_offset(BN, kr + 8, col)) = pa[k][1];
+      *reinterpret_cast<uint32_t*>(p_ptr + sw128_offset(BN, kr, col + 8)) = pa[k][2];
+      *reinterpret_cast<uint32_t*>(p_ptr + sw128_offset(BN, kr + 8, col + 8)) = pa[k][3];
+      *reinterpret_cast<uint32_t*>(ds_ptr + sw128_offset(BN, kr, col)) = dsa[k][0];
+      *reinterpret_cast<uint32_t*>(ds_ptr + sw128_offset(BN, kr + 8, col)) = dsa[k][1];
+      *reinterpret_cast<uint32_t*>(ds_ptr + sw128_offset(BN, kr, col + 8)) = dsa[k][2];
+      *reinterpret_cast<uint32_t*>(ds_ptr + sw128_offset(BN, kr + 8, col + 8)) = dsa[k][3];
+    }
+    fence_proxy_async();
+    named_barrier_sync(1, Cfg::kConsumerThreads);
+    const uint32_t p_tile = smem + Cfg::kOffP + buf * Cfg::kPBytes;
+    const uint32_t ds_tile = smem + Cfg::kOffDs + buf * Cfg::kPBytes;
+
+    // dV[:, V0 ..] += P^T dO[:, V0 ..] and dK[:, K0 ..] += dS^T Q[:, K0 ..] (SS: A the [keys][queries] tiles,
+    // K-major; dO and Q MN-major from their column block on).
+    fence_registers(dk);
+    fence_registers(dv);
+    wgmma_fence();
+    if constexpr (NV > 0) {
+#pragma unroll
+      for (int kk = 0; kk < BM / 16; ++kk)
+        Wgmma<NV, T, 1>::ss(dv, desc_k_major(p_tile, BN, 0, 16 * kk),
+                            desc_mn_major(do_tile + (V0 / 64) * BM * 128, BM, 16 * kk), 1);
+    }
+#pragma unroll
+    for (int kk = 0; kk < BM / 16; ++kk)
+      Wgmma<NK, T, 1>::ss(dk, desc_k_major(ds_tile, BN, 0, 16 * kk),
+                          desc_mn_major(q_tile + (K0 / 64) * BM * 128, BM, 16 * kk), 1);
+    wgmma_commit();
+    if constexpr (Cfg::kAtomicDq) {
+      // dQ[:, K0 ..] = dS K[:, K0 ..] over the 64 keys (A = dS through the transpose bit, B = K MN-major).
+      float dq[NK / 2];
+#pragma unroll
+      for (int i = 0; i < NK / 2; ++i) dq[i] = 0.f;
+      fence_registers(dq);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < BN / 16; ++kk)
+        WgmmaTA<NK, T, 1>::ss(dq, desc_mn_major_a(ds_tile, BN, 16 * kk),
+                              desc_mn_major(k_tile + (K0 / 64) * BN * 128, BN, 16 * kk), kk > 0 ? 1 : 0);
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_registers(dq);
+      fence_registers(dk);
+      fence_registers(dv);
+      ring.release(it);
+      // Boxes of 64 rows x 32 columns (box b: columns K0 + 32 b ..), kDqRoundBoxes at a time in this warpgroup's
+      // staging, each round after the previous round's reduces have read it (layout and row argument as in
+      // bwd_consume's TMA dQ).
+      constexpr int kBoxes = NK / 32, RB = Cfg::kDqRoundBoxes;
+      const uint32_t stage_base = smem + Cfg::kOffDqStage + CW * RB * Cfg::kBoxBytes;
+      const uint32_t row_addr = stage_base + static_cast<uint32_t>(16 * warp + g) * 128u;
+      const uint32_t gx = opaque_u32(static_cast<uint32_t>(g));
+      const int first_row = static_cast<int>(seq.q_first_row[s_idx] + row0);
+#pragma unroll
+      for (int b0 = 0; b0 < kBoxes; b0 += RB) {
+        if (tid == 0) bulk_wait_group_read<0>();
+        named_barrier_sync(2 + CW, 128);
+#pragma unroll
+        for (int b = b0; b < b0 + RB && b < kBoxes; ++b) {
+#pragma unroll
+          for (int jj = 0; jj < 4; ++jj) {
+            const int j = 4 * b + jj;
+            const uint32_t chunk = ((2u * jj + static_cast<uint32_t>(c / 2)) ^ gx) * 16u;
+            const uint32_t addr = row_addr + (b - b0) * Cfg::kBoxBytes + chunk + static_cast<uint32_t>(c % 2) * 8u;
+#pragma unroll
+            for (int half = 0; half < 2; ++half)
+              st_shared_f2(addr + half * 8u * 128u, dq[4 * j + 2 * half], dq[4 * j + 2 * half + 1]);
+          }
+        }
+        fence_proxy_async();
+        named_barrier_sync(2 + CW, 128);
+        if (tid == 0) {
+          for (int b = b0; b < b0 + RB && b < kBoxes; ++b)
+            tma_reduce_add_3d(dq_map, stage_base + (b - b0) * Cfg::kBoxBytes, K0 + 32 * b, head, first_row);
+          bulk_commit_group();
+        }
+      }
+    } else {
+      wgmma_wait<0>();
+      fence_registers(dk);
+      fence_registers(dv);
+      ring.release(it);
+    }
+  }
+  if constexpr (Cfg::kTmaDq) {
+    if (tid == 0) bulk_wait_group<0>();
+  }
+
+  // Epilogue: every wgmma read of K and V (both warpgroups' S^T, dP^T and dQ) is complete once both pass the
+  // barrier; this warpgroup's columns of dK (x scale) and dV go as dtype into the same columns of the K and V tiles,
+  // then out (or into the sums) for the tile's valid rows.
+  named_barrier_sync(1, Cfg::kConsumerThreads);
+  uint8_t* k_ptr = smem_ptr + Cfg::kOffK;
+  uint8_t* v_ptr = smem_ptr + Cfg::kOffV;
+  stage_accumulators<T, BN, NK>(k_ptr, 0, dk, p.softmax_scale, warp, g, c, K0);
+  if constexpr (NV > 0) stage_accumulators<T, BN, NV>(v_ptr, 0, dv, 1.f, warp, g, c, V0);
+  named_barrier_sync(2 + CW, 128);
+  const int rows = kv_tile.rows;
+  const int64_t k_stride = static_cast<int64_t>(p.heads_kv) * D, v_stride = static_cast<int64_t>(p.heads_kv) * DV;
+  const int64_t first = kv_tile.first_row;
+  if (p.dk_sum == nullptr) {
+    T* dk_out = static_cast<T*>(p.dk) + first * k_stride + static_cast<int64_t>(kv_head) * D + K0;
+    for (int i = tid; i < rows * (NK / 8); i += 128) {
+      const int r = i / (NK / 8), ch = i % (NK / 8);
+      *reinterpret_cast<uint4*>(dk_out + r * k_stride + ch * 8) =
+          *reinterpret_cast<const uint4*>(k_ptr + sw128_offset(BN, r, K0 + ch * 8));
+    }
+    if constexpr (NV > 0) {
+      T* dv_out = static_cast<T*>(p.dv) + first * v_stride + static_cast<int64_t>(kv_head) * DV + V0;
+      for (int i = tid; i < rows * (NV / 8); i += 128) {
+        const int r = i / (NV / 8), ch = i % (NV / 8);
+        *reinterpret_cast<uint4*>(dv_out + r * v_stride + ch * 8) =
+            *reinterpret_cast<const uint4*>(v_ptr + sw128_offset(BN, r, V0 + ch * 8));
+      }
+    }
+  } else {
+    const int64_t* map = p.kv_sum_rows + first;
+    add_rows_to_sum<T, kSumBatch>(
+        rows, NK / 4, map, k_stride, static_cast<int64_t>(kv_head) * D + K0, p.dk_sum, p.dk_sum_assign != 0,
+        static_cast<T*>(p.dk_result),
+        [&](int r, int col) { return *reinterpret_cast<const uint2*>(k_ptr + sw128_offset(BN, r, K0 + col)); }, tid,
+        128);
+    if constexpr (NV > 0)
+      add_rows_to_sum<T, kSumBatch>(
+          rows, NV / 4, map, v_stride, static_cast<int64_t>(kv_head) * DV + V0, p.dv_sum, p.dv_sum_assign != 0,
+          static_cast<T*>(p.dv_result),
+          [&](int r, int col) { return *reinterpret_cast<const uint2*>(v_ptr + sw128_offset(BN, r, V0 + col)); },
+          tid, 128);
+  }
+}
+
 }  // namespace detail
 
-// One CTA per (key tile of p.kv_tiles with kBlockN = 128 rows, kv head); grid (kv_tile_count, heads_kv).
+// One CTA per (key tile of p.kv_tiles with kBlockN rows: 128, or 64 for BackwardWideSm90Config, kv head); grid
+// (kv_tile_count, heads_kv).
 template <class Cfg>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
     attention_backward_dkdv_sm90_kernel(const AttentionParams p, const __grid_constant__ CUtensorMap dq_map,
@@ -699,8 +1025,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     detail::bwd_produce<Cfg>(p, dog, kv_tile, seq, qb, smem, kv_full, ring, kv_head);
   } else {
     setmaxnreg_inc<Cfg::kConsumerRegs>();
-    detail::bwd_consume<Cfg>(p, dog, kv_tile, seq, qb, smem, smem_ptr, kv_full, ring, kv_head, threadIdx.x / 128 - 1,
-                             &dq_map);
+    if constexpr (Cfg::kHeadSplit) {
+      if (threadIdx.x < 256)
+        detail::wide_consume<Cfg, 0>(p, dog, kv_tile, seq, qb, smem, smem_ptr, kv_full, ring, kv_head, &dq_map);
+      else
+        detail::wide_consume<Cfg, 1>(p, dog, kv_tile, seq, qb, smem, smem_ptr, kv_full, ring, kv_head, &dq_map);
+    } else {
+      detail::bwd_consume<Cfg>(p, dog, kv_tile, seq, qb, smem, smem_ptr, kv_full, ring, kv_head,
+                               threadIdx.x / 128 - 1, &dq_map);
+    }
   }
 }
 
@@ -974,18 +1307,19 @@ inline std::string encode_dq_accum_map(CUtensorMap& map, float* dq_accum, int64_
   return encode_thd_map(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, dq_accum, q_rows, heads_q, d, 32, 64);
 }
 
-// The whole backward on p: p.q_tiles must have BackwardDqSm90Config::kBlockM = 128 rows per tile (work and pad
-// tiles covering every Q row), p.kv_tiles BackwardSm90Config::kBlockN = 128 rows (covering every KV row);
-// p.o, p.lse, p.dout inputs; p.delta [heads_q, q_rows] float workspace; atomic mode: p.dq_accum [q_rows, heads_q, D]
-// float workspace. Writes dq/dk/dv (or the summing form). compute_delta false: p.delta already holds the rows'
-// delta (attention_row_delta, the same summation order as the delta kernel here) and is only read. Returns "" or the
-// failed call.
-template <class T, int D, bool ATOMIC_DQ, DqSplit DQ_SPLIT = DqSplit::columns, bool OVERLAP = false,
-          bool TMA_DQ = false, int DV = D>
-std::string launch_backward_sm90(const AttentionParams& p, Watchdog dog, cudaStream_t stream,
-                                 bool compute_delta = true) {
-  using Cfg = BackwardSm90Config<T, D, ATOMIC_DQ, DQ_SPLIT, OVERLAP, TMA_DQ, DV>;
-  using DqCfg = BackwardDqSm90Config<T, D, DV>;
+// The whole backward on p with the dK/dV pass Cfg (BackwardSm90Config or BackwardWideSm90Config) and, in
+// deterministic mode, the dQ pass DqCfg: p.q_tiles must have DqCfg::kBlockM = 128 rows per tile (work and pad tiles
+// covering every Q row), p.kv_tiles Cfg::kBlockN rows (covering every KV row); p.o, p.lse, p.dout inputs; p.delta
+// [heads_q, q_rows] float workspace; atomic mode: p.dq_accum [q_rows, heads_q, d_qk] float workspace. Writes
+// dq/dk/dv (or the summing form). compute_delta false: p.delta already holds the rows' delta (attention_row_delta,
+// the same summation order as the delta kernel here) and is only read. Returns "" or the failed call.
+template <class Cfg, class DqCfg>
+std::string launch_backward_sm90_passes(const AttentionParams& p, Watchdog dog, cudaStream_t stream,
+                                        bool compute_delta) {
+  using T = typename Cfg::T;
+  constexpr int D = Cfg::D, DV = Cfg::DV;
+  constexpr bool ATOMIC_DQ = Cfg::kAtomicDq;
+  static_assert(std::is_same_v<T, typename DqCfg::T> && DqCfg::D == D && DqCfg::DV == DV, "one head-dim pair");
   auto fail = [](const char* what, cudaError_t e) { return std::string(what) + ": " + cudaGetErrorString(e); };
   if (compute_delta && p.q_tile_count > 0 && p.heads_q > 0) {
     attention_backward_delta_sm90_kernel<T, DV><<<dim3(p.q_tile_count, p.heads_q), 128, 0, stream>>>(p);
@@ -1028,6 +1362,23 @@ std::string launch_backward_sm90(const AttentionParams& p, Watchdog dog, cudaStr
     }
   }
   return {};
+}
+
+// The backward of head dims up to 128 (BackwardSm90Config: p.kv_tiles of 128 rows).
+template <class T, int D, bool ATOMIC_DQ, DqSplit DQ_SPLIT = DqSplit::columns, bool OVERLAP = false,
+          bool TMA_DQ = false, int DV = D>
+std::string launch_backward_sm90(const AttentionParams& p, Watchdog dog, cudaStream_t stream,
+                                 bool compute_delta = true) {
+  return launch_backward_sm90_passes<BackwardSm90Config<T, D, ATOMIC_DQ, DQ_SPLIT, OVERLAP, TMA_DQ, DV>,
+                                     BackwardDqSm90Config<T, D, DV>>(p, dog, stream, compute_delta);
+}
+
+// The backward of the wide head dims 192/128 and 256/256 (BackwardWideSm90Config: p.kv_tiles of 64 rows).
+template <class T, int D, int DV, bool ATOMIC_DQ>
+std::string launch_backward_wide_sm90(const AttentionParams& p, Watchdog dog, cudaStream_t stream,
+                                      bool compute_delta = true) {
+  return launch_backward_sm90_passes<BackwardWideSm90Config<T, D, DV, ATOMIC_DQ>, BackwardDqSm90Config<T, D, DV>>(
+      p, dog, stream, compute_delta);
 }
 
 }  // namespace cpgold::gpu::sm90

@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
-"""Writes wgmma_ops.cuh: inline-PTX wrappers of wgmma.mma_async m64nNk16 with float32 accumulators.
+"""Writes wgmma_ops.cuh: inline-PTX wrappers of wgmma.mma_async m64nNk16 with float32 accumulators (N = 32 .. 256).
 
 Inline asm needs one literal string per shape (N / 2 accumulator operands), element type and transpose flag, so
 the wrappers are generated. Run from this folder: python3 gen_wgmma_ops.py > wgmma_ops.cuh
 """
 
-SHAPES = (64, 128)
+SHAPES = (32, 64, 128, 192, 256)  # Wgmma: N = 32 (the backward's S^T slices and 32-key blocks) .. 256 (dQ rows at d 256)
+TA_SHAPES = (64, 128)  # WgmmaTA: the backward's dQ products
 TYPES = (("__nv_bfloat16", "bf16"), ("__half", "f16"))
 
 
@@ -76,7 +77,7 @@ def main():
     out.append("//   (64 x 16) stored with M contiguous (e.g. [K][M] rows of an SW128 tile), through an MN-major descriptor.")
     out.append("template <int N, class T, int TransB>")
     out.append("struct WgmmaTA;")
-    for n in SHAPES:
+    for n in TA_SHAPES:
         regs, ops = accumulators(n)
         na = n // 2
         for ctype, ptx in TYPES:
