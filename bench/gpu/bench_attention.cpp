@@ -5,8 +5,8 @@
 // 128/128,64/64; heads = 2048 / DV. --forward picks the forward kernel (default auto: what attention_forward chooses
 // on this device; both: a row for mma.sync and one for wgmma, the before/after of the same run); the impl column
 // names the forward kernel that ran, host_us the host time of one attention_forward call (tensor-map encoding
-// included for wgmma). --backward picks the backward kernel the same way (the wgmma backward serves d 64/64 and
-// 128/128 only: an explicit wgmma request for another dim fails naming the reason); bwd_impl names the backward
+// included for wgmma). --backward picks the backward kernel the same way (the wgmma backward serves every pair of
+// the capability table on a 9.0 device: an explicit wgmma request elsewhere fails naming the reason); bwd_impl names the backward
 // kernel of the row's bwd_ms, bwd_TF (atomic mode) and bwd_det_TF (deterministic mode).
 #include <cuda_runtime_api.h>
 

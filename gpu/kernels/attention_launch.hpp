@@ -26,6 +26,11 @@ bool run_for_head_dims(int d, int dv, Run&& run, Outcome& out) {
   return true;
 }
 
+// The wgmma backward's wide configuration (64 keys per CTA, dK/dV head-dim columns split between the consumer
+// warpgroups) serves the pairs whose dK and dV accumulators do not fit one consumer thread: d_qk + d_v >= 320
+// (192/128, 256/256); the others run 128 keys per CTA.
+constexpr bool wgmma_backward_wide(int d_qk, int d_v) { return d_qk + d_v >= 320; }
+
 // The backward's float32 workspace, allocated and freed on the call's stream: the atomic mode's dQ accumulator
 // ([q_rows, h_q, d_qk]) first, then delta ([h_q, q_rows]) unless the caller gave BackwardBuffers::delta.
 struct BackwardWorkspace {

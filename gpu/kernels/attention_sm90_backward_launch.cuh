@@ -17,8 +17,8 @@ namespace cpgold::gpu::detail {
 template <class T, int D, int DV>
 Outcome backward_sm90_dims(AttentionParams p, BackwardMode mode, cudaStream_t stream,
                            const AttentionPlan::Impl& plan) {
-  // d_qk + d_v >= 320 (192/128, 256/256): the wide configuration on 64-row KV tiles; the rest on 128-row ones.
-  constexpr bool kWideDims = D + DV >= 320;
+  // The wide configuration (192/128, 256/256) on 64-row KV tiles; the rest on 128-row ones.
+  constexpr bool kWideDims = wgmma_backward_wide(D, DV);
   static_assert(sm90::BackwardDqSm90Config<T, D, DV>::kBlockM == kLargeTileRows, "128-row Q tiles");
   p.q_tiles = plan.q_tiles_large;
   p.q_tile_count = plan.q_tile_large_count;

@@ -79,9 +79,13 @@ Outcome backward_kernel_for(const AttentionShape& shape, BackwardKernel requeste
 std::string backward_kernel_description(const AttentionShape& shape, BackwardKernel requested) {
   BackwardKernel chosen = BackwardKernel::mma_sync;
   if (Outcome o = backward_kernel_for(shape, requested, chosen); !o.ok()) return "unsupported: " + o.message;
-  if (chosen == BackwardKernel::wgmma)
+  if (chosen == BackwardKernel::wgmma) {
+    if (detail::wgmma_backward_wide(shape.dim_qk, shape.dim_v))
+      return "wgmma sm_90a (key tile 64, Q blocks 64 of 32 rows per warpgroup, dK/dV head-dim columns split between "
+             "2 consumer warpgroups; atomic dQ: TMA reduce-add; deterministic dQ: Q tile 128)";
     return "wgmma sm_90a (key tile 128, Q blocks 64, 2 consumer warpgroups; atomic dQ: TMA reduce-add; "
            "deterministic dQ: Q tile 128)";
+  }
   return "mma.sync (key tile 64, Q tile 64)";
 }
 
