@@ -145,9 +145,9 @@ Outcome forward_kernel_for(const AttentionShape& shape, ForwardKernel requested,
 std::string forward_kernel_description(const AttentionShape& shape, ForwardKernel requested = ForwardKernel::automatic);
 
 // The backward kernels (docs/gpu-kernels.md, "Backward kernels"): the sm_90a wgmma backward (gpu/kernels/sm90/
-// attention_backward_sm90.cuh: dK/dV pass over 128-key tiles, dQ by TMA reduce-add into a float32 accumulator or a
-// query-stationary pass)
-// serves head dims 64/64 and 128/128 (bf16, fp16) on devices of compute capability 9.0, with every feature of
+// attention_backward_sm90.cuh: dK/dV pass over 128-key tiles, 64-key tiles at 192/128 and 256/256, dQ by TMA
+// reduce-add into a float32 accumulator or a query-stationary pass) serves every head-dim pair of the table (bf16,
+// fp16; by default all but 32/32, where mma.sync is faster) on devices of compute capability 9.0, with every feature of
 // attention_backward (both modes, BackwardBuffers::delta, the summing form with assign and result, OutsideRows); the
 // mma.sync backward serves every device and shape of the table and is the backward everywhere else.
 enum class BackwardKernel {
@@ -159,7 +159,8 @@ enum class BackwardKernel {
 std::string_view backward_kernel_name(BackwardKernel kernel);  // "automatic", "mma.sync", "wgmma"
 // "auto", "mma" (or "mma.sync"), "wgmma": the values of CPGOLD_BACKWARD_KERNEL and of the benchmarks' --backward.
 bool parse_backward_kernel(std::string_view text, BackwardKernel& kernel);
-// True if this build holds the wgmma backward and it serves the shape's head dims (64/64, 128/128; bf16, fp16).
+// True if this build holds the wgmma backward and it serves the shape's head dims (every pair of the capability
+// table; bf16, fp16).
 bool wgmma_backward_serves(const AttentionShape& shape);
 // The kernel attention_backward runs for `shape` on a device of compute capability `cc` (major * 10 + minor; 0: no
 // device) when asked for `requested` (automatic is resolved here without the environment variable). unsupported,
