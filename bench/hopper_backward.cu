@@ -430,7 +430,7 @@ BwdVariant mma_sync_variant_bwd(const std::string& name) {
       return e == cudaSuccess ? std::string() : std::string(w) + ": " + cudaGetErrorString(e);
     };
     if (p.q_tile_count > 0)
-      dt::attention_backward_delta_kernel<T, D><<<dim3(p.q_tile_count, p.heads_q), 128>>>(p);
+      cpgold::gpu::attention_backward_delta_kernel<T, D><<<dim3(p.q_tile_count, p.heads_q), 128>>>(p);
     if (auto e = err("delta"); !e.empty()) return e;
     auto dkdv = dt::attention_backward_dkdv_kernel<T, D, D, ATOMIC, 1>;
     if (cudaError_t e = cudaFuncSetAttribute(dkdv, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
@@ -442,9 +442,9 @@ BwdVariant mma_sync_variant_bwd(const std::string& name) {
     if (p.kv_tile_count > 0) dkdv<<<dim3(p.kv_tile_count, p.heads_kv), Cfg::kThreads, Cfg::kSmemBytes>>>(p);
     if (auto e = err("dkdv"); !e.empty()) return e;
     if (ATOMIC) {
-      if (elems > 0)
-        dt::attention_backward_convert_dq_kernel<T>
-            <<<static_cast<int>(std::min<int64_t>((elems + 255) / 256, 132 * 16)), 256>>>(p, elems);
+      if (elems > 0 && p.q_tile_count > 0)
+        cpgold::gpu::attention_backward_finish_dq_kernel<T>
+            <<<dim3(p.q_tile_count, cpgold::gpu::finish_dq_grid_y(p.heads_q * D, 64)), 128>>>(p, p.heads_q * D);
     } else {
       using Dq = dt::DqConfig<T, D, D>;
       auto dqk = dt::attention_backward_dq_kernel<T, D, D>;

@@ -40,6 +40,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "gpu/kernels/backward_rows.cuh"
 #include "gpu/kernels/kernel_params.hpp"
 #include "gpu/kernels/mask_ranges.cuh"
 
@@ -53,23 +54,13 @@ template <class T>
 struct Elem;
 template <>
 struct Elem<__nv_bfloat16> {
-  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
-    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    uint32_t r;
-    memcpy(&r, &v, 4);
-    return r;
-  }
+  static __device__ __forceinline__ uint32_t pack(float lo, float hi) { return pack2<__nv_bfloat16>(lo, hi); }
   static __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
   static __device__ __forceinline__ __nv_bfloat16 from_float(float x) { return __float2bfloat16_rn(x); }
 };
 template <>
 struct Elem<__half> {
-  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
-    __half2 v = __floats2half2_rn(lo, hi);
-    uint32_t r;
-    memcpy(&r, &v, 4);
-    return r;
-  }
+  static __device__ __forceinline__ uint32_t pack(float lo, float hi) { return pack2<__half>(lo, hi); }
   static __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
   static __device__ __forceinline__ __half from_float(float x) { return __float2half_rn(x); }
 };
@@ -155,62 +146,21 @@ __device__ __forceinline__ void store_tile(T* gmem, int64_t stride, const T* sme
   }
 }
 
-// Stores a finished float4 of a float32 sum at `d` (inside `sum`), or, with `result`, its dtype values at the same
-// offset of `result` (8 bytes).
-template <class T>
-__device__ __forceinline__ void store_sum(float4* d, float4 y, T* result, const float* sum) {
-  if (result == nullptr) {
-    *d = y;
-    return;
-  }
-  T* out = result + (reinterpret_cast<const float*>(d) - sum);
-  *reinterpret_cast<uint2*>(out) = make_uint2(Elem<T>::pack(y.x, y.y), Elem<T>::pack(y.z, y.w));
-}
-
 // Adds `valid` rows of a ROWS x COLS shared tile of dtype values (zeros where smem is null: pad rows) in float32 to
-// rows map[0..valid) of `sum` (row stride `stride` floats, the tile's columns from `col0`), 16 bytes at a time:
-// sum = (assign ? 0 : sum) + value, the operation of a separate scatter-add over the stored tile, bit for bit. Each
-// thread loads four of its float4 before it adds and stores them, so that four reads are in flight at once. With
-// `result` (the sum's last contribution: a dtype tensor with the sum's layout), dtype(sum + value) goes there instead
-// and the sum is not written.
+// rows map[0..valid) of `sum` (row stride `stride` floats, the tile's columns from `col0`): add_rows_to_sum
+// (gpu/kernels/backward_rows.cuh, the sm_90a backward's add), four pieces in flight per thread. With `result` (the
+// sum's last contribution), dtype(sum + value) goes there instead and the sum is not written.
 template <int ROWS, int COLS, int THREADS, class T>
 __device__ __forceinline__ void sum_tile(float* sum, const int64_t* map, int64_t stride, int64_t col0, const T* smem,
                                          int valid, bool assign, T* result) {
   static_assert(COLS % 4 == 0, "float4 columns");
-  constexpr int kChunks = COLS / 4;
   constexpr int kPitch = Pitch<COLS>::value;
-  constexpr int kBatch = 4;
-  static_assert((ROWS * kChunks) % (THREADS * kBatch) == 0, "whole batches per thread");
-#pragma unroll 1
-  for (int i0 = threadIdx.x; i0 < ROWS * kChunks; i0 += THREADS * kBatch) {
-    float4 y[kBatch];
-    float4* d[kBatch];
-#pragma unroll
-    for (int j = 0; j < kBatch; ++j) {
-      const int i = i0 + j * THREADS;
-      const int r = i / kChunks;
-      d[j] = r < valid ? reinterpret_cast<float4*>(sum + map[r] * stride + col0 + (i % kChunks) * 4) : nullptr;
-      y[j] = assign || d[j] == nullptr ? make_float4(0.f, 0.f, 0.f, 0.f) : *d[j];
-    }
-#pragma unroll
-    for (int j = 0; j < kBatch; ++j) {
-      if (d[j] == nullptr) continue;
-      const int i = i0 + j * THREADS;
-      if (smem != nullptr) {
-        const T* v = smem + (i / kChunks) * kPitch + (i % kChunks) * 4;
-        y[j].x += Elem<T>::to_float(v[0]);
-        y[j].y += Elem<T>::to_float(v[1]);
-        y[j].z += Elem<T>::to_float(v[2]);
-        y[j].w += Elem<T>::to_float(v[3]);
-      } else {
-        y[j].x += 0.f;
-        y[j].y += 0.f;
-        y[j].z += 0.f;
-        y[j].w += 0.f;
-      }
-      store_sum(d[j], y[j], result, sum);
-    }
-  }
+  add_rows_to_sum<T, 4>(
+      valid, COLS / 4, map, stride, col0, sum, assign, result,
+      [&](int r, int col) {
+        return smem == nullptr ? make_uint2(0, 0) : *reinterpret_cast<const uint2*>(smem + r * kPitch + col);
+      },
+      threadIdx.x, THREADS);
 }
 
 // Zeros `rows` rows of COLS elements (16-byte stores).
@@ -514,78 +464,6 @@ __global__ void __launch_bounds__(WARPS * 32) attention_forward_kernel(Attention
 
 // ---------------------------------------------------------------------------------------------------------------
 // Backward.
-
-// sum_x dO[x] * O[x] over the DV values at `base` by one warp (every lane gets the sum): lane l sums x = l, l + 32, ...
-// in order, then a butterfly over the lanes. The one summation order of the backward's delta.
-template <class T, int DV>
-__device__ __forceinline__ float warp_row_delta(const T* o, const T* dout, int64_t base, int lane) {
-  float sum = 0.f;
-  for (int x = lane; x < DV; x += 32) sum += Elem<T>::to_float(o[base + x]) * Elem<T>::to_float(dout[base + x]);
-#pragma unroll
-  for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-  return sum;
-}
-
-// delta[h, row] = sum_x dO[row, h, x] * O[row, h, x] over the valid rows of a Q tile (one warp per row).
-template <class T, int DV>
-__global__ void __launch_bounds__(128) attention_backward_delta_kernel(AttentionParams p) {
-  const RowTile tile = p.q_tiles[blockIdx.x];
-  if (tile.sequence < 0) return;
-  const int head = blockIdx.y;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
-  const int64_t stride = static_cast<int64_t>(p.heads_q) * DV;
-  for (int r = warp; r < tile.rows; r += 4) {
-    const int64_t base = (tile.first_row + r) * stride + static_cast<int64_t>(head) * DV;
-    const float sum = warp_row_delta<T, DV>(static_cast<const T*>(p.o), static_cast<const T*>(p.dout), base, lane);
-    if (lane == 0) p.delta[static_cast<int64_t>(head) * p.q_rows + tile.first_row + r] = sum;
-  }
-}
-
-// The same delta for every row of [rows, heads, DV] tensors (attention_row_delta): block (x, h) takes rows 4x..4x+3.
-template <class T, int DV>
-__global__ void __launch_bounds__(128) attention_row_delta_kernel(const T* o, const T* dout, float* delta,
-                                                                  int64_t rows) {
-  const int64_t r = static_cast<int64_t>(blockIdx.x) * 4 + threadIdx.x / 32;
-  if (r >= rows) return;
-  const int head = blockIdx.y, lane = threadIdx.x & 31;
-  const float sum = warp_row_delta<T, DV>(o, dout, (r * gridDim.y + head) * DV, lane);
-  if (lane == 0) delta[static_cast<int64_t>(head) * rows + r] = sum;
-}
-
-// dQ = dtype(dq_accum * scale) over every row (rows outside the segments hold 0 in dq_accum).
-template <class T>
-__global__ void attention_backward_convert_dq_kernel(AttentionParams p, int64_t elements) {
-  T* dq = static_cast<T*>(p.dq);
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < elements;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
-    dq[i] = Elem<T>::from_float(p.dq_accum[i] * p.softmax_scale);
-}
-
-// Summing form of the conversion: dq_sum[q_sum_rows[r]] = (assign ? 0 : dq_sum[..]) + float(dtype(dq_accum[r] *
-// scale)) over the rows of the call's Q tiles (work and pad tiles: every row, unless the plan leaves the rows outside
-// its segments alone), 16 bytes at a time (row width heads_q * D, a multiple of 4). Block (x, y) takes tiles x,
-// x + gridDim.x, ... and in each the 16-byte pieces y * blockDim.x + thread, stepping gridDim.y * blockDim.x.
-template <class T>
-__global__ void attention_backward_sum_dq_kernel(AttentionParams p, int64_t row_elems) {
-  const int32_t chunks = static_cast<int32_t>(row_elems / 4);
-  const bool assign = p.dq_sum_assign != 0;
-  for (int32_t ti = blockIdx.x; ti < p.q_tile_count; ti += gridDim.x) {
-    const RowTile tile = p.q_tiles[ti];
-    const int32_t total = tile.rows * chunks;
-    for (int32_t i = blockIdx.y * blockDim.x + threadIdx.x; i < total; i += gridDim.y * blockDim.x) {
-      const int64_t r = tile.first_row + i / chunks, c = static_cast<int64_t>(i % chunks) * 4;
-      const float4 a = *reinterpret_cast<const float4*>(p.dq_accum + r * row_elems + c);
-      const float s = p.softmax_scale;
-      float4* d = reinterpret_cast<float4*>(p.dq_sum + p.q_sum_rows[r] * row_elems + c);
-      float4 y = assign ? make_float4(0.f, 0.f, 0.f, 0.f) : *d;
-      y.x += Elem<T>::to_float(Elem<T>::from_float(a.x * s));
-      y.y += Elem<T>::to_float(Elem<T>::from_float(a.y * s));
-      y.z += Elem<T>::to_float(Elem<T>::from_float(a.z * s));
-      y.w += Elem<T>::to_float(Elem<T>::from_float(a.w * s));
-      store_sum(d, y, static_cast<T*>(p.dq_result), p.dq_sum);
-    }
-  }
-}
 
 template <class T, int D, int DV>
 struct BackwardConfig {

@@ -12,16 +12,16 @@ inline Outcome cuda_failure(const char* what, cudaError_t e) {
   return {Status::cuda_error, std::string(what) + ": " + cudaGetErrorString(e)};
 }
 
-template <class Kernel>
+template <class Kernel, class... Extra>
 Outcome launch(Kernel kernel, dim3 grid, int threads, int smem, cudaStream_t stream, const AttentionParams& p,
-               const char* name) {
+               const char* name, Extra... extra) {
   if (grid.x == 0 || grid.y == 0) return {};
   if (smem > 48 * 1024) {
     if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
         e != cudaSuccess)
       return cuda_failure(name, e);
   }
-  kernel<<<grid, threads, smem, stream>>>(p);
+  kernel<<<grid, threads, smem, stream>>>(p, extra...);
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return cuda_failure(name, e);
   return {};
 }
@@ -79,22 +79,12 @@ Outcome backward_dims(AttentionParams p, BackwardMode mode, cudaStream_t stream,
     if (out.ok())
       step(launch(attention_backward_dkdv_kernel<T, D, DV, true, kSlices>, dkdv_grid, Cfg::kThreads,
                   Cfg::kSmemBytes, stream, p, "attention_backward_dkdv_kernel"));
-    const int64_t elems = static_cast<int64_t>(accum_elems);
-    const int blocks = static_cast<int>(std::min<int64_t>((elems + 255) / 256, 132 * 16));
-    if (out.ok() && elems > 0) {
-      if (p.dq_sum != nullptr) {
-        // A tile holds up to 64 rows of heads_q * D / 4 pieces: about 4 pieces per thread, every tile at once.
-        const int64_t pieces = int64_t{kSmallTileRows} * p.heads_q * D / 4;
-        const dim3 grid(static_cast<unsigned>(std::min(p.q_tile_count, 65535)),
-                        static_cast<unsigned>(std::clamp<int64_t>((pieces + 1023) / 1024, 1, 65535)));
-        if (p.q_tile_count > 0)
-          attention_backward_sum_dq_kernel<T><<<grid, 256, 0, stream>>>(p, static_cast<int64_t>(p.heads_q) * D);
-      } else
-        attention_backward_convert_dq_kernel<T><<<blocks, 256, 0, stream>>>(p, elems);
-      if (cudaError_t e = cudaGetLastError(); e != cudaSuccess)
-        step(cuda_failure(
-            p.dq_sum != nullptr ? "attention_backward_sum_dq_kernel" : "attention_backward_convert_dq_kernel", e));
-    }
+    // dQ = dtype(dq_accum * scale) over the call's Q tiles, or its summing form (backward_rows.cuh).
+    const int64_t row_elems = static_cast<int64_t>(p.heads_q) * D;
+    if (out.ok() && accum_elems > 0 && p.q_tile_count > 0)
+      step(launch(attention_backward_finish_dq_kernel<T>,
+                  dim3(p.q_tile_count, finish_dq_grid_y(row_elems, kSmallTileRows)), 128, 0, stream, p,
+                  "attention_backward_finish_dq_kernel", row_elems));
   } else {
     if (out.ok())
       step(launch(attention_backward_dkdv_kernel<T, D, DV, false, kSlices>, dkdv_grid, Cfg::kThreads,

@@ -40,6 +40,7 @@
 #include <string>
 #include <type_traits>
 
+#include "gpu/kernels/backward_rows.cuh"
 #include "gpu/kernels/kernel_params.hpp"
 #include "gpu/kernels/mask_ranges.cuh"
 #include "gpu/kernels/sm90/attention_forward_sm90.cuh"
@@ -302,54 +303,38 @@ __device__ __forceinline__ void apply_mask_transposed(float (&s)[N / 2], int wl,
 // LSE of a row in the exp2 domain; -inf (no visible key) becomes +inf so that P = exp2(s - inf) = 0, never NaN.
 __device__ __forceinline__ float lse_to_log2(float lse) { return lse == -INFINITY ? INFINITY : lse * kLog2e; }
 
-// The summing form's add (BackwardBuffers' RowSum): for piece i of `pieces` per row (four columns each, rows of
-// `rows`), sum[map[r] * stride + col0 + 4 x] = (assign ? 0 : sum[..]) + float(four dtype values of source(r, 4 x)),
-// or the dtype of that into result at the same offset. Threads `thread` of `threads` take pieces thread, thread +
-// threads, ...; each issues the map loads of BATCH pieces, then their sum and source loads, before its first store
-// (one piece at a time waited for two memory round trips per piece, which made this the longest part of a short
-// tile's work). source(r, col) returns the four dtype values as a uint2 (from shared memory, or rounded from the
-// float32 workspace).
-template <class T, int BATCH, class Source>
-__device__ __forceinline__ void add_rows_to_sum(int rows, int pieces, const int64_t* map, int64_t stride, int64_t col0,
-                                                float* sum, bool assign, T* result, const Source& source, int thread,
-                                                int threads) {
-  const int total = rows * pieces;
-  for (int i0 = thread; i0 < total; i0 += threads * BATCH) {
-    int64_t off[BATCH];
-    uint2 raw[BATCH];
-    float4 y[BATCH];
+// P^T = exp2(S^T scale log2e - LSE log2e) in place, for the NQ query columns of a 64-key transposed product
+// (element 4 j + e: query column 8 j + 2 c + e % 2; lse_s: those columns' LSE).
+template <int NQ>
+__device__ __forceinline__ void probabilities_t(float (&st)[NQ / 2], const float* lse_s, float sl2, int c) {
 #pragma unroll
-    for (int b = 0; b < BATCH; ++b) {
-      const int i = i0 + b * threads;
-      off[b] = i < total ? map[i / pieces] * stride + col0 + (i % pieces) * 4 : 0;
-    }
+  for (int j = 0; j < NQ / 8; ++j) {
+    const float2 l = *reinterpret_cast<const float2*>(lse_s + 8 * j + 2 * c);
+    const float l0 = lse_to_log2(l.x), l1 = lse_to_log2(l.y);
 #pragma unroll
-    for (int b = 0; b < BATCH; ++b) {
-      const int i = i0 + b * threads;
-      if (i >= total) continue;
-      raw[b] = source(i / pieces, (i % pieces) * 4);
-      y[b] = assign ? make_float4(0.f, 0.f, 0.f, 0.f) : *reinterpret_cast<const float4*>(sum + off[b]);
-    }
-#pragma unroll
-    for (int b = 0; b < BATCH; ++b) {
-      if (i0 + b * threads >= total) continue;
-      T e[4];
-      memcpy(e, &raw[b], 8);
-      y[b].x += static_cast<float>(e[0]);
-      y[b].y += static_cast<float>(e[1]);
-      y[b].z += static_cast<float>(e[2]);
-      y[b].w += static_cast<float>(e[3]);
-      if (result == nullptr)
-        *reinterpret_cast<float4*>(sum + off[b]) = y[b];
-      else
-        *reinterpret_cast<uint2*>(result + off[b]) = make_uint2(pack2<T>(y[b].x, y[b].y), pack2<T>(y[b].z, y[b].w));
+    for (int half = 0; half < 2; ++half) {
+      const int i0 = 4 * j + 2 * half;
+      st[i0] = exp2f(fmaf(st[i0], sl2, -l0));
+      st[i0 + 1] = exp2f(fmaf(st[i0 + 1], sl2, -l1));
     }
   }
 }
 
-// Pieces in flight per thread in the summing epilogues (map, sum and source loads of this many pieces before the
-// first store).
-constexpr int kSumBatch = 8;
+// dS^T = P^T (dP^T - delta) in place of dP^T, same layout (delta_s: the query columns' delta).
+template <int NQ>
+__device__ __forceinline__ void score_grads_t(float (&dpt)[NQ / 2], const float (&pt)[NQ / 2], const float* delta_s,
+                                              int c) {
+#pragma unroll
+  for (int j = 0; j < NQ / 8; ++j) {
+    const float2 dl = *reinterpret_cast<const float2*>(delta_s + 8 * j + 2 * c);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int i0 = 4 * j + 2 * half;
+      dpt[i0] = pt[i0] * (dpt[i0] - dl.x);
+      dpt[i0 + 1] = pt[i0 + 1] * (dpt[i0 + 1] - dl.y);
+    }
+  }
+}
 
 // Rows outside every segment: zeros, or +0 in the summing form (assign: the sum becomes 0).
 template <class T, int D, int THREADS>
@@ -520,18 +505,8 @@ __device__ __forceinline__ void bwd_consume(const AttentionParams& p, const Watc
     if (!full)
       apply_mask_transposed<BM>(st, p.window_left, p.window_right, delta_pos, key0 + 64 * cw + 16 * warp + g, kv_pos,
                                 kv_count, row0, q_pos, q_count, c);
-    // P^T = exp2(S^T scale log2e - LSE log2e), per query column (the same float32 operations in both schedules).
-#pragma unroll
-    for (int j = 0; j < BM / 8; ++j) {
-      const float2 l = *reinterpret_cast<const float2*>(lse_s + 8 * j + 2 * c);
-      const float l0 = lse_to_log2(l.x), l1 = lse_to_log2(l.y);
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int i0 = 4 * j + 2 * half;
-        st[i0] = exp2f(fmaf(st[i0], sl2, -l0));
-        st[i0 + 1] = exp2f(fmaf(st[i0 + 1], sl2, -l1));
-      }
-    }
+    // P^T (the same float32 operations in both schedules).
+    probabilities_t<BM>(st, lse_s, sl2, c);
     uint32_t pa[BM / 16][4], dsa[BM / 16][4];
     accumulators_to_a<T, BM / 16>(pa, st);
     // dV += P^T dO (RS; dO MN-major: K = queries, N = d).
@@ -545,17 +520,7 @@ __device__ __forceinline__ void bwd_consume(const AttentionParams& p, const Watc
       wgmma_wait<1>();  // dP^T complete; dV's product may still run
       fence_registers(dpt);
     }
-    // dS^T = P^T (dP^T - delta).
-#pragma unroll
-    for (int j = 0; j < BM / 8; ++j) {
-      const float2 dl = *reinterpret_cast<const float2*>(delta_s + 8 * j + 2 * c);
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int i0 = 4 * j + 2 * half;
-        dpt[i0] = st[i0] * (dpt[i0] - dl.x);
-        dpt[i0 + 1] = st[i0 + 1] * (dpt[i0 + 1] - dl.y);
-      }
-    }
+    score_grads_t<BM>(dpt, st, delta_s, c);
     accumulators_to_a<T, BM / 16>(dsa, dpt);
     // dK += dS^T Q (RS; Q MN-major).
     fence_registers(dk);
@@ -818,21 +783,9 @@ __device__ __forceinline__ void wide_consume(const AttentionParams& p, const Wat
     if (!full)
       apply_mask_transposed<QC>(st, p.window_left, p.window_right, delta_pos, key0 + 16 * warp + g, kv_pos, kv_count,
                                 row0 + QC * CW, q_pos, q_count, c);
-    // P^T and dS^T = P^T (dP^T - delta), per query column, as in BackwardSm90Config.
-#pragma unroll
-    for (int j = 0; j < QC / 8; ++j) {
-      const float2 l = *reinterpret_cast<const float2*>(lse_s + 8 * j + 2 * c);
-      const float2 dl = *reinterpret_cast<const float2*>(delta_s + 8 * j + 2 * c);
-      const float l0 = lse_to_log2(l.x), l1 = lse_to_log2(l.y);
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int i0 = 4 * j + 2 * half;
-        st[i0] = exp2f(fmaf(st[i0], sl2, -l0));
-        st[i0 + 1] = exp2f(fmaf(st[i0 + 1], sl2, -l1));
-        dpt[i0] = st[i0] * (dpt[i0] - dl.x);
-        dpt[i0 + 1] = st[i0 + 1] * (dpt[i0 + 1] - dl.y);
-      }
-    }
+    // P^T and dS^T, as in BackwardSm90Config.
+    probabilities_t<QC>(st, lse_s, sl2, c);
+    score_grads_t<QC>(dpt, st, delta_s, c);
     uint32_t pa[QC / 16][4], dsa[QC / 16][4];
     accumulators_to_a<T, QC / 16>(pa, st);
     accumulators_to_a<T, QC / 16>(dsa, dpt);
@@ -1245,59 +1198,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 // ---------------------------------------------------------------------------------------------------------------
 // Small kernels of the backward: delta, dQ conversion and its summing form.
 
-// delta[h, row] = sum_x dO[row, h, x] * O[row, h, x] over the valid rows of a Q tile (one warp per row; lane l sums
-// x = l, l + 32, ... in order, then a butterfly).
-template <class T, int D>
-__global__ void __launch_bounds__(128) attention_backward_delta_sm90_kernel(AttentionParams p) {
-  const RowTile tile = p.q_tiles[blockIdx.x];
-  if (tile.sequence < 0) return;
-  const int head = blockIdx.y;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
-  const int64_t stride = static_cast<int64_t>(p.heads_q) * D;
-  const T* o = static_cast<const T*>(p.o);
-  const T* dout = static_cast<const T*>(p.dout);
-  for (int r = warp; r < tile.rows; r += 4) {
-    const int64_t base = (tile.first_row + r) * stride + static_cast<int64_t>(head) * D;
-    float sum = 0.f;
-    for (int x = lane; x < D; x += 32) sum += static_cast<float>(o[base + x]) * static_cast<float>(dout[base + x]);
-#pragma unroll
-    for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-    if (lane == 0) p.delta[static_cast<int64_t>(head) * p.q_rows + tile.first_row + r] = sum;
-  }
-}
-
-// dQ = dtype(dq_accum * scale) for every row of the tiles (pad rows hold 0 in dq_accum), or the summing form:
-// dq_sum[q_sum_rows[r]] = (assign ? 0 : dq_sum[..]) + float(dtype(dq_accum[r] * scale)) (or dtype of that to
-// dq_result). Block (x, y): tile x, 4-element pieces y * 128 + thread stepping gridDim.y * 128 (finish_dq_grid_y
-// blocks per tile, so that a call over a few short tiles still keeps enough loads in flight).
-template <class T>
-__global__ void __launch_bounds__(128) attention_backward_finish_dq_sm90_kernel(AttentionParams p, int64_t row_elems) {
-  const RowTile tile = p.q_tiles[blockIdx.x];
-  const int pieces = static_cast<int>(row_elems / 4);
-  const float s = p.softmax_scale;
-  const float* accum = p.dq_accum + tile.first_row * row_elems;
-  const auto rounded = [&](int r, int col) {
-    const float4 a = *reinterpret_cast<const float4*>(accum + r * row_elems + col);
-    return make_uint2(pack2<T>(a.x * s, a.y * s), pack2<T>(a.z * s, a.w * s));
-  };
-  const int thread = blockIdx.y * blockDim.x + threadIdx.x, threads = gridDim.y * blockDim.x;
-  if (p.dq_sum == nullptr) {
-    T* dq = static_cast<T*>(p.dq) + tile.first_row * row_elems;
-    for (int i = thread; i < tile.rows * pieces; i += threads)
-      *reinterpret_cast<uint2*>(dq + (i / pieces) * row_elems + (i % pieces) * 4) =
-          rounded(i / pieces, (i % pieces) * 4);
-    return;
-  }
-  detail::add_rows_to_sum<T, 4>(tile.rows, pieces, p.q_sum_rows + tile.first_row, row_elems, 0, p.dq_sum,
-                                p.dq_sum_assign != 0, static_cast<T*>(p.dq_result), rounded, thread, threads);
-}
-
-// Blocks per Q tile of the dQ finish: two rounds of 4 pieces per thread over a tile of 128 rows.
-inline int finish_dq_grid_y(int64_t row_elems) {
-  const int64_t pieces = 128 * (row_elems / 4);
-  return static_cast<int>(std::max<int64_t>(1, (pieces + 128 * 8 - 1) / (128 * 8)));
-}
-
 // ---------------------------------------------------------------------------------------------------------------
 // Host side.
 
@@ -1322,7 +1222,7 @@ std::string launch_backward_sm90_passes(const AttentionParams& p, Watchdog dog, 
   static_assert(std::is_same_v<T, typename DqCfg::T> && DqCfg::D == D && DqCfg::DV == DV, "one head-dim pair");
   auto fail = [](const char* what, cudaError_t e) { return std::string(what) + ": " + cudaGetErrorString(e); };
   if (compute_delta && p.q_tile_count > 0 && p.heads_q > 0) {
-    attention_backward_delta_sm90_kernel<T, DV><<<dim3(p.q_tile_count, p.heads_q), 128, 0, stream>>>(p);
+    attention_backward_delta_kernel<T, DV><<<dim3(p.q_tile_count, p.heads_q), 128, 0, stream>>>(p);
     if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return fail("delta kernel launch", e);
   }
   if (ATOMIC_DQ && p.q_rows > 0) {
@@ -1347,8 +1247,8 @@ std::string launch_backward_sm90_passes(const AttentionParams& p, Watchdog dog, 
   }
   if (p.q_tile_count > 0 && p.heads_q > 0) {
     if constexpr (ATOMIC_DQ) {
-      attention_backward_finish_dq_sm90_kernel<T>
-          <<<dim3(p.q_tile_count, finish_dq_grid_y(static_cast<int64_t>(p.heads_q) * D)), 128, 0, stream>>>(
+      attention_backward_finish_dq_kernel<T>
+          <<<dim3(p.q_tile_count, finish_dq_grid_y(static_cast<int64_t>(p.heads_q) * D, DqCfg::kBlockM)), 128, 0, stream>>>(
               p, static_cast<int64_t>(p.heads_q) * D);
       if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return fail("dq finish kernel launch", e);
     } else {

@@ -16,6 +16,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "gpu/kernels/dtype_pack.cuh"  // pack2
+
 namespace cpgold::gpu::sm90 {
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -253,26 +255,6 @@ __device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map
 }
 __device__ __forceinline__ void tma_prefetch_descriptor(const CUtensorMap* map) {
   asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
-}
-
-// ---------------------------------------------------------------------------------------------------------------
-// Element packing.
-
-template <class T>
-__device__ __forceinline__ uint32_t pack2(float lo, float hi);
-template <>
-__device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
-  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  uint32_t r;
-  memcpy(&r, &v, 4);
-  return r;
-}
-template <>
-__device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
-  __half2 v = __floats2half2_rn(lo, hi);
-  uint32_t r;
-  memcpy(&r, &v, 4);
-  return r;
 }
 
 // Accumulators of a 64 x (16 KT) wgmma product (d[4 j + e]: row g + 8 (e / 2), column 8 j + 2 c + e % 2 of the
