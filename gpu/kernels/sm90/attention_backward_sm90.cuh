@@ -25,6 +25,10 @@
 //   v2.1 (runs B6-B12) the summing adds issue the loads of several pieces before their stores (add_rows_to_sum) and
 //       the dQ finish runs enough blocks per tile for a CP step's few short tiles; d_qk and d_v separate (DV_), d 32
 //       and 96 in zero-filled 64- and 128-column tiles: head dims 32/32, 96/96, 128/64 besides 64/64 and 128/128.
+//   v2.2 (run B15) the wide configuration for 192/128 and 256/256 (BackwardWideSm90Config: 64 keys per CTA shared by
+//       both warpgroups, which split the dK/dV/dQ columns; P^T and dS^T through shared memory): 256/256 atomic
+//       2.2-2.4x the mma.sync backward, 192/128 1.25-1.28x. The same configuration at 128/128 lost 18-40% (run B16).
+//       The delta, summing add and dQ finish live in gpu/kernels/backward_rows.cuh, shared with the mma.sync backward.
 //
 // Conventions as in attention_forward_sm90.cuh: tid = thread index in its warpgroup, warp = tid / 32, lane = 4 g + c;
 // accumulator element 4 j + e of a 64 x N product is row 16 warp + g + 8 (e / 2), column 8 j + 2 c + e % 2.
