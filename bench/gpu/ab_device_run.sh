@@ -2,9 +2,12 @@
 # A/B timing of two source trees on one device: builds the GPU benchmarks of tree A (a folder holding an exported
 # commit, e.g. `git archive REV | tar -x -C .dev-base`) and of the current tree B, then runs each benchmark as
 # A, B, A, B so that drift of the machine between runs shows next to the difference. Then bench_thd_helpers of B.
-# Usage (repository root of B, $OUT set, CPGOLD_PREFIX naming header-only deps): ab_device_run.sh A_DIR [cp|thd]
+# Usage (repository root of B, $OUT set, CPGOLD_PREFIX naming header-only deps): ab_device_run.sh A_DIR [cp|thd|short]
 # thd: only bench_thd_helpers, A, B, A, B (and test_gpu's helper cases of B first: a faster kernel must stay exact).
-A_DIR=${1:?usage: ab_device_run.sh A_DIR [cp|thd]}
+# short: the forward on short sequences: test_gpu's wgmma forward cases of B first, then bench_gpu_attention
+# --divide 1, 8, 16 (whole sequences, then sequences of CP-chunk length) A, B, A, B, then bench_cp_local p2p W = 4
+# --phases 1 A, B.
+A_DIR=${1:?usage: ab_device_run.sh A_DIR [cp|thd|short]}
 SUITE=${2:-cp}
 OUT=${OUT:-/tmp/out}
 mkdir -p $OUT
@@ -29,6 +32,31 @@ if [ "$SUITE" = thd ]; then
       timeout 90 /tmp/b$side/bin/bench_thd_helpers --reps 20 > $OUT/thd_${side}_$round.log 2>&1
       grep -E "^\|" $OUT/thd_${side}_$round.log
     done
+  done
+  cd $OUT && tar -czf logs.tar.gz *.log && rm -f *.log
+  exit 0
+fi
+if [ "$SUITE" = short ]; then
+  build $A_DIR /tmp/bA A bench_gpu_attention bench_cp_local
+  build . /tmp/bB B bench_gpu_attention bench_cp_local test_gpu
+  (cd /tmp/bB && timeout 300 ./bin/test_gpu -tc="*wgmma forward*" > $OUT/test_forward_B.log 2>&1
+   echo "B: test_gpu -tc='*wgmma forward*' rc=$?")
+  grep -E "test cases|assertions|ERROR|DIFFER" $OUT/test_forward_B.log | head -20
+  for round in ${AB_ROUNDS:-1 2}; do
+    for D in 1 8 16; do
+      for side in A B; do
+        echo "== round $round $side: bench_gpu_attention --forward wgmma --divide $D --dims 128/128,64/64 --totals 65536"
+        timeout 120 /tmp/b$side/bin/bench_gpu_attention --forward wgmma --divide $D --dims 128/128,64/64 \
+          --totals 65536 --reps 20 > $OUT/attn_${side}_${D}_$round.log 2>&1
+        grep -E "^(wgmma)" $OUT/attn_${side}_${D}_$round.log
+      done
+    done
+  done
+  for side in A B; do
+    echo "== $side: bench_cp_local --comm p2p --cp-size 4 --tokens 32768 --heads 16 --dim 128 --reps 10 --phases 1"
+    timeout 200 /tmp/b$side/bin/bench_cp_local --comm p2p --cp-size 4 --tokens 32768 --heads 16 --dim 128 --reps 10 \
+      --phases 1 > $OUT/cp_${side}.log 2>&1
+    grep -E "^\|" $OUT/cp_${side}.log
   done
   cd $OUT && tar -czf logs.tar.gz *.log && rm -f *.log
   exit 0

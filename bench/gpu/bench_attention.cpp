@@ -1,13 +1,15 @@
 // Forward/backward TFLOP/s of the cpgold GPU attention on varlen batches (bench/gpu/varlen_batches.md).
 // Usage: bench_gpu_attention [--reps N] [--dims D/DV,...] [--forward auto|mma|wgmma|both]
-//                            [--backward auto|mma|wgmma|both]
+//                            [--backward auto|mma|wgmma|both] [--totals N,...] [--pad-rows N] [--divide N]
 // prints one table row per (forward kernel, backward kernel, mask, d, total tokens). --dims defaults to
 // 128/128,64/64; heads = 2048 / DV. --forward picks the forward kernel (default auto: what attention_forward chooses
 // on this device; both: a row for mma.sync and one for wgmma, the before/after of the same run); the impl column
 // names the forward kernel that ran, host_us the host time of one attention_forward call (tensor-map encoding
 // included for wgmma). --backward picks the backward kernel the same way (the wgmma backward serves every pair of
 // the capability table on a 9.0 device: an explicit wgmma request elsewhere fails naming the reason); bwd_impl names the backward
-// kernel of the row's bwd_ms, bwd_TF (atomic mode) and bwd_det_TF (deterministic mode).
+// kernel of the row's bwd_ms, bwd_TF (atomic mode) and bwd_det_TF (deterministic mode). --divide N divides every
+// length of the cycle by N (a divisor of 512): the same tokens in sequences as short as CP chunks (8: 64..512, the
+// chunks of p2p W = 4 on the undivided batch; 16: 32..256, W = 8), for the rate on short attention blocks.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -83,6 +85,7 @@ int main(int argc, char** argv) {
   int reps = 20;
   std::vector<int64_t> totals = {16384, 32768, 65536};
   int pad_rows = 0;  // --pad-rows N: every sequence keeps its slot of the cycle length and holds N tokens fewer
+  int divide = 1;    // --divide N: the cycle's lengths divided by N
   std::vector<std::pair<int, int>> dims = {{128, 128}, {64, 64}};
   std::vector<gpu::ForwardKernel> forwards = {gpu::ForwardKernel::automatic};
   std::vector<gpu::BackwardKernel> backwards = {gpu::BackwardKernel::automatic};
@@ -113,6 +116,13 @@ int main(int argc, char** argv) {
     }
     if (std::string(argv[i]) == "--reps") reps = std::atoi(argv[i + 1]);
     if (std::string(argv[i]) == "--pad-rows") pad_rows = std::atoi(argv[i + 1]);
+    if (std::string(argv[i]) == "--divide") {
+      divide = std::atoi(argv[i + 1]);
+      if (divide < 1 || 512 % divide != 0) {
+        std::fprintf(stderr, "--divide: expected a divisor of 512 (1, 2, 4, ..., 512), got \"%s\"\n", argv[i + 1]);
+        return 2;
+      }
+    }
     if (std::string(argv[i]) == "--totals") {  // token counts (slot rows), comma separated
       totals.clear();
       for (const char* at = argv[i + 1]; *at;) {
@@ -140,7 +150,8 @@ int main(int argc, char** argv) {
   }
   cudaDeviceProp prop{};
   check(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
-  std::printf("device: %s, %d SMs; pad rows per sequence: %d\n", prop.name, prop.multiProcessorCount, pad_rows);
+  std::printf("device: %s, %d SMs; sequence lengths: %d..%d cycling; pad rows per sequence: %d\n", prop.name,
+              prop.multiProcessorCount, 512 / divide, 4096 / divide, pad_rows);
   for (const auto& [d, dv] : dims)
     for (gpu::ForwardKernel f : forwards)
       std::printf("forward kernel (requested %s) for d %d/%d: %s\n", std::string(gpu::forward_kernel_name(f)).c_str(), d,
@@ -156,7 +167,7 @@ int main(int argc, char** argv) {
     for (bool causal : {true, false})
       for (int64_t total : totals) {
         const int heads = 2048 / dv;
-        const std::vector<int32_t> slots = varlen_lengths(total);
+        const std::vector<int32_t> slots = varlen_lengths(total, 1, divide);
         std::vector<int32_t> lens;  // actual lengths; the slot's remaining rows are padding between sequences
         for (int32_t s : slots) lens.push_back(std::max(0, s - pad_rows));
         const std::vector<int32_t> padded = pad_rows > 0 ? slots : std::vector<int32_t>{};

@@ -25,11 +25,16 @@ def main():
     ap.add_argument("--dims", default="128,64", help="d or d/dv, comma separated")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--totals", default="16384,32768,65536", help="token counts (slot rows), comma separated")
+    ap.add_argument("--divide", type=int, default=1,
+                    help="every slot length of the cycle divided by this divisor of 512 (8: 64..512, CP chunk lengths)")
     args = ap.parse_args()
+    if args.divide < 1 or 512 % args.divide:
+        ap.error(f"--divide: expected a divisor of 512 (1, 2, 4, ..., 512), got {args.divide}")
     dims = [tuple(int(x) for x in item.split("/")) if "/" in item else (int(item), int(item))
             for item in args.dims.split(",")]
     print(f"device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}, cuDNN "
-          f"{cudnn.backend_version_string()}, frontend {cudnn.__version__}; pad rows per sequence: {args.pad_rows}")
+          f"{cudnn.backend_version_string()}, frontend {cudnn.__version__}; slot lengths {512 // args.divide}.."
+          f"{4096 // args.divide} cycling; pad rows per sequence: {args.pad_rows}")
     print(f"bf16 matmul 8192^3: {matmul_rate():.1f} TFLOP/s")
     print(f"{'impl':8} {'mask':5} {'d':7} {'tokens':6} {'fwd_ms':>10} {'fwd_TF':>10} {'bwd_ms':>10} {'bwd_TF':>10} "
           f"{'bwd_det_TF':>10}")
@@ -39,7 +44,7 @@ def main():
         for causal in (True, False):
             for total in (int(t) for t in args.totals.split(",")):
                 heads = 2048 // dv
-                slots = varlen_lengths(total)
+                slots = varlen_lengths(total, args.divide)
                 lens = [max(0, s - args.pad_rows) for s in slots]
                 offsets = [0]
                 for s in slots:

@@ -3,7 +3,9 @@
 varlen_attn (FlashAttention-2 inside) on the same varlen batches, and cuDNN SDPA on equal-length batches
 (seqlen 2048) of the same token count, plus the machine's bf16 matrix rate (8192^3 matmul).
 
-usage: bench_torch.py [--dims 128,64] [--tokens 16384,32768,65536]   (head dims d = d_v; heads = 2048 / d)"""
+usage: bench_torch.py [--dims 128,64] [--tokens 16384,32768,65536] [--divide N]
+(head dims d = d_v; heads = 2048 / d; --divide N, a divisor of 512: every length of the cycle and cuDNN's 2048
+divided by N, the same tokens in sequences as short as CP chunks, as bench_gpu_attention --divide N)"""
 import inspect
 import math
 import sys
@@ -14,10 +16,10 @@ import torch.nn.functional as F
 CYCLE = [512, 1536, 2560, 3584, 1024, 3072, 2048, 4096]
 
 
-def varlen_lengths(total):
+def varlen_lengths(total, divide=1):
     lens, s, i = [], 0, 0
     while s < total:
-        n = min(CYCLE[i % 8], total - s)
+        n = min(CYCLE[i % 8] // divide, total - s)
         lens.append(n)
         s += n
         i += 1
@@ -63,8 +65,12 @@ def int_list(flag, default):
 def main():
     dims = int_list("--dims", [128, 64])
     totals = int_list("--tokens", [16384, 32768, 65536])
+    divide = int_list("--divide", [1])[0]
+    if divide < 1 or 512 % divide:
+        sys.exit(f"--divide: expected a divisor of 512 (1, 2, 4, ..., 512), got {divide}")
     dev = torch.cuda.get_device_name(0)
-    print(f"device: {dev}, torch {torch.__version__}")
+    print(f"device: {dev}, torch {torch.__version__}; varlen lengths {512 // divide}..{4096 // divide} cycling, "
+          f"cuDNN seqlen {2048 // divide}")
     print(f"bf16 matmul 8192^3: {matmul_rate():.1f} TFLOP/s")
     from torch.nn.attention.varlen import varlen_attn
     from torch.nn.attention import sdpa_kernel, SDPBackend
@@ -76,7 +82,7 @@ def main():
         for causal in (True, False):
             for total in totals:
                 heads = 2048 // d
-                lens = varlen_lengths(total)
+                lens = varlen_lengths(total, divide)
                 cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0).tolist()), dtype=torch.int32, device="cuda")
                 mx = max(lens)
                 flops = fwd_flops(lens, heads, d, d, causal)
@@ -94,8 +100,8 @@ def main():
                 mask = "causal" if causal else "full"
                 print(f"{'varlen':8} {mask:5} {d:<7} {total:<6} {fwd:10.3f} {flops / fwd * 1e-9:10.1f} {bwd:10.3f} "
                       f"{2.5 * flops / bwd * 1e-9:10.1f}", flush=True)
-                # cuDNN on equal-length batches of 2048 tokens.
-                s = 2048
+                # cuDNN on equal-length batches of 2048 / divide tokens.
+                s = 2048 // divide
                 b = total // s
                 eq_flops = fwd_flops([s] * b, heads, d, d, causal)
                 qs, ks, vs, dos = (torch.rand(b, heads, s, d, device="cuda", dtype=torch.bfloat16) * 2 - 1 for _ in range(4))

@@ -1,7 +1,8 @@
 #pragma once
 // The varlen batch of the GPU benchmarks (bench/gpu/varlen_batches.md): sequence lengths cycling
-// 512, 1536, 2560, 3584, 1024, 3072, 2048, 4096 (each times `scale`: long-context batches for the CP benchmarks),
-// the last one cut so that the lengths sum to `total` tokens.
+// 512, 1536, 2560, 3584, 1024, 3072, 2048, 4096 (each times `scale`: long-context batches for the CP benchmarks;
+// each divided by `divide`: batches of CP-chunk-length sequences, 64..512 at 8), the last one cut so that the
+// lengths sum to `total` tokens. `divide` must divide 512 (the callers check).
 #include <algorithm>
 #include <cstdint>
 #include <vector>
@@ -10,12 +11,12 @@
 
 namespace cpgold::bench {
 
-inline std::vector<int32_t> varlen_lengths(int64_t total, int scale = 1) {
+inline std::vector<int32_t> varlen_lengths(int64_t total, int scale = 1, int divide = 1) {
   static const int32_t cycle[] = {512, 1536, 2560, 3584, 1024, 3072, 2048, 4096};
   std::vector<int32_t> lens;
   int64_t sum = 0;
   for (int i = 0; sum < total; ++i) {
-    const int32_t len = static_cast<int32_t>(std::min<int64_t>(int64_t{cycle[i % 8]} * scale, total - sum));
+    const int32_t len = static_cast<int32_t>(std::min<int64_t>(int64_t{cycle[i % 8]} * scale / divide, total - sum));
     lens.push_back(len);
     sum += len;
   }
