@@ -72,28 +72,19 @@ struct ForwardSm90Config {
   static constexpr int kStages = 2;
   static constexpr int kThreads = 128 * (CONSUMERS + 1);
   static constexpr int kConsumerThreads = 128 * CONSUMERS;
-  static constexpr int kQBytes = kBlockM * kQKCols * 2;  // one Q stage
+  static constexpr int kQBytes = kBlockM * kQKCols * 2;
   static constexpr int kKBytes = kBlockN * kQKCols * 2;  // one K stage
   static constexpr int kVBytes = kBlockN * kVCols * 2;   // one V stage
+  static constexpr int kOffQ = 0;
+  static constexpr int kOffK = kOffQ + kQBytes;
+  static constexpr int kOffV = kOffK + kStages * kKBytes;
+  static constexpr int kOffBarriers = kOffV + kStages * kVBytes;
+  static constexpr int kBarriers = 2 + 3 * kStages;  // q_full, q_empty, then the ring: full_k[S], full_v[S], empty[S]
+  static constexpr int kSmemBytes = kOffBarriers + kBarriers * 8 + 1024;  // + slack to align the base to 1024
   // Residency: one CTA of 3 warpgroups per SM, or two CTAs of 2 warpgroups (one consumer each) so that two
   // consumer warpgroups share an SM either way. The launch cap R = 65536 / (threads * CTAs) registers per thread,
   // rounded down to 8, is redistributed by setmaxnreg: 128 * producer + 128 * CONSUMERS * consumer <= R * threads.
   static constexpr int kCtasPerSm = CONSUMERS == 1 ? 2 : 1;
-  // Q stages: two where they fit beside the K/V ring in the shared memory of the SM's CTAs, so that a persistent
-  // CTA loads its next item's Q while the consumers compute this one (with one, the next Q waits for this item's O
-  // to leave the Q tile, and its load latency stands between every two items); else one.
-  static constexpr int smem_bytes(int q_stages) {
-    return q_stages * kQBytes + kStages * (kKBytes + kVBytes) + (2 * q_stages + 3 * kStages) * 8 + 1024;
-  }
-  static constexpr int kQStages = kCtasPerSm * smem_bytes(2) <= 227 * 1024 ? 2 : 1;
-  static constexpr int kOffQ = 0;
-  static constexpr int kOffK = kOffQ + kQStages * kQBytes;
-  static constexpr int kOffV = kOffK + kStages * kKBytes;
-  static constexpr int kOffBarriers = kOffV + kStages * kVBytes;
-  // q_full[Q], q_empty[Q], then the ring: full_k[S], full_v[S], empty[S]
-  static constexpr int kBarriers = 2 * kQStages + 3 * kStages;
-  static constexpr int kSmemBytes = kOffBarriers + kBarriers * 8 + 1024;  // + slack to align the base to 1024
-  static_assert(kSmemBytes == smem_bytes(kQStages), "shared memory layout");
   static constexpr int kLaunchRegs = (65536 / (kThreads * kCtasPerSm)) / 8 * 8;
   static constexpr bool kReallocate = true;
   static constexpr int kProducerRegs = LOADER == Loader::tma ? 24 : 40;
@@ -170,32 +161,23 @@ __device__ __forceinline__ void write_pad_tile(const AttentionParams& p, const R
     p.lse[static_cast<int64_t>(head) * p.q_rows + tile.first_row + r] = -INFINITY;
 }
 
-// Q stage of load n (the n-th work item with key blocks of the CTA): stage n % kQStages in its use n / kQStages.
-// q_full(n): the Q tile loaded (one phase per use); q_empty(n): the tile (and the O staged in it) done with by every
-// consumer thread.
 template <class Cfg>
 struct Barriers {
-  uint32_t q_base;          // q_full[s] at q_base + 16 s, q_empty[s] at q_base + 16 s + 8
-  Ring<Cfg::kStages> ring;  // K/V stages
-  __device__ __forceinline__ uint32_t q_full(int n) const { return q_base + 16u * (n % Cfg::kQStages); }
-  __device__ __forceinline__ uint32_t q_empty(int n) const { return q_base + 16u * (n % Cfg::kQStages) + 8u; }
-  __device__ __forceinline__ static uint32_t q_parity(int n) { return static_cast<uint32_t>(n / Cfg::kQStages) & 1u; }
-  __device__ __forceinline__ static uint32_t q_tile(uint32_t smem, int n) {
-    return smem + Cfg::kOffQ + (n % Cfg::kQStages) * Cfg::kQBytes;
-  }
+  uint32_t q_full;              // Q tile loaded (one phase per work item with key blocks)
+  uint32_t q_empty;             // Q tile (and the O staged in it) done with by every consumer thread
+  Ring<Cfg::kStages> ring;      // K/V stages
 };
 
 // Where a CTA stands in its sequence of work items: ring iterations and Q loads so far (producer and consumers
 // count alike, since both derive the same key blocks per item).
 struct ItemCursor {
   int it0 = 0;      // ring iteration of the item's first key block
-  int q_loads = 0;  // work items with key blocks before this one (the item's Q load index)
+  int q_loads = 0;  // work items with key blocks before this one (phase of q_full / q_empty)
 };
 
-// Producer warpgroup, one work item with key blocks. Two Q stages: Q first (its stage was last used two items
-// back), then the K/V blocks as the ring frees their stages. One Q stage: the first K/V blocks into the ring (their
-// stages are freed by the previous item's last releases, so they load while the consumers finish that item), then
-// Q once the previous item's consumers are done with the Q tile (q_empty), then the remaining K/V blocks.
+// Producer warpgroup, one work item with key blocks: the first K/V blocks into the ring (their stages are freed by
+// the previous item's last releases, so they load while the consumers finish that item), then Q once the previous
+// item's consumers are done with the Q tile (q_empty), then the remaining K/V blocks.
 template <class Cfg>
 __device__ __forceinline__ void produce(const AttentionParams& p, const ForwardTensorMaps& maps, const Watchdog& dog,
                                         const RowTile& tile, const SequenceDesc& seq,
@@ -205,13 +187,7 @@ __device__ __forceinline__ void produce(const AttentionParams& p, const ForwardT
   constexpr int D = Cfg::D;
   const int tid = threadIdx.x;  // the producer is warpgroup 0
   const int kv_head = head / p.group;
-  // Q is issued after this block (-1: before the first).
-  const int q_after = Cfg::kQStages > 1 ? -1 : min(kb.total, Cfg::kStages) - 1;
-  const int n = cur.q_loads;
-  const uint32_t q_dst = Barriers<Cfg>::q_tile(smem, n);
-  auto wait_q_stage = [&] {  // the stage's previous use is done with
-    if (n >= Cfg::kQStages) mbar_wait(bars.q_empty(n), Barriers<Cfg>::q_parity(n - Cfg::kQStages), dog, kWaitQ, -1);
-  };
+  const int q_after = min(kb.total, Cfg::kStages) - 1;  // Q is issued after this block
   if constexpr (Cfg::kLoader == Loader::cp_async) {
     const int64_t q_stride = static_cast<int64_t>(p.heads_q) * D;
     const int64_t kv_stride = static_cast<int64_t>(p.heads_kv) * D;
@@ -219,13 +195,6 @@ __device__ __forceinline__ void produce(const AttentionParams& p, const ForwardT
     const T* q = static_cast<const T*>(p.q);
     const T* k = static_cast<const T*>(p.k);
     const T* v = static_cast<const T*>(p.v);
-    auto load_q = [&] {
-      wait_q_stage();
-      load_tile_sw128_cp_async<Cfg::kBlockM, D, 128>(q_dst, q + tile.first_row * q_stride + head * D, q_stride,
-                                                     tile.rows, q, tid);
-      mbar_arrive_on_cp_async(bars.q_full(n));
-    };
-    if (q_after < 0) load_q();
 #pragma unroll 1
     for (int i = 0; i < kb.total; ++i) {
       const int it = cur.it0 + i;
@@ -242,7 +211,12 @@ __device__ __forceinline__ void produce(const AttentionParams& p, const ForwardT
                                                            v + row0 * v_stride + kv_head * Cfg::DV, v_stride, valid,
                                                            v, tid);
       mbar_arrive_on_cp_async(bars.ring.full_v(it));
-      if (i == q_after) load_q();
+      if (i == q_after) {
+        if (cur.q_loads > 0) mbar_wait(bars.q_empty, static_cast<uint32_t>(cur.q_loads - 1) & 1u, dog, kWaitQ, -1);
+        load_tile_sw128_cp_async<Cfg::kBlockM, D, 128>(smem + Cfg::kOffQ, q + tile.first_row * q_stride + head * D,
+                                                       q_stride, tile.rows, q, tid);
+        mbar_arrive_on_cp_async(bars.q_full);
+      }
     }
   } else {
     if (cur.q_loads == 0) {  // first item with key blocks (so the K and V maps are encoded)
@@ -250,15 +224,6 @@ __device__ __forceinline__ void produce(const AttentionParams& p, const ForwardT
       tma_prefetch_descriptor(&maps.k);
       tma_prefetch_descriptor(&maps.v);
     }
-    auto load_q = [&] {
-      wait_q_stage();
-      mbar_arrive_expect_tx(bars.q_full(n), Cfg::kQBytes);
-#pragma unroll
-      for (int b = 0; b < Cfg::kQKCols / 64; ++b)
-        tma_load_3d(q_dst + b * Cfg::kBlockM * 128, &maps.q, 64 * b, head, static_cast<int>(tile.first_row),
-                    bars.q_full(n));
-    };
-    if (q_after < 0) load_q();
 #pragma unroll 1
     for (int i = 0; i < kb.total; ++i) {
       const int it = cur.it0 + i;
@@ -276,7 +241,14 @@ __device__ __forceinline__ void produce(const AttentionParams& p, const ForwardT
       for (int b = 0; b < Cfg::kVCols / 64; ++b)
         tma_load_3d(smem + Cfg::kOffV + stage * Cfg::kVBytes + b * Cfg::kBlockN * 128, &maps.v, 64 * b, kv_head,
                     row0, bars.ring.full_v(it));
-      if (i == q_after) load_q();
+      if (i == q_after) {
+        if (cur.q_loads > 0) mbar_wait(bars.q_empty, static_cast<uint32_t>(cur.q_loads - 1) & 1u, dog, kWaitQ, -1);
+        mbar_arrive_expect_tx(bars.q_full, Cfg::kQBytes);
+#pragma unroll
+        for (int b = 0; b < Cfg::kQKCols / 64; ++b)
+          tma_load_3d(smem + Cfg::kOffQ + b * Cfg::kBlockM * 128, &maps.q, 64 * b, head,
+                      static_cast<int>(tile.first_row), bars.q_full);
+      }
     }
   }
 }
@@ -332,9 +304,9 @@ __device__ __forceinline__ void consume(const AttentionParams& p, const Watchdog
   float row_max[2] = {-INFINITY, -INFINITY};
   float row_sum[2] = {0.f, 0.f};
 
-  const uint32_t q_tile = Barriers<Cfg>::q_tile(smem, cur.q_loads);
+  const uint32_t q_tile = smem + Cfg::kOffQ;
   // Only items with key blocks reach here (the kernel writes the others as pad rows).
-  mbar_wait(bars.q_full(cur.q_loads), Barriers<Cfg>::q_parity(cur.q_loads), dog, kWaitQ, -1);
+  mbar_wait(bars.q_full, static_cast<uint32_t>(cur.q_loads) & 1u, dog, kWaitQ, -1);
   if constexpr (Cfg::kLoader == Loader::cp_async) fence_proxy_async();
   // Ping-pong: warpgroup w waits on barrier 4 + w for the other's signal. Order of wgmma issue: S_0 of warpgroup 0,
   // S_0 of 1, P V_0 + S_1 of 0, P V_0 + S_1 of 1, ... Every sync (128 threads) meets one arrive (128 threads) of the
@@ -466,7 +438,7 @@ __device__ __forceinline__ void consume(const AttentionParams& p, const Watchdog
   // Stage this warpgroup's O rows (dtype) in its own rows of the Q tile (SW128 layout: the 4-byte stores of a warp
   // fall in 32 distinct banks), then 16-byte coalesced stores of the valid rows.
   fence_proxy_async();  // the wgmma reads of these Q rows are complete (wait above); order the generic writes after
-  uint8_t* q_ptr = smem_ptr + (q_tile - smem);
+  uint8_t* q_ptr = smem_ptr + Cfg::kOffQ;
 #pragma unroll
   for (int j = 0; j < DV / 8; ++j) {
 #pragma unroll
@@ -491,7 +463,7 @@ __device__ __forceinline__ void consume(const AttentionParams& p, const Watchdog
   }
   // The Q tile is free for the next item's Q (generic reads above before the async proxy's writes).
   fence_proxy_async();
-  mbar_arrive(bars.q_empty(cur.q_loads));
+  mbar_arrive(bars.q_empty);
 }
 
 // The work items of this CTA (see attention_forward_sm90_kernel), in order: pad tiles and tiles without a visible
@@ -554,14 +526,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kCtasPerSm)
   const uint32_t smem = (raw + 1023u) & ~1023u;
   uint8_t* smem_ptr = smem_raw + (smem - raw);
 
-  const detail::Barriers<Cfg> bars{smem + Cfg::kOffBarriers, {smem + Cfg::kOffBarriers + 16 * Cfg::kQStages}};
+  const detail::Barriers<Cfg> bars{smem + Cfg::kOffBarriers, smem + Cfg::kOffBarriers + 8,
+                                   {smem + Cfg::kOffBarriers + 16}};
   if (threadIdx.x == 0) {
     // Full barriers: one arrival with a transaction count (TMA), or one per producer thread (cp.async .noinc).
     const uint32_t full_arrivals = Cfg::kLoader == Loader::tma ? 1 : 128;
-    for (int n = 0; n < Cfg::kQStages; ++n) {
-      mbar_init(bars.q_full(n), full_arrivals);
-      mbar_init(bars.q_empty(n), Cfg::kConsumerThreads);
-    }
+    mbar_init(bars.q_full, full_arrivals);
+    mbar_init(bars.q_empty, Cfg::kConsumerThreads);
     bars.ring.init(full_arrivals, Cfg::kConsumerThreads);
     fence_mbarrier_init();
   }
