@@ -154,19 +154,36 @@ void tile_keys(const std::vector<SequenceDesc>& seqs, const RowTile& t, Window w
   }
 }
 
-std::vector<int32_t> heaviest_first(const std::vector<SequenceDesc>& seqs, const std::vector<RowTile>& tiles, Window w,
-                                    int key_tile, int tile_rows, double& area) {
+// The persistent grid's order: sequences heaviest first (the visible keys of their tiles summed), each sequence's
+// tiles together and heaviest first within it, pad tiles last. Keeping a sequence's tiles together keeps its K and V
+// in L2 while its tiles run; a global heaviest-first order spread the tiles of one causal sequence over the whole
+// call, and on short sequences the forward then read K and V from DRAM again for most tiles (run B19: L2 hit rate
+// 33% against 70%, DRAM at 87% of its bandwidth).
+std::vector<int32_t> persistent_order(const std::vector<SequenceDesc>& seqs, const std::vector<RowTile>& tiles,
+                                      Window w, int key_tile, int tile_rows, double& area) {
   std::vector<int64_t> cost(tiles.size());
+  std::vector<int64_t> seq_cost(seqs.size(), 0);
   area = 0;
   for (size_t i = 0; i < tiles.size(); ++i) {
     int64_t keys = 0, blocks = 0;
     tile_keys(seqs, tiles[i], w, key_tile, keys, blocks);
     cost[i] = tiles[i].sequence < 0 ? -1 : keys;
+    if (tiles[i].sequence >= 0) seq_cost[static_cast<size_t>(tiles[i].sequence)] += keys;
     area += static_cast<double>(blocks) * tile_rows * key_tile;
   }
+  auto seq_of = [&](int32_t t) { return tiles[static_cast<size_t>(t)].sequence; };
   std::vector<int32_t> order(tiles.size());
   for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int32_t>(i);
-  std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return cost[a] > cost[b]; });
+  std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) {
+    const int32_t sa = seq_of(a), sb = seq_of(b);
+    if ((sa < 0) != (sb < 0)) return sb < 0;  // pad tiles last
+    if (sa < 0) return false;
+    if (sa != sb) {
+      const int64_t ca = seq_cost[static_cast<size_t>(sa)], cb = seq_cost[static_cast<size_t>(sb)];
+      return ca != cb ? ca > cb : sa < sb;
+    }
+    return cost[a] > cost[b];
+  });
   return order;
 }
 
@@ -174,9 +191,9 @@ std::vector<int32_t> heaviest_first(const std::vector<SequenceDesc>& seqs, const
 
 QTileWork q_tile_work(const PlanTiles& tiles, Window window, int key_tile_small, int key_tile_large) {
   QTileWork w;
-  w.order_small = heaviest_first(tiles.sequences, tiles.q_tiles_small, window, key_tile_small, kSmallTileRows,
+  w.order_small = persistent_order(tiles.sequences, tiles.q_tiles_small, window, key_tile_small, kSmallTileRows,
                                  w.area_small);
-  w.order_large = heaviest_first(tiles.sequences, tiles.q_tiles_large, window, key_tile_large, kLargeTileRows,
+  w.order_large = persistent_order(tiles.sequences, tiles.q_tiles_large, window, key_tile_large, kLargeTileRows,
                                  w.area_large);
   return w;
 }

@@ -22,7 +22,8 @@ struct PlanTiles {
 };
 
 // Work of the Q tile lists for the wgmma forward's schedules (gpu/kernels/forward_kernel.cpp): per list, the tile
-// indices heaviest first (visible keys of the tile's rows, descending; pad tiles last; ties in list order), and the
+// order of the persistent grid (sequences heaviest first by the visible keys of their tiles, ties in sequence order;
+// each sequence's tiles together, heaviest first within it, ties in list order; pad tiles last), and the
 // score area each tile height computes: sum over work tiles of (key blocks the tile visits) x tile rows x key tile
 // rows, with the key tile of that height's configuration (key_tile_large for 128-row tiles, key_tile_small for
 // 64-row tiles). Rows past a segment's end and masked parts of key blocks are computed all the same, so the ratio of
@@ -52,7 +53,7 @@ struct AttentionPlan::Impl {
   const RowTile* kv_tiles = nullptr;
   const RowTile* kv_tiles_large = nullptr;
   int32_t q_tile_small_count = 0, q_tile_large_count = 0, kv_tile_count = 0, kv_tile_large_count = 0;
-  // Tile orders (heaviest first) of the two Q lists, and the areas of QTileWork, for the wgmma forward's schedules.
+  // Tile orders (sequences heaviest first, each sequence's tiles together) of the two Q lists, and the areas of QTileWork, for the wgmma forward's schedules.
   const int32_t* q_order_small = nullptr;
   const int32_t* q_order_large = nullptr;
   double q_area_small = 0, q_area_large = 0;

@@ -6,7 +6,8 @@
 // (128-row Q tiles: the plan's large tile list) in ping-pong, key tiles of 128 rows (64 for d 256, whose O
 // accumulators take 128 registers per thread and whose shared tiles fill 193 KB at that size); and for short
 // segments (ForwardSchedule, docs/gpu-kernels.md "Forward schedules") 64-row Q tiles (the small list), in a grid of
-// one CTA per (tile, head) or a persistent grid over the plan's heaviest-first tile order.
+// one CTA per (tile, head) or a persistent grid over the plan's tile order (sequences heaviest first, each
+// sequence's tiles together).
 #include <string>
 
 #include "gpu/kernels/attention_launch.hpp"
@@ -34,7 +35,7 @@ Outcome forward_sm90_run(AttentionParams p, cudaStream_t stream, const Attention
   sm90::ForwardTensorMaps maps{};
   if (std::string err = sm90::encode_forward_maps<Cfg>(p, maps); !err.empty())
     return {Status::cuda_error, "attention_forward (wgmma): " + err};
-  // Persistent: as many CTAs as the SMs hold at once, over the tiles heaviest first.
+  // Persistent: as many CTAs as the SMs hold at once, over the plan's tile order.
   std::string err;
   if constexpr (PERSISTENT_OK) {
     if (persistent)

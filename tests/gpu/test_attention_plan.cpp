@@ -138,8 +138,8 @@ AttentionCall one_sequence_call(int32_t len_q, int32_t len_kv, int32_t q_positio
 }
 }  // namespace
 
-// docs/gpu-kernels.md, "Forward schedules": tile orders heaviest first (pad tiles last) and the score areas behind
-// the padding-waste rule, worked out by hand.
+// docs/gpu-kernels.md, "Forward schedules": tile orders (heaviest first within a sequence, pad tiles last) and the
+// score areas behind the padding-waste rule, worked out by hand.
 TEST_CASE("Q tile work: heaviest-first orders and score areas of both tile heights") {
   // Causal, 256 rows at positions 0..255 (delta 0). 128-row tiles with key tiles of 128: tile 0 sees keys 0..127
   // (1 block), tile 1 keys 0..255 (2 blocks); area (1 + 2) x 128 x 128. 64-row tiles with key tiles of 64: 1 + 2 +
@@ -168,6 +168,38 @@ TEST_CASE("Q tile work: heaviest-first orders and score areas of both tile heigh
   const QTileWork full = q_tile_work(make_plan_tiles(one_sequence_call(4096, 4096, 0, {-1, -1})), {-1, -1}, 64, 128);
   CHECK(full.area_large == full.area_small);
   CHECK_FALSE(full.area_large > kSmallTileAreaFactor * full.area_small);
+}
+
+// The persistent order keeps each sequence's tiles together (its K and V stay in L2 while they run), sequences
+// heaviest first. Causal, sequence A of 256 rows (64-row tiles 0..3: 64, 128, 192, 256 visible keys), then sequence B
+// of 128 rows (tiles 4, 5: 64 and 128 keys), then a pad tile. A global heaviest-first order would put B's tile 5
+// (128 keys) before A's tile 0 (64 keys): {3, 2, 1, 5, 0, 4, 6}.
+TEST_CASE("Q tile work: the persistent order keeps a sequence's tiles together, sequences heaviest first") {
+  AttentionCall call;
+  call.window = {-1, 0};
+  call.softmax_scale = 0.1;
+  call.q_rows = 256 + 128 + 3;
+  call.kv_rows = 256 + 128;
+  SequenceTile a, b;
+  a.length_q = a.length_kv = 256;
+  a.q = {{0, 256, 0}};
+  a.kv = {{0, 256, 0}};
+  b.length_q = b.length_kv = 128;
+  b.q = {{256, 128, 0}};
+  b.kv = {{256, 128, 0}};
+  call.sequences = {a, b};
+  const PlanTiles tiles = make_plan_tiles(call);
+  REQUIRE(tiles.q_tiles_small.size() == 7);
+  const QTileWork w = q_tile_work(tiles, call.window, 64, 128);
+  CHECK(w.order_small == std::vector<int32_t>{3, 2, 1, 0, 5, 4, 6});
+  // B first when it is the heavier: the same two sequences the other way round in the rows.
+  call.sequences = {b, a};
+  call.sequences[0].q = {{0, 128, 0}};
+  call.sequences[0].kv = {{0, 128, 0}};
+  call.sequences[1].q = {{128, 256, 0}};
+  call.sequences[1].kv = {{128, 256, 0}};
+  const QTileWork r = q_tile_work(make_plan_tiles(call), call.window, 64, 128);
+  CHECK(r.order_small == std::vector<int32_t>{5, 4, 3, 2, 1, 0, 6});
 }
 
 TEST_CASE("forward schedules: names parse back, unknown names are refused") {
