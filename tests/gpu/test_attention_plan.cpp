@@ -175,29 +175,26 @@ TEST_CASE("Q tile work: heaviest-first orders and score areas of both tile heigh
 // of 128 rows (tiles 4, 5: 64 and 128 keys), then a pad tile. A global heaviest-first order would put B's tile 5
 // (128 keys) before A's tile 0 (64 keys): {3, 2, 1, 5, 0, 4, 6}.
 TEST_CASE("Q tile work: the persistent order keeps a sequence's tiles together, sequences heaviest first") {
+  // A sequence of `len` rows at rows first.. of both Q and KV.
+  auto sequence_at = [](int32_t first, int32_t len) {
+    SequenceTile t;
+    t.length_q = t.length_kv = len;
+    t.q = {{first, len, 0}};
+    t.kv = {{first, len, 0}};
+    return t;
+  };
   AttentionCall call;
   call.window = {-1, 0};
   call.softmax_scale = 0.1;
   call.q_rows = 256 + 128 + 3;
   call.kv_rows = 256 + 128;
-  SequenceTile a, b;
-  a.length_q = a.length_kv = 256;
-  a.q = {{0, 256, 0}};
-  a.kv = {{0, 256, 0}};
-  b.length_q = b.length_kv = 128;
-  b.q = {{256, 128, 0}};
-  b.kv = {{256, 128, 0}};
-  call.sequences = {a, b};
+  call.sequences = {sequence_at(0, 256), sequence_at(256, 128)};
   const PlanTiles tiles = make_plan_tiles(call);
   REQUIRE(tiles.q_tiles_small.size() == 7);
   const QTileWork w = q_tile_work(tiles, call.window, 64, 128);
   CHECK(w.order_small == std::vector<int32_t>{3, 2, 1, 0, 5, 4, 6});
   // B first when it is the heavier: the same two sequences the other way round in the rows.
-  call.sequences = {b, a};
-  call.sequences[0].q = {{0, 128, 0}};
-  call.sequences[0].kv = {{0, 128, 0}};
-  call.sequences[1].q = {{128, 256, 0}};
-  call.sequences[1].kv = {{128, 256, 0}};
+  call.sequences = {sequence_at(0, 128), sequence_at(128, 256)};
   const QTileWork r = q_tile_work(make_plan_tiles(call), call.window, 64, 128);
   CHECK(r.order_small == std::vector<int32_t>{5, 4, 3, 2, 1, 0, 6});
 }
