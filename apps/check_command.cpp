@@ -21,6 +21,7 @@ struct CheckArgs {
   std::string ranks;
   bool allow_same_file = false;
   std::string empty_row_lse = "neg-inf";
+  std::string pad_rows = "zero";
   bool no_diagnosis = false;
 };
 
@@ -45,6 +46,9 @@ int run_check(const CheckArgs& args) {
   const auto convention = fx::parse_empty_row_lse(args.empty_row_lse);
   if (!convention) fail_input("--empty-row-lse", "expected neg-inf or pos-inf, got \"", args.empty_row_lse, "\"");
   options.empty_row_lse = *convention;
+  const auto pad_rows = fx::parse_pad_rows(args.pad_rows);
+  if (!pad_rows) fail_input("--pad-rows", "expected zero or unwritten, got \"", args.pad_rows, "\"");
+  options.pad_rows = *pad_rows;
   options.diagnose = !args.no_diagnosis;
   if (!args.tensors.empty()) {
     // "o,lse": every item a tensor name, none empty ("o," and "o,,lse" alike), none twice.
@@ -109,6 +113,9 @@ const RegisterCommand registered("check", [](CLI::App& app) -> std::function<int
   sub->add_option("--empty-row-lse", args->empty_row_lse,
                   "LSE of a valid row without visible keys: neg-inf (the contract, default) or pos-inf "
                   "(FlashAttention-2's convention, accepted knowingly)");
+  sub->add_option("--pad-rows", args->pad_rows,
+                  "pad and tail rows of o/dq/dk/dv: zero (the contract, default: exactly 0) or unwritten (not compared, "
+                  "their non-zero and non-finite counts reported: FlashAttention-3/4 with seqused_q/k never write them)");
   sub->add_option("--tensors", args->tensors, "comma-separated subset of o,lse,dq,dk,dv (e.g. o,lse for forward only)");
   sub->add_option("--ranks", args->ranks,
                   "comma-separated ranks whose per-rank outputs are checked (default: every rank of the fixture)");

@@ -20,6 +20,7 @@ from .errors import CheckInputError, InputError
 from .fixture import OUTPUT_NAMES, Fixture
 
 EMPTY_ROW_LSE = ("neg-inf", "pos-inf")
+PAD_ROWS = ("zero", "unwritten")  # pad and tail rows of o/dq/dk/dv: exactly 0 (the contract), or not compared
 SCOPES = ("global", "cp_gathered")
 
 
@@ -66,6 +67,13 @@ def _empty_row_lse(value):
     return value
 
 
+def _pad_rows(value):
+    value = "zero" if value is None else value
+    if value not in PAD_ROWS:
+        raise InputError(f"pad_rows: expected one of {PAD_ROWS}, got {value!r}", "pad_rows")
+    return value
+
+
 def _ranks(ranks):
     if ranks is None:
         return []
@@ -99,28 +107,31 @@ def _source(golden):
 
 
 def check(golden, *candidates, tensors=None, empty_row_lse=None, ranks=None, allow_same_file=False, cpgold=None,
-          timeout=None, diagnosis=True):
+          timeout=None, diagnosis=True, pad_rows=None):
     """Checks candidate file(s) against a golden fixture (a path or a Fixture) as `cpgold check` does.
     tensors: e.g. ("o", "lse") or "o,lse" for a forward-only candidate. empty_row_lse: "pos-inf" accepts
     FlashAttention-2's LSE +inf on rows with no visible key (the contract, and the default, is "neg-inf").
     ranks: check the per-rank outputs of these ranks only. allow_same_file: accept the golden itself as candidate (its
     stored simulator outputs are then checked). diagnosis: False skips the diagnosis of a failure (report["diagnosis"]
-    stays empty). Raises CheckInputError (an InputError) on unusable input.
+    stays empty). pad_rows: "unwritten" leaves the pad and tail rows of o/dq/dk/dv out of the comparison (FlashAttention-3/4
+    with seqused_q/k never write them; their non-zero counts are reported); the contract, and the default, is "zero".
+    Raises CheckInputError (an InputError) on unusable input.
     cpgold: a cpgold binary to run instead of the in-process engine (also used when the extension is missing)."""
     if not candidates:
         raise InputError("check: give at least one candidate file", "candidates")
     names = tensor_names(tensors)
     convention = _empty_row_lse(empty_row_lse)
+    pads = _pad_rows(pad_rows)
     rank_list = _ranks(ranks)
     files = [os.fspath(c) for c in candidates]
     if cpgold is not None or not _core_available():
         if isinstance(golden, Fixture) and not isinstance(golden.source, str):
             raise InputError("check: a fixture in memory needs the in-process engine (pip install ./python)", "golden")
         return _check_with_binary(_source(golden), files, names, convention, rank_list, allow_same_file, cpgold,
-                                  timeout, diagnosis)
+                                  timeout, diagnosis, pads)
     try:
         result = core().check_files(_source(golden), files, list(names or ()), convention, rank_list, allow_same_file,
-                                    bool(diagnosis))
+                                    bool(diagnosis), pads)
     except InputError as e:
         raise CheckInputError(str(e), e.field) from None
     return _report(result)
@@ -150,7 +161,7 @@ def _arrays_of(fixture, outputs, rank, lse_layout):
 
 
 def check_outputs(fixture, outputs, rank=None, scope="global", tensors=None, empty_row_lse=None, lse_layout=None,
-                  diagnosis=True):
+                  diagnosis=True, pad_rows=None):
     """Checks outputs held in memory (numpy arrays or torch tensors on any device; float32, bf16, fp16) against the
     fixture, in process, with the engine of `cpgold check`. No candidate file is written.
 
@@ -160,14 +171,15 @@ def check_outputs(fixture, outputs, rank=None, scope="global", tensors=None, emp
     scope (global outputs): "global" for a non-CP implementation (the larger of the CP and non-CP budgets decides),
     "cp_gathered" for CP outputs gathered to the global layout (the CP budget decides).
     A failure's report carries its diagnosis (report["diagnosis"], the "diagnosis:" lines of report.text); diagnosis=False
-    skips it."""
+    skips it. pad_rows: "unwritten" for implementations that leave pad rows unwritten (see check())."""
     if not isinstance(fixture, Fixture):
         with Fixture(fixture) as opened:
-            return check_outputs(opened, outputs, rank, scope, tensors, empty_row_lse, lse_layout, diagnosis)
+            return check_outputs(opened, outputs, rank, scope, tensors, empty_row_lse, lse_layout, diagnosis, pad_rows)
     if scope not in SCOPES:
         raise InputError(f"scope: expected one of {SCOPES}, got {scope!r}", "scope")
     names = tensor_names(tensors)
     convention = _empty_row_lse(empty_row_lse)
+    pads = _pad_rows(pad_rows)
     if isinstance(outputs, (list, tuple)):
         if rank is not None:
             raise InputError("rank: give either one rank's outputs with rank=r, or a list of every rank's outputs",
@@ -187,7 +199,7 @@ def check_outputs(fixture, outputs, rank=None, scope="global", tensors=None, emp
         ranks, source = [], f"arrays ({scope})"
     try:
         result = core().check_arrays(fixture.source, arrays, scope, source, "", list(names or ()), convention, ranks,
-                                     bool(diagnosis))
+                                     bool(diagnosis), pads)
     except InputError as e:
         raise CheckInputError(str(e), e.field) from None
     return _report(result)
@@ -204,8 +216,11 @@ def self_check(golden, tensors=None, empty_row_lse=None, diagnosis=True):
     return _report(result)
 
 
-def _check_with_binary(golden, files, names, convention, ranks, allow_same_file, cpgold, timeout, diagnosis=True):
+def _check_with_binary(golden, files, names, convention, ranks, allow_same_file, cpgold, timeout, diagnosis=True,
+                       pad_rows="zero"):
     cmd = [find_cpgold(cpgold), "check", golden, *files, "--format", "json", "--empty-row-lse", convention]
+    if pad_rows != "zero":
+        cmd += ["--pad-rows", pad_rows]
     if names:
         cmd += ["--tensors", ",".join(names)]
     if ranks:

@@ -18,7 +18,7 @@ __all__ = ["assert_close"]
 
 
 def assert_close(fixture, outputs, rank=None, tensors=None, empty_row_lse="neg-inf", scope="global",
-                 lse_layout=None, msg=None, diagnosis=True):
+                 lse_layout=None, msg=None, diagnosis=True, pad_rows="zero"):
     """Raises AssertionError unless `outputs` pass the fixture's check; returns the report (a dict) when they do.
 
     fixture: a cpgold.Fixture or a fixture's path. outputs: a dict of some of o, lse, dq, dk, dv in the global layout;
@@ -27,12 +27,14 @@ def assert_close(fixture, outputs, rank=None, tensors=None, empty_row_lse="neg-i
     empty_row_lse: "pos-inf" accepts FlashAttention-2's LSE +inf on rows with no visible key. scope: "cp_gathered" for
     CP outputs gathered to the global layout. lse_layout: "ht" or "th" where an LSE of t rows and h heads is ambiguous.
     diagnosis: False leaves the diagnosis of a failure out of the message (and its cost out of the check).
+    pad_rows: "unwritten" leaves pad and tail rows out of the comparison (FlashAttention-3/4 never write them).
     Unusable input (a tensor of the wrong shape, an unknown name) raises cpgold.InputError, not AssertionError."""
     if not isinstance(fixture, Fixture):
         with Fixture(fixture) as opened:
-            return assert_close(opened, outputs, rank, tensors, empty_row_lse, scope, lse_layout, msg, diagnosis)
+            return assert_close(opened, outputs, rank, tensors, empty_row_lse, scope, lse_layout, msg, diagnosis,
+                                pad_rows)
     report = check_outputs(fixture, outputs, rank=rank, scope=scope, tensors=tensors, empty_row_lse=empty_row_lse,
-                           lse_layout=lse_layout, diagnosis=diagnosis)
+                           lse_layout=lse_layout, diagnosis=diagnosis, pad_rows=pad_rows)
     if not report["pass"]:
         header = f"cpgold: the outputs do not pass the fixture {fixture.path}"
         if rank is not None:

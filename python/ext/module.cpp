@@ -53,7 +53,8 @@ void open_golden(const FixtureSource& source, OpenGolden& out) {
 sim::CaseSpec parse_case(const std::string& json_text) { return sim::parse_case_text(json_text); }
 
 fx::CheckOptions check_options(const std::vector<std::string>& tensors, const std::string& empty_row_lse,
-                               const std::vector<int>& ranks, bool allow_same_file, bool diagnose) {
+                               const std::vector<int>& ranks, bool allow_same_file, bool diagnose,
+                               const std::string& pad_rows = "zero") {
   fx::CheckOptions options;
   for (const std::string& name : tensors) {
     const auto quantity = fx::parse_quantity(name);
@@ -63,6 +64,9 @@ fx::CheckOptions check_options(const std::vector<std::string>& tensors, const st
   const auto convention = fx::parse_empty_row_lse(empty_row_lse);
   if (!convention) fail_input("empty_row_lse", "expected neg-inf or pos-inf, got \"", empty_row_lse, "\"");
   options.empty_row_lse = *convention;
+  const auto pad_convention = fx::parse_pad_rows(pad_rows);
+  if (!pad_convention) fail_input("pad_rows", "expected zero or unwritten, got \"", pad_rows, "\"");
+  options.pad_rows = *pad_convention;
   options.ranks = ranks;
   options.allow_same_file = allow_same_file;
   options.diagnose = diagnose;
@@ -185,8 +189,8 @@ PYBIND11_MODULE(_core, m) {
       "check_files",
       [](const FixtureSource& golden_source, const std::vector<std::string>& candidates,
          const std::vector<std::string>& tensors, const std::string& empty_row_lse, const std::vector<int>& ranks,
-         bool allow_same_file, bool diagnose) {
-        const fx::CheckOptions options = check_options(tensors, empty_row_lse, ranks, allow_same_file, diagnose);
+         bool allow_same_file, bool diagnose, const std::string& pad_rows) {
+        const fx::CheckOptions options = check_options(tensors, empty_row_lse, ranks, allow_same_file, diagnose, pad_rows);
         OpenGolden golden;
         open_golden(golden_source, golden);
         const fx::FixtureFile fixture = fx::open_fixture(*golden.reader, fx::OpenOptions{false, true});
@@ -194,7 +198,7 @@ PYBIND11_MODULE(_core, m) {
         return fx::check(*golden.reader, fixture, candidates, options);
       },
       py::arg("golden"), py::arg("candidates"), py::arg("tensors"), py::arg("empty_row_lse"), py::arg("ranks"),
-      py::arg("allow_same_file"), py::arg("diagnose") = true);
+      py::arg("allow_same_file"), py::arg("diagnose") = true, py::arg("pad_rows") = "zero");
 
   // tensors: (rank or -1, name, float32 C-contiguous array, lse_row_major); LSE [h, t] unless lse_row_major.
   m.def(
@@ -203,8 +207,8 @@ PYBIND11_MODULE(_core, m) {
          const std::vector<std::tuple<int, std::string, py::array_t<float, py::array::c_style>, bool>>& arrays,
          const std::string& scope, const std::string& source, const std::string& inputs_sha256,
          const std::vector<std::string>& tensors, const std::string& empty_row_lse, const std::vector<int>& ranks,
-         bool diagnose) {
-        const fx::CheckOptions options = check_options(tensors, empty_row_lse, ranks, false, diagnose);
+         bool diagnose, const std::string& pad_rows) {
+        const fx::CheckOptions options = check_options(tensors, empty_row_lse, ranks, false, diagnose, pad_rows);
         fx::CandidateSet cands;
         cands.sources = {source};
         if (scope == "cp_gathered") cands.global_scope = fx::CandidateScope::cp_output;
@@ -227,7 +231,8 @@ PYBIND11_MODULE(_core, m) {
         return fx::check(*golden.reader, fixture, cands, options);
       },
       py::arg("golden"), py::arg("arrays"), py::arg("scope"), py::arg("source"), py::arg("inputs_sha256"),
-      py::arg("tensors"), py::arg("empty_row_lse"), py::arg("ranks"), py::arg("diagnose") = true);
+      py::arg("tensors"), py::arg("empty_row_lse"), py::arg("ranks"), py::arg("diagnose") = true,
+      py::arg("pad_rows") = "zero");
 
   m.def(
       "self_check",

@@ -97,3 +97,44 @@ def test_flash_attention_2_lse_convention_is_accepted_only_knowingly(tmp_path, c
     assert accepted["exit_code"] == 0 and accepted["empty_row_lse"] == "pos-inf"
     contract = cpgold.check(golden_path(name), tmp_path / "contract.h5", empty_row_lse="pos-inf", cpgold=cpgold_bin)
     assert contract["exit_code"] == 1  # the option states the convention, it does not accept both
+
+
+def test_unwritten_pad_rows_are_left_out_only_knowingly(tmp_path, cpgold_bin):
+    """FlashAttention-3/4 with seqused_q/k leave pad rows of their outputs unwritten: the default contract fails them,
+    pad_rows="unwritten" leaves them out and counts them, in the binary and in process alike."""
+    name = "p2p_w2_causal_gqa_bf16"
+    with cpgold.Fixture(golden_path(name)) as fx:
+        out = attention_on_fixture(fx)
+        pads = ~fx.valid_rows("q")
+        assert pads.any()
+        garbage = dict(out, o=np.where(pads[:, None, None], np.float32(np.nan), out["o"]))
+        cpgold.write_global(tmp_path / "fa3.h5", garbage, fixture=fx, lse_layout="ht")
+        expected = int(pads.sum()) * out["o"].shape[1] * out["o"].shape[2]
+        in_process = cpgold.check_outputs(fx, garbage, pad_rows="unwritten") if _has_core() else None
+        if in_process is not None:
+            assert in_process["pass"] and in_process["pad_rows"] == "unwritten"
+            assert not cpgold.check_outputs(fx, garbage)["pass"]
+            with pytest.raises(ValueError, match="pad_rows: expected one of"):
+                cpgold.check_outputs(fx, garbage, pad_rows="skip")
+    default = cpgold.check(golden_path(name), tmp_path / "fa3.h5", cpgold=cpgold_bin)
+    assert default["exit_code"] == 1 and failed_tensors(default) == {("o", -1)}
+    accepted = cpgold.check(golden_path(name), tmp_path / "fa3.h5", pad_rows="unwritten", cpgold=cpgold_bin)
+    assert accepted["exit_code"] == 0 and accepted["pad_rows"] == "unwritten"
+    o = next(r for r in accepted["results"] if r["tensor"] == "o")
+    assert o["unwritten_nonzero"] == expected and o["unwritten_nonfinite"] == expected
+    assert "pad and tail rows of o/dq/dk/dv: not compared" in subprocess_text(cpgold_bin, golden_path(name),
+                                                                              tmp_path / "fa3.h5")
+
+
+def _has_core():
+    try:
+        import cpgold._core  # noqa: F401
+        return True
+    except ImportError:
+        return False
+
+
+def subprocess_text(cpgold_bin, golden, candidate):
+    import subprocess
+    return subprocess.run([cpgold_bin, "check", str(golden), str(candidate), "--pad-rows", "unwritten"],
+                          capture_output=True, text=True).stdout
