@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
-"""cuDNN fused attention on padded THD batches (ragged offsets, python/examples/cudnn_thd.py), the batches of
+"""cuDNN fused attention on padded THD batches (ragged offsets, python/cpgold/outsiders/cudnn_thd.py), the batches of
 bench_gpu_attention (bench/gpu/varlen_batches.md) with the same --pad-rows: every sequence keeps its slot of the
 cycle length and holds pad-rows tokens fewer, the rest is padding between sequences. FLOPs count actual tokens only.
 Prints the machine's bf16 matrix rate (8192^3) as the measured ceiling.
 
-    PYTHONPATH=python/examples python3 bench/gpu/bench_cudnn_thd.py --pad-rows 63 --dims 128,64,192/128
+    python3 bench/gpu/bench_cudnn_thd.py --pad-rows 63 --dims 128,64,192/128
 """
 import argparse
 import os
@@ -13,9 +13,9 @@ import sys
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [HERE, os.path.join(HERE, "..", "..", "python", "examples")]
+sys.path[:0] = [HERE, os.path.join(HERE, "..", "..", "python")]
 import cudnn  # noqa: E402
-import cudnn_thd  # noqa: E402
+from cpgold.outsiders import cudnn_thd  # noqa: E402
 from bench_torch import fwd_flops, matmul_rate, median_ms, varlen_lengths  # noqa: E402  (the same batches)
 
 

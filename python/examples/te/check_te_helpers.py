@@ -18,11 +18,11 @@ import sys
 import h5py
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import te_harness as th  # noqa: E402
-import torch  # noqa: E402
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+from cpgold.outsiders import te as te_adapter  # noqa: E402
 
-tex = th.tex
+TE = te_adapter.load(te_adapter.te_environment("fused"))
+torch, tex = TE.torch, TE.tex
 HEADS, DIM = 2, 8          # a row of 2 x 8 float32 = 64 bytes (TE's copies need multiples of 16 bytes)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 GRAD_MODES = (("add", "none"), ("copy", "none"), ("none", "add"), ("none", "copy"), ("add", "copy"), ("copy", "add"))
@@ -188,7 +188,7 @@ def main():
     ap.add_argument("--seed", type=int, default=26)
     ap.add_argument("--layouts", type=int, default=6, help="random layouts per W (default 6)")
     args = ap.parse_args()
-    v = th.versions()
+    v = te_adapter.versions(TE)
     impl = f"TransformerEngine {v['transformer_engine']} transformer_engine_torch.thd_*, torch {v['torch']}, {v['device']}"
     print(impl, flush=True)
     rng = np.random.default_rng(args.seed)

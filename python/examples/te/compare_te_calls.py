@@ -3,7 +3,7 @@
 
     python3 python/examples/te/compare_te_calls.py --cpgold build/bin/cpgold te_cp_attrib.json [--json out.json]
 
-Input: a summary of check_te_cp.py run with --trace (every fused_attn_fwd/bwd call per rank: the arguments the
+Input: a summary of `python3 -m cpgold.outsiders te_cp --set trace=1` (every fused_attn_fwd/bwd call per rank: the arguments the
 kernel received and where the q and k rows it reads as tokens come from). For every traced fixture this runs
 `cpgold explain --case <the fixture's case> --te-audit --format json` (runs anywhere, no GPU) and compares, rank by
 rank and call by call (forward calls in order, backward calls in order), TE's recorded arguments with the replay's
@@ -35,6 +35,12 @@ def load(path):
     return json.load(open(path))["fixtures"]
 
 
+def traced_calls(entry):
+    """The per-rank calls of a traced fixture (`python3 -m cpgold.outsiders te_cp --set trace=1` keeps them in
+    the entry's notes)."""
+    return entry.get("calls") or entry.get("notes", {}).get("calls", {})
+
+
 def replay(cpgold, case):
     p = subprocess.run([cpgold, "explain", "--case", json.dumps(case), "--te-audit", "--format", "json"],
                        capture_output=True, text=True)
@@ -54,7 +60,7 @@ def compare_fixture(entry, cpgold):
         out["refusal"] = (fused or {}).get("refusal")
         return out
     out["wrong_pairs"] = sum(c.get("wrong_pairs", 0) for p in ("forward", "backward") for c in fused["calls"][p])
-    for rank, calls in sorted(entry["calls"].items(), key=lambda kv: int(kv[0])):
+    for rank, calls in sorted(traced_calls(entry).items(), key=lambda kv: int(kv[0])):
         r = int(rank)
         for pas in ("forward", "backward"):
             got = [c for c in calls if c["pass"] == pas]
@@ -96,7 +102,7 @@ def main():
     args = ap.parse_args()
     results = []
     for e in load(args.summary):
-        if "calls" not in e:
+        if not traced_calls(e):
             if e.get("status") in ("fail", "error"):
                 results.append({"fixture": f"{e['suite']}/{e['fixture']}", "comm": e.get("comm"),
                                 "cp_size": e.get("cp_size"), "status": e["status"], "verdict": "not-traced",

@@ -4,9 +4,9 @@
 #   install  TE from TE_FILES (install_te.sh: parts joined, hashes checked), cpgold's CLI built without CUDA (the
 #            checks need only gen and check), the fixtures generated: quick, edge, te, random (RANDOM_COUNT, seed
 #            RANDOM_SEED) and TE's CP-test shapes (te_test_cases.py)
-#   dpa      check_te_dpa.py over every folder (non-CP, global and per rank)
+#   dpa      `python3 -m cpgold.outsiders te` over every folder (non-CP, global and per rank)
 #   shapes   the fixtures at TE's CP-test shapes alone (te_test_cases.py; install makes them unless SHAPES=0)
-#   cp       check_te_cp.py over every folder, or the folders named in CP_FOLDERS (CP with W thread ranks on one
+#   cp       `python3 -m cpgold.outsiders te_cp` over every folder, or the folders named in CP_FOLDERS (CP with W thread ranks on one
 #            GPU); results also kept in /tmp/results for attrib
 #   attrib   every CP fixture that failed or errored in an earlier cp phase, again with CUDA_LAUNCH_BLOCKING=1 (no
 #            overlap between kernels, copies and ranks), twice (bits compared), every fused-attention call traced
@@ -47,39 +47,41 @@ shapes)
   done
   echo "te_shapes: $(ls $FX/te_shapes/*.h5 | wc -l) fixtures"; stamp shapes ;;
 dpa)
-  timeout ${TIMEOUT:-540} python3 $HERE/check_te_dpa.py --cpgold $B/bin/cpgold --summary $OUT/te_dpa.json $(folders) \
-    > $OUT/te_dpa.log 2>&1; echo "check_te_dpa rc=$?"
-  grep -vE " pass$" $OUT/te_dpa.log | head -150; stamp dpa ;;
+  timeout ${TIMEOUT:-540} python3 -m cpgold.outsiders te --backend fused --cpgold $B/bin/cpgold \
+    --summary $OUT/te_dpa.json $(folders) > $OUT/te_dpa.log 2>&1; echo "te rc=$?"
+  grep -vE " pass worst" $OUT/te_dpa.log | head -150; stamp dpa ;;
 cp)
   sel=$(for d in $(folders); do [ -z "${CP_FOLDERS:-}" ] || [[ " $CP_FOLDERS " == *" $(basename $d) "* ]] && echo $d; done)
   tag=${CP_TAG:-all}
-  timeout ${TIMEOUT:-540} python3 $HERE/check_te_cp.py --cpgold $B/bin/cpgold --summary $OUT/te_cp_$tag.json ${CP_ARGS:-} \
-    $sel > $OUT/te_cp_$tag.log 2>&1; echo "check_te_cp rc=$?"
+  timeout ${TIMEOUT:-540} python3 -m cpgold.outsiders te_cp --backend fused --cpgold $B/bin/cpgold \
+    --summary $OUT/te_cp_$tag.json ${CP_ARGS:-} $sel > $OUT/te_cp_$tag.log 2>&1; echo "te_cp rc=$?"
   mkdir -p /tmp/results; cp $OUT/te_cp_$tag.json* $OUT/te_cp_$tag.log /tmp/results/ 2>/dev/null
   grep -vE " pass worst" $OUT/te_cp_$tag.log | head -150; grep -c " pass worst" $OUT/te_cp_$tag.log; stamp cp ;;
 attrib)
   only=$(python3 -c '
 import glob, json
 names = set()
-for f in glob.glob("/tmp/results/te_cp_*.json.jsonl"):
+for f in glob.glob("/tmp/results/te_cp_*.json.jsonl"):  # the runner's JSON lines
     for line in open(f):
         e = json.loads(line)
         if e["status"] in ("fail", "error"):
             names.add(e["suite"] + "/" + e["fixture"])
 print(",".join(sorted(names)))')
   only=${ATTRIB_ONLY:-$only}; echo "rerunning: $only"
-  CUDA_LAUNCH_BLOCKING=1 timeout ${TIMEOUT:-540} python3 $HERE/check_te_cp.py --cpgold $B/bin/cpgold \
-    --summary $OUT/te_cp_attrib.json --trace --repeat 2 --only "$only" ${CP_ARGS:-} $(folders) > $OUT/te_cp_attrib.log 2>&1
-  echo "check_te_cp rc=$?"; grep -vE "^    " $OUT/te_cp_attrib.log | head -80; stamp attrib ;;
+  CUDA_LAUNCH_BLOCKING=1 timeout ${TIMEOUT:-540} python3 -m cpgold.outsiders te_cp --backend fused \
+    --cpgold $B/bin/cpgold --summary $OUT/te_cp_attrib.json --set trace=1 --set repeat=2 --only "$only" ${CP_ARGS:-} \
+    $(folders) > $OUT/te_cp_attrib.log 2>&1
+  echo "te_cp rc=$?"; grep -vE "^    " $OUT/te_cp_attrib.log | head -80; stamp attrib ;;
 minimal)
   mkdir -p $FX/minimal
   python3 $HERE/te_minimal_cases.py | while read -r name json; do
     $B/bin/cpgold gen --force --case "$json" -o $FX/minimal/$name.h5 > /tmp/gen_min.log 2>&1 || tail -2 /tmp/gen_min.log
   done
-  timeout 120 python3 $HERE/check_te_dpa.py --cpgold $B/bin/cpgold --summary $OUT/te_min_dpa.json $FX/minimal \
-    > $OUT/te_min_dpa.log 2>&1; echo "check_te_dpa rc=$?"; grep -E "^te_dpa|fail|pass" $OUT/te_min_dpa.log | head -20
-  timeout 240 python3 $HERE/check_te_cp.py --cpgold $B/bin/cpgold --summary $OUT/te_min_cp.json --repeat 2 $FX/minimal \
-    > $OUT/te_min_cp.log 2>&1; echo "check_te_cp rc=$?"; cat $OUT/te_min_cp.log | cut -c1-220 | head -60; stamp minimal ;;
+  timeout 120 python3 -m cpgold.outsiders te --backend fused --cpgold $B/bin/cpgold --summary $OUT/te_min_dpa.json \
+    $FX/minimal > $OUT/te_min_dpa.log 2>&1; echo "te rc=$?"; grep -E "fail|pass" $OUT/te_min_dpa.log | head -20
+  timeout 240 python3 -m cpgold.outsiders te_cp --backend fused --cpgold $B/bin/cpgold --summary $OUT/te_min_cp.json \
+    --set repeat=2 $FX/minimal > $OUT/te_min_cp.log 2>&1; echo "te_cp rc=$?"; cut -c1-220 $OUT/te_min_cp.log | head -60
+  stamp minimal ;;
 repro)
   for mode in "" --deterministic; do
     timeout ${TIMEOUT:-300} python3 $HERE/te_repro_zero_q.py $mode 2>&1 | grep -v -i warn | tee -a $OUT/te_repro_zero_q.log | tail -40

@@ -1,0 +1,94 @@
+"""python3 -m cpgold.outsiders ADAPTER FIXTURES... : run an implementation on fixtures, check it, write the tables.
+
+Exit 0 when every fixture passed (or was refused / not expressible), 1 when one failed or errored, 2 on bad input."""
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+from . import ADAPTERS, make
+from .runner import counts, fixture_list, isolated, markdown, read_results, report_line, worker
+
+
+def parse_sets(items):
+    options = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--set: expected KEY=VALUE, got {item!r}")
+        options[key] = value
+    return options
+
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap = argparse.ArgumentParser(prog="python3 -m cpgold.outsiders", description=__doc__.splitlines()[0],
+                                 epilog="adapters: " + "; ".join(f"{k}: {v[2]}" for k, v in ADAPTERS.items()))
+    ap.add_argument("adapter", choices=sorted(ADAPTERS))
+    ap.add_argument("fixtures", nargs="+", help="fixture folders (the folder's name is the suite) or files")
+    ap.add_argument("--summary", help="JSON summary to write (default: ADAPTER.json)")
+    ap.add_argument("--table", help="markdown verdict tables to write (default: printed only)")
+    ap.add_argument("--cpgold", help="cpgold binary to check with (default: the in-process engine, else PATH)")
+    ap.add_argument("--deterministic", action="store_true",
+                    help="deterministic backward (FA3/FA4 deterministic=True; TE NVTE_ALLOW_NONDETERMINISTIC_ALGO=0)")
+    ap.add_argument("--backend", choices=("fused", "flash"), help="TE adapters: the backend TE's variables select")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="another adapter option")
+    ap.add_argument("--only", type=lambda s: [x for x in s.split(",") if x], help="comma-separated fixtures to run")
+    ap.add_argument("--isolate", action="store_true", help="each run of fixtures in a child process (default for te_cp)")
+    ap.add_argument("--title", help="title of the tables (default: adapter and options)")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--skip", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--results", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    options = parse_sets(args.set)
+    if args.deterministic:
+        options["deterministic"] = True
+    if args.backend:
+        if not args.adapter.startswith("te"):
+            ap.error(f"--backend: the adapter {args.adapter} has no backend choice (TE adapters only)")
+        options["backend"] = args.backend
+    try:
+        items = fixture_list(args.fixtures, args.only)
+    except FileNotFoundError as e:
+        ap.error(str(e))
+    if not items:
+        ap.error("fixtures: no .h5 file found")
+    workdir = tempfile.gettempdir()
+    if args.worker:
+        worker(make(args.adapter, **options), items, args.results, workdir, args.cpgold, args.skip)
+        return 0
+    summary_path = args.summary or f"{args.adapter}.json"
+    results = summary_path + ".jsonl"
+    open(results, "w").close()
+    t0 = time.time()
+    adapter = make(args.adapter, **options)  # in the parent too: versions, and an import error before any child
+    versions = adapter.versions()
+    print(f"{args.adapter}: " + ", ".join(f"{k} {v}" for k, v in versions.items()), flush=True)
+    if args.isolate or adapter.isolate:
+        child = [sys.executable, "-m", "cpgold.outsiders", args.adapter, *args.fixtures] + \
+                sum((["--set", s] for s in args.set), []) + (["--deterministic"] if args.deterministic else []) + \
+                (["--backend", args.backend] if args.backend else []) + (["--cpgold", args.cpgold] if args.cpgold else []) + \
+                (["--only", ",".join(args.only)] if args.only else [])
+        isolated(child, items, results)
+    else:
+        worker(adapter, items, results, workdir, args.cpgold)
+    entries = read_results(results)
+    title = args.title or f"{args.adapter} {json.dumps(adapter.options())}"
+    text = markdown(entries, title)
+    summary = {"adapter": args.adapter, "options": adapter.options(), "pad_rows": adapter.pad_rows,
+               "versions": versions, "seconds": round(time.time() - t0, 1), "counts": counts(entries),
+               "fixtures": entries}
+    with open(summary_path, "w") as f:
+        json.dump(summary, f, indent=1, default=str)
+    if args.table:
+        with open(args.table, "w") as f:
+            f.write(text + "\n")
+    print(text)
+    print(f"== {args.adapter}: {json.dumps(summary['counts'])} ({summary['seconds']} s)", flush=True)
+    return 1 if summary["counts"]["fail"] + summary["counts"]["error"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

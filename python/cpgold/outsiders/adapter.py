@@ -1,0 +1,65 @@
+"""The interface every outsider adapter implements (docs/outsiders.md, "Adapters").
+
+An adapter runs one implementation of attention (a kernel library, a framework module, a CP implementation) on a
+cpgold fixture's inputs and hands back its outputs in cpgold's candidate layout, with what the implementation said
+about itself: its versions, the backend it chose, its log lines, or its refusal. The runner (runner.py) writes the
+candidate, checks it with the fixture's rules and the adapter's pad-row convention, and tabulates the verdicts.
+"""
+from dataclasses import dataclass, field
+
+
+class Refused(Exception):
+    """The implementation refused the configuration at run time (an assert, a gating message, no backend): not a wrong
+    result. The message is the implementation's own, kept verbatim in the summary."""
+
+
+@dataclass
+class Outcome:
+    """What one run of an adapter on one fixture gives back.
+
+    outputs: global-layout outputs (some of o [Tq,hq,dv], lse [hq,Tq] or [Tq,hq], dq, dk, dv; numpy or torch), or
+    None. rank_outputs: one dict per CP rank in the rank-local layout (what rank r holds), or None; a CP adapter
+    gives these and the runner gathers them. scope: of `outputs`, "global" for a non-CP implementation (the larger of
+    the CP and non-CP budgets decides) or "cp_gathered". backend: what the implementation says it ran. log: its lines
+    about that choice (TransformerEngine's NVTE_DEBUG lines). notes: anything else worth keeping per fixture."""
+    outputs: dict = None
+    rank_outputs: list = None
+    scope: str = "global"
+    backend: str = ""
+    log: list = field(default_factory=list)
+    notes: dict = field(default_factory=dict)
+
+
+class Adapter:
+    """Base of the adapters. Subclasses set `name`, and override `versions`, `unsupported` and `run`.
+
+    pad_rows: the pad-row convention of the implementation's outputs, as `cpgold check --pad-rows` names it: "zero"
+    (the contract) or "unwritten" (FlashAttention-3/4 with seqused_q/k never write pad rows). tensors: the outputs it
+    gives (None: all five). isolate: run every fixture in a child process, so that a device-side assert or a crash
+    loses only that fixture."""
+    name = "adapter"
+    pad_rows = "zero"
+    tensors = None
+    isolate = False
+
+    def __init__(self, deterministic=False, **options):
+        if options:
+            raise ValueError(f"{self.name}: unknown option(s) {', '.join(sorted(options))}")
+        self.deterministic = bool(deterministic)
+
+    def options(self):
+        """The options that select the implementation's behaviour: kept in the summary and passed to a child."""
+        return {"deterministic": self.deterministic}
+
+    def versions(self):
+        """Versions and device as the implementation reports them."""
+        return {}
+
+    def unsupported(self, fixture):
+        """Why the fixture's case cannot be expressed in the implementation's API (a string), or None. Only what the
+        API cannot say belongs here; what the implementation refuses at run time raises Refused from run()."""
+        return None
+
+    def run(self, fixture):
+        """Runs forward and backward on the fixture's inputs; returns an Outcome."""
+        raise NotImplementedError

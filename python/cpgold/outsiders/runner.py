@@ -1,0 +1,217 @@
+"""Runs an adapter over fixtures, checks every result with cpgold's engine and tabulates the verdicts.
+
+For each fixture: the adapter's `unsupported` (not expressible in its API) or its run; the outputs go into one
+candidate file (global outputs at the root, their shards by the partition or the ranks' own outputs under
+/ranks/<r>/), and one check judges both levels with the adapter's pad-row convention. A check that fails under
+the contract ("zero") is checked again with pad rows left out, so a failure only on pad rows reads as a convention
+("valid rows pass"), not as a wrong result. Results are appended to a JSON-lines file as they come, so a crash of
+the implementation (a device-side assert) loses only the fixture it was running: with isolation the fixtures run in
+a child process that is restarted after the fixture that killed it.
+"""
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+
+import numpy as np
+
+from ..candidate import lse_to_ht, write_ranks
+from ..check import check, failures, ratios
+from ..fixture import Fixture
+from .adapter import Refused
+
+STATUSES = ("pass", "fail", "empty", "error", "unsupported")
+
+
+def mask_class(case):
+    """none, causal, window, causal+window: the mask family of a case (a window is any bounded side beyond causal)."""
+    left, right = (int(w) for w in case.get("window", [-1, -1]))
+    causal = case.get("mask") == "causal"
+    windowed = left >= 0 or (right >= 0 and not causal)
+    return ("causal+window" if windowed else "causal") if causal else ("window" if windowed else "none")
+
+
+def fixture_list(paths, only=None):
+    """(suite, path) of every .h5 in the folders (suite: the folder's name) and of the files given."""
+    items = []
+    for p in paths:
+        if os.path.isdir(p):
+            suite = os.path.basename(os.path.normpath(p))
+            items += [(suite, os.path.join(p, n)) for n in sorted(os.listdir(p)) if n.endswith(".h5")]
+        elif os.path.isfile(p):
+            items.append((os.path.basename(os.path.dirname(os.path.abspath(p))), p))
+        else:
+            raise FileNotFoundError(f"fixtures: {p!r} is neither a folder nor a file")
+    if only:
+        wanted = set(only)
+        items = [(s, p) for s, p in items if os.path.basename(p) in wanted or f"{s}/{os.path.basename(p)}" in wanted]
+    return items
+
+
+def _numpy(x):
+    if hasattr(x, "detach"):
+        x = x.detach().float().cpu().numpy()
+    return np.asarray(x, dtype=np.float32)
+
+
+def _lse_convention(fx, lse_ht):
+    """pos-inf where the implementation wrote +inf on a valid row without keys (FlashAttention-2's convention)."""
+    return "pos-inf" if bool(np.isposinf(lse_ht[:, fx.valid_rows("q")]).any()) else "neg-inf"
+
+
+def describe_entry(entry, fx):
+    entry.update(case=fx.case, comm=fx.comm, cp_size=fx.cp_size, mask_class=mask_class(fx.case),
+                 pad_fill=fx.case.get("pad_fill", "random"), dtype=fx.dtype)
+
+
+def run_fixture(adapter, path, suite, workdir, cpgold_bin=None):
+    """One fixture: run, write the candidate, check. Returns the summary entry."""
+    entry = {"fixture": os.path.basename(path), "suite": suite}
+    t0 = time.time()
+    candidate = os.path.join(workdir, f"{adapter.name}_{os.getpid()}_candidate.h5")
+    with Fixture(path) as fx:
+        describe_entry(entry, fx)
+        reason = adapter.unsupported(fx)
+        if reason:
+            entry.update(status="unsupported", reason=reason)
+            return entry
+        try:
+            outcome = adapter.run(fx)
+        except Refused as e:
+            entry.update(status="unsupported", reason=str(e)[:2000])
+            return entry
+        except Exception as e:  # noqa: BLE001 - a crash on an expressible case is a result of its own
+            entry.update(status="error", reason=f"{type(e).__name__}: {e}"[:2000],
+                         trace=traceback.format_exc()[-4000:])
+            return entry
+        entry.update(backend=outcome.backend, log=outcome.log, notes=outcome.notes)
+        outputs = {k: _numpy(v) for k, v in (outcome.outputs or {}).items()}
+        convention = "neg-inf"
+        if "lse" in outputs:
+            outputs["lse"] = lse_to_ht(outputs["lse"], fx.heads_q, "ht" if outputs["lse"].shape[0] == fx.heads_q
+                                       else None)
+            convention = _lse_convention(fx, outputs["lse"])
+        ranks = [{k: _numpy(v) for k, v in r.items()} for r in outcome.rank_outputs] if outcome.rank_outputs \
+            else fx.shard_outputs(outputs)
+        tensors = adapter.tensors or tuple(n for n in ("o", "lse", "dq", "dk", "dv") if n in outputs)
+        entry.update(tensors=list(tensors), empty_row_lse=convention, pad_rows=adapter.pad_rows)
+        write_ranks(candidate, ranks, outputs or None, scope=outcome.scope, fixture=fx, lse_layout="ht")
+    try:
+        report = check(path, candidate, tensors=tensors, empty_row_lse=convention, pad_rows=adapter.pad_rows,
+                       cpgold=cpgold_bin)
+        passed = report["pass"]
+        entry.update(failures=failures(report), ratios=[list(r) for r in ratios(report)],
+                     diagnosis=[d.get("kind") for d in report.get("diagnosis", [])],
+                     unwritten_nonzero=sum(r.get("unwritten_nonzero", 0) for r in report["results"]),
+                     unwritten_nonfinite=sum(r.get("unwritten_nonfinite", 0) for r in report["results"]))
+        if not passed and adapter.pad_rows == "zero":
+            again = check(path, candidate, tensors=tensors, empty_row_lse=convention, pad_rows="unwritten",
+                          cpgold=cpgold_bin, diagnosis=False)
+            entry["valid_rows_pass"] = bool(again["pass"])
+        empty = not passed and report.get("compared", 1) == 0
+        entry["status"] = "pass" if passed else "empty" if empty else "fail"
+    finally:
+        if os.path.exists(candidate):
+            os.remove(candidate)
+    entry["seconds"] = round(time.time() - t0, 2)
+    return entry
+
+
+def report_line(adapter_name, e):
+    line = f"{adapter_name:8} {e['suite']:10} {e['fixture']:48} {e.get('comm', '?'):10} W={e.get('cp_size', '?')} " \
+           f"{e['status']}"
+    if e["status"] in ("pass", "fail"):
+        worst = max((max(r[2], r[3]) for r in e.get("ratios", [])), default=float("nan"))
+        line += f" worst {worst:.3f}"
+        if e["status"] == "fail" and "valid_rows_pass" in e:
+            line += " (valid rows pass: pad rows only)" if e["valid_rows_pass"] else " (valid rows fail)"
+    elif e.get("reason"):
+        line += ": " + e["reason"].splitlines()[0][:200]
+    return line
+
+
+def worker(adapter, items, results, workdir, cpgold_bin, skip=0, echo=True):
+    """Runs items[skip:], one JSON line each, flushed."""
+    with open(results, "a") as out:
+        for suite, path in items[skip:]:
+            e = run_fixture(adapter, path, suite, workdir, cpgold_bin)
+            out.write(json.dumps(e, default=str) + "\n")
+            out.flush()
+            if echo:
+                print(report_line(adapter.name, e), flush=True)
+                for f in e.get("failures", [])[:6]:
+                    print(f"    {f}", flush=True)
+
+
+def isolated(child_argv, items, results):
+    """Runs the fixtures in child processes (child_argv + --worker --skip N), restarting after a crash, which is
+    recorded as an error of the fixture that was running."""
+    done = 0
+    while done < len(items):
+        proc = subprocess.run(child_argv + ["--worker", "--skip", str(done), "--results", results],
+                              capture_output=True, text=True)
+        sys.stdout.write(proc.stdout)
+        sys.stdout.flush()
+        entries = read_results(results)
+        done = len(entries)
+        if proc.returncode != 0 and done < len(items):
+            suite, path = items[done]
+            tail = "\n".join(ln for ln in proc.stderr.splitlines() if "Warning" not in ln and "warnings.warn" not in ln)
+            e = {"fixture": os.path.basename(path), "suite": suite, "status": "error",
+                 "reason": f"the process died (exit {proc.returncode}) running this fixture: {tail[-1500:]}"}
+            with Fixture(path) as fx:
+                describe_entry(e, fx)
+            with open(results, "a") as f:
+                f.write(json.dumps(e, default=str) + "\n")
+            print(report_line("child", e), flush=True)
+            done += 1
+
+
+def read_results(results):
+    with open(results) as f:
+        return [json.loads(x) for x in f if x.strip()]
+
+
+# ------------------------------------------------------------------ tables
+def worst_ratio(e):
+    return max((max(r[2], r[3]) for r in e.get("ratios", [])), default=None)
+
+
+def table(entries, key):
+    """Rows of (value of key, counts per status, worst ratio over the passes) in sorted order."""
+    rows = {}
+    for e in entries:
+        k = key(e)
+        row = rows.setdefault(k, {s: 0 for s in STATUSES} | {"worst_pass": None, "pads_only": 0})
+        row[e["status"]] += 1
+        if e["status"] == "fail" and e.get("valid_rows_pass"):
+            row["pads_only"] += 1
+        if e["status"] == "pass":
+            w = worst_ratio(e)
+            if w is not None and (row["worst_pass"] is None or w > row["worst_pass"]):
+                row["worst_pass"] = w
+    return sorted(rows.items(), key=lambda kv: str(kv[0]))
+
+
+def markdown(entries, title, keys=None):
+    keys = keys or [("suite", lambda e: e["suite"]), ("comm, W", lambda e: f"{e.get('comm')} W={e.get('cp_size')}"),
+                    ("mask", lambda e: e.get("mask_class", "?")), ("pad fill", lambda e: e.get("pad_fill", "?"))]
+    out = [f"### {title}", ""]
+    for label, key in keys:
+        out += [f"| {label} | pass | fail (pad rows only) | empty | error | refused or not expressible | worst ratio of "
+                "the passes |", "|---|---|---|---|---|---|---|"]
+        for k, r in table(entries, key):
+            w = "-" if r["worst_pass"] is None else f"{r['worst_pass']:.3f}"
+            out.append(f"| {k} | {r['pass']} | {r['fail']} ({r['pads_only']}) | {r['empty']} | {r['error']} | "
+                       f"{r['unsupported']} | {w} |")
+        out.append("")
+    return "\n".join(out)
+
+
+def counts(entries):
+    c = {s: 0 for s in STATUSES}
+    for e in entries:
+        c[e["status"]] += 1
+    return c

@@ -1,0 +1,210 @@
+"""The outsider adapters' CPU-side logic with fakes (docs/outsiders.md): how a fixture becomes FlashAttention-3/4's
+and TransformerEngine's arguments, the layout mapping of their outputs, refusals kept as refusals, and the whole
+run -> candidate -> check path with a fake FlashAttention-3 that leaves pad rows unwritten. The real libraries run
+on a GPU machine (python/examples/outsiders/device_run.sh)."""
+import json
+import sys
+import types
+
+import numpy as np
+import pytest
+
+import cpgold
+from conftest import golden_path
+from cpgold.outsiders import ADAPTERS, Refused, flash, make, runner, te
+
+
+class Case:
+    """A fixture's case attributes, without a file."""
+
+    def __init__(self, causal=False, window=(-1, -1), seqlens_q=(3, 5), seqlens_kv=None):
+        self.causal, self.window = causal, window
+        self._q, self._kv = list(seqlens_q), list(seqlens_kv or seqlens_q)
+        self.heads_q, self.heads_kv, self.dim_qk, self.dim_v, self.softmax_scale = 4, 2, 64, 64, 0.125
+
+    def seqlens(self, side):
+        return np.asarray(self._q if side == "q" else self._kv, dtype=np.int32)
+
+
+@pytest.mark.parametrize("causal,window,fa3,fa4", [
+    (False, (-1, -1), (-1, -1), (None, None)),
+    (True, (-1, 0), (-1, 0), (None, 0)),
+    (True, (7, 0), (7, 0), (7, 0)),
+    (False, (5, 3), (5, 3), (5, 3)),
+    (False, (-1, 4), (-1, 4), (None, 4)),
+    (False, (6, -1), (6, -1), (6, None)),
+])
+def test_window_arguments_of_fa3_and_fa4(causal, window, fa3, fa4):
+    fx = Case(causal, window)
+    assert flash.fa3_window(fx) == fa3
+    assert flash.fa4_window(fx) == fa4
+
+
+def test_seqused_arguments_are_padded_offsets_and_true_lengths():
+    with cpgold.Fixture(golden_path("p2p_w2_window_tail_fp16")) as fx:
+        a = flash.seqused_arguments(fx)
+        assert np.array_equal(a["cu_seqlens_q"], fx.cu_seqlens("q", padded=True))
+        assert np.array_equal(a["cu_seqlens_k"], fx.cu_seqlens("kv", padded=True))
+        assert np.array_equal(a["seqused_q"], fx.seqlens("q"))
+        assert np.array_equal(a["seqused_k"], fx.seqlens("kv"))
+        assert not np.array_equal(a["cu_seqlens_q"], fx.cu_seqlens("q"))  # the fixture pads between sequences
+        assert a["max_seqlen_q"] == int(np.diff(fx.cu_seqlens("q", padded=True)).max())
+        assert a["causal"] == fx.causal and a["softmax_scale"] == pytest.approx(fx.softmax_scale)
+
+
+def test_te_arguments_and_groups():
+    assert te.mask_type(Case(causal=True)) == "padding_causal"
+    assert te.mask_type(Case(causal=True, seqlens_kv=(4, 5))) == "padding_causal_bottom_right"
+    assert te.mask_type(Case()) == "padding"
+    assert te.window_size(Case(causal=True, window=(-1, 0))) is None
+    assert te.window_size(Case(causal=True, window=(9, 0))) == (9, 0)
+    assert te.window_size(Case(window=(2, 3))) == (2, 3)
+    kw = te.te_arguments(Case(window=(2, 3)))
+    assert kw["qkv_format"] == "thd" and kw["num_gqa_groups"] == 2 and kw["window_size"] == (2, 3)
+    assert te.cp_group_ranks("p2p", 4, 2) == [[0, 1, 2, 3]]
+    assert te.cp_group_ranks("a2a+p2p", 4, 3, a2a_size=2) == [[2, 3], [1, 3]]
+    assert te.cp_group_ranks("a2a+p2p", 8, 5, a2a_size=4) == [[4, 5, 6, 7], [1, 5]]
+    with pytest.raises(Refused, match="a2a_size 3 does not divide cp_size 4"):
+        te.cp_group_ranks("a2a+p2p", 4, 0, a2a_size=3)
+
+
+def test_te_environment_selects_the_backend_and_modes():
+    fused = te.te_environment("fused")
+    assert fused["NVTE_FUSED_ATTN"] == "1" and fused["NVTE_FLASH_ATTN"] == "0" and fused["NCCL_NVLS_ENABLE"] == "0"
+    flash_env = te.te_environment("flash", deterministic=True, thread_ranks=True)
+    assert flash_env["NVTE_FLASH_ATTN"] == "1" and flash_env["NVTE_FUSED_ATTN"] == "0"
+    assert flash_env["NVTE_ALLOW_NONDETERMINISTIC_ALGO"] == "0" and flash_env["NVTE_TORCH_COMPILE"] == "0"
+    assert "NVTE_ALLOW_NONDETERMINISTIC_ALGO" not in fused
+    with pytest.raises(ValueError, match="backend: expected one of fused, flash"):
+        te.te_environment("cudnn")
+
+
+def test_unknown_adapter_and_option_are_named():
+    with pytest.raises(ValueError, match="adapter: 'fa5' is not one of"):
+        make("fa5")
+    assert set(ADAPTERS) >= {"varlen", "fa3", "fa4", "cudnn", "te", "te_cp"}
+
+
+def test_mask_class():
+    assert runner.mask_class({"mask": "causal", "window": [-1, 0]}) == "causal"
+    assert runner.mask_class({"mask": "causal", "window": [16, 0]}) == "causal+window"
+    assert runner.mask_class({"mask": "none", "window": [-1, -1]}) == "none"
+    assert runner.mask_class({"mask": "none", "window": [3, 2]}) == "window"
+
+
+# ------------------------------------------------------------------ a fake FlashAttention-3 on the CPU
+def fake_fa3_module(torch, calls, mode="honest"):
+    """flash_attn_interface with one function: varlen attention over (padded offset, seqused) ranges in float32,
+    pad rows of the output left as NaN (unwritten). mode "reads_pads": uses the padded lengths as the true ones
+    (the bug seqused exists to prevent); "refuses": raises as the library does for an unsupported head dim."""
+
+    def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q=None,
+                               seqused_k=None, softmax_scale=None, causal=False, window_size=(-1, -1),
+                               deterministic=False, return_attn_probs=False, **rest):
+        calls.append({"cu_seqlens_q": cu_seqlens_q.tolist(), "seqused_q": seqused_q.tolist(),
+                      "window_size": window_size, "causal": causal, "deterministic": deterministic})
+        if mode == "refuses":
+            raise RuntimeError("FlashAttention forward only supports head dimension at most 256")
+        if mode == "reads_pads":
+            seqused_q, seqused_k = cu_seqlens_q.diff(), cu_seqlens_k.diff()
+        hq, hk = q.shape[1], k.shape[1]
+        out = torch.full(q.shape[:2] + v.shape[2:], float("nan"), dtype=torch.float32)
+        lse = torch.full((hq, q.shape[0]), float("nan"), dtype=torch.float32)
+        rows_out, rows_lse = [], []
+        for b in range(len(seqused_q)):
+            oq, ok = int(cu_seqlens_q[b]), int(cu_seqlens_k[b])
+            lq, lk = int(seqused_q[b]), int(seqused_k[b])
+            qb = q[oq:oq + lq].float()
+            kb = k[ok:ok + lk].float().repeat_interleave(hq // hk, dim=1)
+            vb = v[ok:ok + lk].float().repeat_interleave(hq // hk, dim=1)
+            s = torch.einsum("ihd,jhd->hij", qb, kb) * softmax_scale
+            i = torch.arange(lq)[:, None] + (lk - lq)   # bottom-right aligned
+            j = torch.arange(lk)[None, :]
+            left, right = window_size
+            allowed = torch.ones(lq, lk, dtype=torch.bool)
+            if causal or right >= 0:
+                allowed &= j <= i + (0 if causal else right)
+            if left >= 0:
+                allowed &= j >= i - left
+            s = s.masked_fill(~allowed, float("-inf"))
+            m = torch.logsumexp(s, dim=-1)                                   # [h, lq]
+            p = torch.exp(s - m[..., None]).nan_to_num(0.0)
+            rows_out.append((oq, lq, torch.einsum("hij,jhd->ihd", p, vb)))
+            rows_lse.append((oq, lq, m))
+        for oq, lq, x in rows_out:
+            out = torch.cat([out[:oq], x, out[oq + lq:]])
+        for oq, lq, m in rows_lse:
+            lse = torch.cat([lse[:, :oq], m.detach(), lse[:, oq + lq:]], dim=1)
+        return out.to(q.dtype), lse
+
+    module = types.ModuleType("flash_attn_interface")
+    module.flash_attn_varlen_func = flash_attn_varlen_func
+    return module
+
+
+@pytest.fixture
+def torch_cpu():
+    return pytest.importorskip("torch")
+
+
+def run_fake(monkeypatch, torch, name, mode, tmp_path, cpgold_bin, deterministic=False):
+    calls = []
+    monkeypatch.setitem(sys.modules, "flash_attn_interface", fake_fa3_module(torch, calls, mode))
+    adapter = make("fa3", device="cpu", deterministic=deterministic)
+    return runner.run_fixture(adapter, golden_path(name), "golden", str(tmp_path), cpgold_bin), calls
+
+
+@pytest.mark.parametrize("name", ["p2p_w2_window_tail_fp16", "a2a_w2_full_gqa_fp16_nan_pads",
+                                  "allgather_w2_window_bf16"])
+def test_fake_fa3_passes_with_pads_unwritten(name, monkeypatch, torch_cpu, tmp_path, cpgold_bin):
+    entry, calls = run_fake(monkeypatch, torch_cpu, name, "honest", tmp_path, cpgold_bin, deterministic=True)
+    assert entry["status"] == "pass", entry.get("failures")
+    assert entry["pad_rows"] == "unwritten" and entry["unwritten_nonzero"] > 0    # NaN pad rows, left out
+    assert calls[0]["deterministic"] is True
+    with cpgold.Fixture(golden_path(name)) as fx:
+        assert calls[0]["cu_seqlens_q"] == fx.cu_seqlens("q", padded=True).tolist()
+        assert calls[0]["seqused_q"] == fx.seqlens("q").tolist()
+        assert tuple(calls[0]["window_size"]) == flash.fa3_window(fx)
+    assert json.dumps(entry, default=str)  # the summary line is JSON
+
+
+def test_fake_fa3_reading_pad_rows_fails(monkeypatch, torch_cpu, tmp_path, cpgold_bin):
+    entry, _ = run_fake(monkeypatch, torch_cpu, "p2p_w2_window_tail_fp16", "reads_pads", tmp_path, cpgold_bin)
+    assert entry["status"] == "fail"
+    assert any(f.split(":")[0] in ("o", "dq", "dk", "dv") for f in entry["failures"])
+
+
+def test_a_refusal_is_recorded_with_the_librarys_message(monkeypatch, torch_cpu, tmp_path, cpgold_bin):
+    entry, _ = run_fake(monkeypatch, torch_cpu, "p2p_w2_window_tail_fp16", "refuses", tmp_path, cpgold_bin)
+    assert entry["status"] == "unsupported"
+    assert "only supports head dimension at most 256" in entry["reason"]
+
+
+def test_fp32_is_not_expressible_for_fa3(monkeypatch, torch_cpu, tmp_path, cpgold_bin):
+    entry, calls = run_fake(monkeypatch, torch_cpu, "allgather_w3_full_mqa_fp32", "honest", tmp_path, cpgold_bin)
+    assert entry["status"] == "unsupported" and "dtype fp32" in entry["reason"] and not calls
+
+
+def test_a_contract_failure_on_pad_rows_only_reads_as_a_convention(monkeypatch, torch_cpu, tmp_path, cpgold_bin):
+    """An implementation declared under the contract ("zero") whose only failure is pad rows: valid_rows_pass."""
+    monkeypatch.setitem(sys.modules, "flash_attn_interface", fake_fa3_module(torch_cpu, []))
+    adapter = make("fa3", device="cpu")
+    adapter.pad_rows = "zero"
+    entry = runner.run_fixture(adapter, golden_path("p2p_w2_window_tail_fp16"), "golden", str(tmp_path), cpgold_bin)
+    assert entry["status"] == "fail" and entry["valid_rows_pass"] is True
+    md = runner.markdown([entry], "t")
+    assert "| golden | 0 | 1 (1) |" in md
+
+
+def test_the_command_writes_summary_and_tables(monkeypatch, torch_cpu, tmp_path, cpgold_bin, capsys):
+    from cpgold.outsiders.__main__ import main
+    monkeypatch.setitem(sys.modules, "flash_attn_interface", fake_fa3_module(torch_cpu, []))
+    monkeypatch.setattr(flash.FlashAttn3, "__init__", lambda self, deterministic=False, **o:
+                        flash._FlashAdapter.__init__(self, deterministic, device="cpu"))
+    code = main(["fa3", golden_path("p2p_w2_window_tail_fp16"), golden_path("allgather_w3_full_mqa_fp32"),
+                 "--cpgold", cpgold_bin, "--summary", str(tmp_path / "s.json"), "--table", str(tmp_path / "t.md")])
+    assert code == 0
+    summary = json.load(open(tmp_path / "s.json"))
+    assert summary["counts"]["pass"] == 1 and summary["counts"]["unsupported"] == 1
+    assert summary["pad_rows"] == "unwritten"
+    assert "| golden | 1 | 0 (0) | 0 | 0 | 1 |" in open(tmp_path / "t.md").read()
