@@ -91,7 +91,7 @@ bench)
       | grep -v -i warn > $R/bench_cudnn.log
     echo "bench rc=$?" >> $R/done.txt ); stamp bench ;;
 fa3-build)
-  bash $HERE/build_fa3.sh ${PARTS:-.parts}/fa3-src.tar.gz $W/fa3-wheel 2>&1 | tail -5; stamp fa3-build ;;
+  nice -n 19 bash $HERE/build_fa3.sh $W/parts/fa3-src.tar.gz $W/fa3-wheel 2>&1 | tail -5; stamp fa3-build ;;
 bg)
   shift
   setsid nohup bash -c "for p in $*; do bash $0 \$p >> $L/bg.log 2>&1; done; echo 'bg done' >> $L/bg.log" \
