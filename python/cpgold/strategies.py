@@ -44,7 +44,7 @@ def _divisors(n):
 
 @st.composite
 def _cases(draw, cp_size, comm, max_cp_size, min_sequences, max_sequences, max_seqlen, zero_length, max_heads_q, gqa,
-           dims, mla, masks, windows, pad_fills, dtypes, extra_padding, tail_rows, cross, max_seed):
+           dims, mla, masks, windows, pad_fills, dtypes, extra_padding, tail_rows, cross, max_seed, empty_batch):
     w = cp_size if cp_size is not None else draw(st.integers(1, max_cp_size))
     comms = [c for c in comm if c != "a2a+p2p" or w > 1]
     if not comms:
@@ -82,6 +82,8 @@ def _cases(draw, cp_size, comm, max_cp_size, min_sequences, max_sequences, max_s
     n = draw(st.integers(min_sequences, max_sequences))
     length = st.integers(0 if zero_length else 1, max_seqlen)
     lq = [draw(length) for _ in range(n)]
+    if not empty_batch and not any(lq):
+        lq[draw(st.integers(0, n - 1))] = draw(st.integers(1, max_seqlen))  # something to compare
     case["seqlens_q"] = lq
     lkv = lq
     if cross and (w == 1 or (mask == "none" and not windowed)) and draw(st.booleans()):
@@ -105,7 +107,7 @@ def _cases(draw, cp_size, comm, max_cp_size, min_sequences, max_sequences, max_s
 def cases(*, cp_size=None, comm=COMMS, max_cp_size=4, min_sequences=1, max_sequences=4, max_seqlen=64,
           zero_length=True, max_heads_q=8, gqa=True, dims=(8, 16, 32, 64), mla=True, masks=MASKS, windows=True,
           pad_fills=PAD_FILLS, dtypes=("bf16", "fp16"), extra_padding=True, tail_rows=True, cross=True,
-          max_seed=2**31 - 1):
+          max_seed=2**31 - 1, empty_batch=False):
     """A strategy of valid case dicts (`cpgold.generate(case)` takes them).
 
     cp_size: a fixed W (None: drawn from 1..max_cp_size). comm: a comm type or several to draw from.
@@ -114,13 +116,14 @@ def cases(*, cp_size=None, comm=COMMS, max_cp_size=4, min_sequences=1, max_seque
     head), dims (head dims drawn from; mla: dim_v drawn apart), masks ("none", "causal"), windows (a sliding window,
     left and right up to max_seqlen), pad_fills, dtypes, extra_padding (up to two more chunks of 2W rows of padding
     after a sequence), tail_rows (rows past the last sequence, where the comm type takes them), cross (seqlens_kv !=
-    seqlens_q where the mask allows it under CP), max_seed."""
+    seqlens_q where the mask allows it under CP), max_seed, empty_batch (allow a batch whose every sequence is empty:
+    its check compares nothing, which `cpgold check` counts as a failure)."""
     if cp_size is not None:
         _bound("cp_size", cp_size, 1)
     _bound("max_cp_size", max_cp_size, 1)
     _bound("min_sequences", min_sequences, 1)
     _bound("max_sequences", max_sequences, min_sequences)
-    _bound("max_seqlen", max_seqlen, 0 if zero_length else 1)
+    _bound("max_seqlen", max_seqlen, 0 if zero_length and empty_batch else 1)
     _bound("max_heads_q", max_heads_q, 1)
     _bound("max_seed", max_seed, 0)
     dims = tuple(dims)
@@ -131,4 +134,4 @@ def cases(*, cp_size=None, comm=COMMS, max_cp_size=4, min_sequences=1, max_seque
     return _cases(cp_size, _choices("comm", comm, COMMS), max_cp_size, min_sequences, max_sequences, max_seqlen,
                   zero_length, max_heads_q, gqa, dims, mla, _choices("masks", masks, MASKS), windows,
                   _choices("pad_fills", pad_fills, PAD_FILLS), _choices("dtypes", dtypes, DTYPES), extra_padding,
-                  tail_rows, cross, max_seed)
+                  tail_rows, cross, max_seed, empty_batch)

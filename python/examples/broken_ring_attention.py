@@ -33,6 +33,8 @@ def ring_attention(fx, bug=True):
     """Forward outputs (o, lse [h, t]) of every rank in its rank-local layout, as a ring of fx.cp_size ranks."""
     w = fx.cp_size
     x = {k: v.astype(np.float32) for k, v in fx.inputs().items()}
+    for name, side in (("q", "q"), ("k", "kv"), ("v", "kv")):
+        x[name][~fx.valid_rows(side)] = 0.0  # pad and tail rows hold garbage (NaN, inf) on purpose
     hq, hkv = fx.heads_q, fx.heads_kv
     group = hq // hkv
     wl, wr = fx.window
@@ -69,7 +71,7 @@ def ring_attention(fx, bug=True):
             for h in range(hq):
                 scores = fx.softmax_scale * (q[:, h, :] @ k[:, h // group, :].T)
                 scores = np.where(visible, scores, -np.inf)
-                step_max = scores.max(axis=1)
+                step_max = scores.max(axis=1, initial=-np.inf)
                 new_m = np.maximum(m[h], step_max)
                 safe = np.where(np.isfinite(new_m), new_m, 0.0)
                 p = np.exp(scores - safe[:, None])
