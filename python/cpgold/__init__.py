@@ -20,9 +20,19 @@ from .check import (Report, check, check_outputs, describe, failures, find_cpgol
 from .errors import CheckInputError, InputError  # noqa: E402
 from .fixture import INPUT_NAMES, OUTPUT_NAMES, Fixture, FixtureError  # noqa: E402
 from . import testing  # noqa: E402
+from .shrink import ShrinkResult, shrink  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = ["Fixture", "FixtureError", "INPUT_NAMES", "OUTPUT_NAMES", "write_global", "write_rank", "write_ranks",
            "read_candidate", "lse_to_ht", "check", "check_outputs", "self_check", "failures", "ratios", "describe",
            "find_cpgold", "Report", "InputError", "CheckInputError", "normalize_case", "suite", "suite_names",
-           "random_suite", "explain", "explain_text", "generate", "testing"]
+           "random_suite", "explain", "explain_text", "generate", "testing", "shrink", "ShrinkResult"]
+
+
+def __getattr__(name):
+    # cpgold.strategies needs Hypothesis: imported on first use, so the package works without it.
+    if name == "strategies":
+        import importlib
+
+        return importlib.import_module(".strategies", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -20,6 +20,7 @@
 #include "fixtures/hdf5_file.hpp"
 #include "fixtures/inputs_digest.hpp"
 #include "fixtures/output_file.hpp"
+#include "fixtures/shrink.hpp"
 #include "fixtures/suites.hpp"
 #include "reference/input_error.hpp"
 #include "sim/case_spec.hpp"
@@ -243,6 +244,78 @@ PYBIND11_MODULE(_core, m) {
         return fx::self_check(golden, options);
       },
       py::arg("golden"), py::arg("tensors"), py::arg("empty_row_lse"), py::arg("diagnose") = true);
+
+  // The search of `cpgold shrink` (fixtures/shrink.hpp) over a Python runner: runner(case_json, run) returns
+  // (status "fails" | "passes" | "no_candidate", diagnosis kinds, detail); progress(dict) after every run.
+  m.def(
+      "shrink",
+      [](const std::string& case_json, const py::function& runner, const std::vector<std::string>& kinds,
+         bool any_failure, double budget, int64_t max_runs, int reseed, uint64_t seed, const std::vector<int>& dims,
+         const py::object& progress) {
+        fx::ShrinkOptions options;
+        options.kinds = kinds;
+        options.any_failure = any_failure;
+        options.budget_seconds = budget;
+        options.max_runs = max_runs;
+        options.reseed = reseed;
+        options.seed = seed;
+        options.dims = dims;
+        auto verdict_dict = [](const fx::ShrinkVerdict& v) {
+          py::dict d;
+          d["status"] = v.status == fx::ShrinkStatus::no_candidate ? "no_candidate" : std::string(fx::shrink_status_name(v.status));
+          d["kinds"] = v.kinds;
+          d["detail"] = v.detail;
+          return d;
+        };
+        if (!progress.is_none())
+          options.progress = [&](const fx::ShrinkProgress& p) {
+            py::dict d;
+            d["run"] = p.run;
+            d["seconds"] = p.seconds;
+            d["change"] = p.change;
+            d["case"] = fx::compact_case_json(p.spec);
+            d["verdict"] = verdict_dict(p.verdict);
+            d["kept"] = p.kept;
+            d["smallest"] = fx::compact_case_json(p.smallest);
+            progress(d);
+          };
+        const fx::ShrinkResult r = fx::shrink(
+            parse_case(case_json),
+            [&](const sim::CaseSpec& spec, int64_t run) {
+              const py::tuple t = runner(fx::compact_case_json(spec), run);
+              if (t.size() != 3) fail_input("runner", "expected (status, kinds, detail), got ", t.size(), " items");
+              const std::string status = t[0].cast<std::string>();
+              fx::ShrinkVerdict v;
+              if (status == "fails") v.status = fx::ShrinkStatus::fails;
+              else if (status == "passes") v.status = fx::ShrinkStatus::passes;
+              else if (status == "no_candidate") v.status = fx::ShrinkStatus::no_candidate;
+              else fail_input("runner", "status \"", status, "\" is not fails, passes or no_candidate");
+              v.kinds = t[1].cast<std::vector<std::string>>();
+              v.detail = t[2].cast<std::string>();
+              return v;
+            },
+            options);
+        py::dict d;
+        d["original"] = fx::compact_case_json(r.original);
+        d["original_verdict"] = verdict_dict(r.original_verdict);
+        d["original_fails"] = r.original_fails;
+        d["kinds"] = r.kinds;
+        d["smallest"] = fx::compact_case_json(r.smallest);
+        d["smallest_verdict"] = verdict_dict(r.smallest_verdict);
+        d["steps"] = r.steps;
+        d["runs"] = r.runs;
+        d["passed"] = r.passed;
+        d["failed_otherwise"] = r.failed_otherwise;
+        d["no_candidate"] = r.no_candidate;
+        d["seconds"] = r.seconds;
+        d["stopped"] = r.stopped;
+        d["rows_q"] = fx::case_rows_q(r.smallest);
+        d["tokens_q"] = fx::case_tokens_q(r.smallest);
+        d["original_rows_q"] = fx::case_rows_q(r.original);
+        return d;
+      },
+      py::arg("case_json"), py::arg("runner"), py::arg("kinds"), py::arg("any_failure"), py::arg("budget"),
+      py::arg("max_runs"), py::arg("reseed"), py::arg("seed"), py::arg("dims"), py::arg("progress"));
 
   // Reports cross into Python as (JSON text, the text report of `cpgold check`).
   py::class_<fx::CheckReport>(m, "CheckReport")

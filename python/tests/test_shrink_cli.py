@@ -1,0 +1,134 @@
+"""`cpgold shrink` with fake implementations as COMMAND: a planted bug (tests/fixtures/planted_candidate), a per-rank
+Python runner, and every way COMMAND can fail (non-zero exit, no candidate, a timeout), which must count as "no
+candidate", never as a pass."""
+import json
+import os
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+import cpgold
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+BIN = os.environ.get("CPGOLD_BIN")
+PLANTED = os.environ.get("CPGOLD_PLANTED_CANDIDATE")
+pytestmark = pytest.mark.skipif(not BIN or not PLANTED,
+                                reason="CPGOLD_BIN and CPGOLD_PLANTED_CANDIDATE are not set (run through CTest)")
+
+START = {"seqlens_q": [150, 3, 61], "padded_q": [160, 16, 64], "heads_q": 4, "heads_kv": 2, "dim_qk": 16,
+         "mask": "causal", "cp_size": 4, "comm": "p2p", "pad_fill": "nan", "seed": 11}
+
+
+@pytest.fixture(scope="module")
+def golden(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("shrink") / "start.h5")
+    subprocess.run([BIN, "gen", "--case", json.dumps(START), "-o", path], check=True, capture_output=True)
+    return path
+
+
+def shrink(golden, command, *args):
+    p = subprocess.run([BIN, "shrink", golden, "--run", command, "--format", "json", *args], capture_output=True,
+                       text=True, timeout=600)
+    return p.returncode, json.loads(p.stdout) if p.stdout.strip() else None, p.stderr
+
+
+def planted(kind, form, rank=0):
+    return f"{shlex.quote(PLANTED)} {{fixture}} {{candidate}} {kind} {form} {rank}"
+
+
+def test_planted_chunk_order_shrinks_and_is_deterministic(golden):
+    code, a, err = shrink(golden, planted("chunk_order", 0))
+    assert code == 0, err
+    assert a["kinds"] == ["chunk_order"] and a["smallest"]["diagnosis"] == ["chunk_order"]
+    assert a["original"]["rows_q"] == 240 and a["smallest"]["rows_q"] <= 4
+    assert a["smaller"] and a["stopped"] == "minimal"
+    assert "shrink: run 1 " in err and "the original: fails (chunk_order)" in err  # progress lines
+    assert a["reproduce"][0].startswith("cpgold gen --case '") and a["reproduce"][2].startswith("cpgold check case.h5")
+    assert a["smallest"]["report"]["diagnosis"][0]["kind"] == "chunk_order"
+    code, b, _ = shrink(golden, planted("chunk_order", 0))
+    assert code == 0
+    for key in ("smallest", "steps", "runs", "passed", "no_candidate"):
+        assert (a[key] if key != "smallest" else a[key]["case_json"]) == \
+               (b[key] if key != "smallest" else b[key]["case_json"])
+
+
+def test_text_output_and_already_minimal(tmp_path):
+    tiny = str(tmp_path / "tiny.h5")
+    subprocess.run([BIN, "gen", "--case", '{"seqlens_q":[2],"heads_q":1,"dim_qk":1,"pad_fill":"zero"}', "-o", tiny],
+                   check=True, capture_output=True)
+    p = subprocess.run([BIN, "shrink", tiny, "--run", planted("chunk_order", 0)], capture_output=True, text=True)
+    assert p.returncode == 1, p.stderr  # nothing smaller fails the same way
+    assert "the original is already minimal" in p.stdout
+    assert '{"seqlens_q":[2],"heads_q":1,"dim_qk":1' in p.stdout
+    assert "reproduce:" in p.stdout and "runs: " in p.stdout
+
+
+@pytest.mark.parametrize("command,message", [
+    ("false", "COMMAND exited with status 1"),
+    ("true {fixture} {candidate}", "wrote no candidate"),
+    ("sleep 5 # {fixture} {candidate}", "ran past --run-timeout"),
+    ("kill -9 $$ # {fixture} {candidate}", "killed by signal 9"),
+    ("echo garbage > {candidate} # {fixture}", "the candidate is unusable"),
+])
+def test_original_without_a_candidate_is_bad_input(golden, command, message):
+    if "{fixture}" not in command:
+        command += " {fixture} {candidate}"
+    code, j, err = shrink(golden, command, "--run-timeout", "0.5")
+    assert code == 2
+    assert message in err and message in j["error"]["message"]
+
+
+def test_bad_arguments(golden, tmp_path):
+    assert shrink(golden, "cat {fixture}")[0] == 2  # no {candidate}
+    code, j, _ = shrink(golden, planted("chunk_order", 0), "--kind", "merge")
+    assert code == 2 and "not diagnosed \"merge\"" in j["error"]["message"]
+    code, j, _ = shrink(golden, planted("chunk_order", 0), "--kind", "nonsense")
+    assert code == 2 and j["error"]["field"] == "--kind"
+    code, j, _ = shrink(str(tmp_path / "missing.h5"), planted("chunk_order", 0))
+    assert code == 2
+
+
+def test_original_that_passes_is_bad_input(golden):
+    # merge needs a traced candidate: the planted runner gives none on an untraced fixture (exit 3).
+    code, j, err = shrink(golden, planted("merge", 0))
+    assert code == 2 and "exited with status 3" in err
+    # A runner that writes the fixture's own oracle outputs (a pass).
+    runner = f"{shlex.quote(sys.executable)} {shlex.quote(os.path.join(HERE, 'fake_rank_runner.py'))}"
+    code, j, err = shrink(golden, f"cp {{fixture}} {{candidate}}")
+    assert code == 2  # a fixture as candidate: checked as its /peer outputs, which pass
+    assert "passes its check" in j["error"]["message"]
+
+
+@pytest.mark.parametrize("failure", ["exit 1", "true", "sleep 3"])
+def test_command_failures_during_the_search_are_never_kept(golden, failure):
+    # Below 40 kB of fixture COMMAND fails in one way; the search must never keep such a case.
+    command = (f'if [ $(stat -c %s {{fixture}}) -lt 40000 ]; then {failure}; else {planted("chunk_order", 0)}; fi')
+    code, j, err = shrink(golden, command, "--run-timeout", "1", "--max-runs", "40")
+    assert code == 0, err
+    assert j["no_candidate"] > 0
+    assert j["smallest"]["diagnosis"] == ["chunk_order"]
+    small = os.path.join(os.path.dirname(golden), f"small-{failure.split()[0]}.h5")
+    subprocess.run([BIN, "gen", "--case", j["smallest"]["case_json"], "-o", small, "--force"], check=True,
+                   capture_output=True)
+    assert os.path.getsize(small) >= 40000
+
+
+def test_bounds(golden):
+    code, j, _ = shrink(golden, planted("chunk_order", 0), "--max-runs", "3")
+    assert j["runs"] == 3 and j["stopped"] == "max_runs"
+    code, j, _ = shrink(golden, planted("chunk_order", 0), "--budget", "0.01")
+    assert j["stopped"] == "budget" and j["runs"] <= 2
+
+
+def test_one_process_per_rank(golden):
+    runner = f"{shlex.quote(sys.executable)} {shlex.quote(os.path.join(HERE, 'fake_rank_runner.py'))}"
+    env = dict(os.environ)
+    code, j, err = shrink(golden, f"{runner} {{fixture}} {{candidate}} {{rank}}", "--tensors", "o,lse",
+                          "--max-runs", "12")
+    assert code == 0, err
+    assert j["kinds"] == ["head_mapping"]
+    assert j["smallest"]["case"]["heads_q"] == 2 and j["smallest"]["case"].get("heads_kv") == 1
+    assert "for rank in " in j["reproduce"][1] and "candidate.rank$rank.h5" in j["reproduce"][1]
+    assert env is not None
