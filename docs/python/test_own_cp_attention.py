@@ -38,6 +38,15 @@ class AllGatherRows(torch.autograd.Function):
 
 def cp_attention(q, k, v, ctx):
     """One rank: q [Lq, hq, d], k, v [Lkv, hkv, d] (the rank's shards). Returns o [Lq, hq, dv] and lse [hq, Lq]."""
+    o, lse = attention_of_rank(q, k, v, ctx)
+    # Pad rows of O are 0 already (no visible key), but only this where() keeps the garbage of dout's pad rows out of
+    # dV and dK in the backward (0 * NaN is NaN).
+    _, _, valid_q = ctx.positions("q")
+    return torch.where(valid_q[:, None, None], o, torch.zeros(())), lse
+
+
+def attention_of_rank(q, k, v, ctx):
+    """The rank's rows of attention over every rank's K/V (all-gathered), O not yet masked for the backward."""
     fx = ctx.fixture
     seq_q, pos_q, valid_q = ctx.positions("q")
     # Pad rows hold garbage on purpose (NaN, inf): zero them before they meet a matmul, or NaN leaks into every row
@@ -78,8 +87,6 @@ def cp_attention(q, k, v, ctx):
     seen = den > 0
     den = torch.where(seen, den, torch.ones(()))
     o = torch.einsum("hqk,khd->qhd", p / den[..., None], v_all)
-    # Pad rows of O are exactly 0; the same where() keeps the garbage of dout's pad rows out of dV and dK.
-    o = torch.where(valid_q[:, None, None], o, torch.zeros(()))
     lse = torch.where(seen, m + torch.log(den), torch.tensor(float("-inf")))
     return o, lse
 
