@@ -5,7 +5,7 @@ code"). Runnable as shipped, without a GPU:
 
 `cp_attention` is a context-parallel attention written against torch.distributed as it would run under NCCL: every
 rank holds its dual-chunk shard of Q, K, V (the fixture's partition), all-gathers K and V from the other ranks
-(backward: reduce-scatter of dK, dV) and computes its rows' attention with the mask taken from global positions.
+(backward: dK, dV summed over the ranks) and computes its rows' attention with the mask taken from global positions.
 `cpgold.run_cp` shards the fixture's inputs, runs it on `fixture.cp_size` thread ranks, takes dQ, dK, dV by autograd
 and checks every rank and the gathered outputs.
 """
@@ -18,22 +18,22 @@ import cpgold  # noqa: E402
 
 
 class AllGatherRows(torch.autograd.Function):
-    """All-gather along rows (rank order); its backward reduce-scatters the gradient back to the owners."""
+    """All-gather along rows (rank order); its backward sums the gradient over the ranks and keeps this rank's rows
+    (all_gather and all_reduce: offered by NCCL, gloo and thread ranks alike)."""
 
     @staticmethod
     def forward(ctx, x, group):
-        ctx.group = group
-        w = dist.get_world_size(group)
-        out = x.new_empty((w * x.shape[0],) + tuple(x.shape[1:]))
-        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
-        return out
+        ctx.group, ctx.rows = group, x.shape[0]
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts)
 
     @staticmethod
     def backward(ctx, grad):
-        w = dist.get_world_size(ctx.group)
-        out = grad.new_empty((grad.shape[0] // w,) + tuple(grad.shape[1:]))
-        dist.reduce_scatter_tensor(out, grad.contiguous(), group=ctx.group)
-        return out, None
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        rank = dist.get_rank(ctx.group)
+        return grad[rank * ctx.rows:(rank + 1) * ctx.rows], None
 
 
 def cp_attention(q, k, v, ctx):
