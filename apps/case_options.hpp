@@ -30,9 +30,11 @@ inline const Key kKeys[] = {
     {"seqlens_q", Kind::int_list, "actual lengths, e.g. 5,8"},
     {"seqlens_kv", Kind::int_list, "actual kv lengths (default: seqlens_q)"},
     {"padded_q", Kind::int_list, "padded lengths (default: padded to a multiple of 2*cp_size)"},
-    {"padded_kv", Kind::int_list, "padded kv lengths"},
+    {"padded_kv", Kind::int_list, "padded kv lengths (default: padded_q when seqlens_kv equals seqlens_q, so K/V of "
+                                  "self-attention are laid out as Q; else seqlens_kv padded to a multiple of 2*cp_size)"},
     {"total_tokens_q", Kind::integer, "rows of the q tensor (default: sum of padded_q)"},
-    {"total_tokens_kv", Kind::integer, "rows of the kv tensors"},
+    {"total_tokens_kv", Kind::integer, "rows of the kv tensors (default: total_tokens_q when K/V are laid out as Q, "
+                                       "else sum of padded_kv)"},
     {"heads_q", Kind::integer, "query heads"},
     {"heads_kv", Kind::integer, "kv heads (default: heads_q)"},
     {"dim_qk", Kind::integer, "head dim of q and k"},

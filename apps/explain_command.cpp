@@ -23,6 +23,7 @@ struct ExplainOptions {
   std::string svg;
   bool full = false, summary = false, force = false;
   bool te_audit = false;
+  bool te = false;
   std::string te_pad_between_seqs = "true";
 };
 
@@ -35,6 +36,10 @@ RegisterCommand reg{"explain", [](CLI::App& app) {
   sub->add_option("--svg", options->svg, "also write an SVG of the chunk map and the per-step tiles to this file");
   sub->add_flag("--full", options->full, "every tile also for a large layout (default there: a summary)");
   sub->add_flag("--summary", options->summary, "per-rank totals and the first and worst sequences, whatever the size");
+  sub->add_flag("--te", options->te,
+                "TransformerEngine-specific output: list the per-rank counts where TE's pad_between_seqs=False "
+                "shortcut (cu_seqlens // W) differs from the exact ones (without it, one line counts them; --te-audit "
+                "implies it)");
   sub->add_flag("--te-audit", options->te_audit,
                 "also replay what TransformerEngine 2.20 passes to every attention call (cuDNN and FlashAttention-3) and "
                 "audit the pairs each call computes against the case's mask; exit 1 on a finding, 0 when exact");
@@ -85,7 +90,7 @@ RegisterCommand reg{"explain", [](CLI::App& app) {
       if (te) j["te_audit"] = sim::te_audit_json(*te);
       std::cout << json_text(j);
     } else {
-      std::cout << sim::explain_text(spec, plan);
+      std::cout << sim::explain_text(spec, plan, options->te || options->te_audit);
       if (te) std::cout << sim::te_audit_text(*te);
     }
     return te && !te->exact() ? kExitFail : kExitPass;

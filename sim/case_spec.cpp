@@ -154,9 +154,22 @@ std::vector<int32_t> seqlens_kv(const CaseSpec& s) { return s.seqlens_kv.empty()
 std::vector<int32_t> padded_q(const CaseSpec& s) {
   return s.padded_q.empty() ? pad_lengths_for_cp(s.seqlens_q, s.cp_size) : s.padded_q;
 }
+// Self-attention (seqlens_kv absent or equal to seqlens_q): K/V are laid out as Q unless padded_kv says otherwise, so
+// that a padded_q alone pads both sides alike (a ring that assumes equal Q and K/V chunks works on it).
 std::vector<int32_t> padded_kv(const CaseSpec& s) {
-  return s.padded_kv.empty() ? pad_lengths_for_cp(seqlens_kv(s), s.cp_size) : s.padded_kv;
+  if (!s.padded_kv.empty()) return s.padded_kv;
+  if (!s.padded_q.empty() && seqlens_kv(s) == s.seqlens_q) return s.padded_q;
+  return pad_lengths_for_cp(seqlens_kv(s), s.cp_size);
 }
+namespace {
+// total_tokens_kv: as given; else total_tokens_q where K/V are laid out as Q (same lengths, same padding); else -1
+// (the sum of padded_kv).
+int64_t total_tokens_kv(const CaseSpec& s) {
+  if (s.total_tokens_kv >= 0) return s.total_tokens_kv;
+  if (s.total_tokens_q >= 0 && seqlens_kv(s) == s.seqlens_q && padded_kv(s) == padded_q(s)) return s.total_tokens_q;
+  return -1;
+}
+}  // namespace
 int heads_kv(const CaseSpec& s) { return s.heads_kv < 0 ? s.heads_q : s.heads_kv; }
 int dim_v(const CaseSpec& s) { return s.dim_v < 0 ? s.dim_qk : s.dim_v; }
 int a2a_size(const CaseSpec& s) { return s.a2a_size < 0 ? 2 : s.a2a_size; }
@@ -168,7 +181,7 @@ Window mask_window(const CaseSpec& s) { return normalize_window(s.causal, s.wind
 ThdLayout layout(const CaseSpec& s) {
   ThdLayout l;
   l.q = make_packed_sequences(s.seqlens_q, padded_q(s), s.total_tokens_q, "q");
-  l.kv = make_packed_sequences(seqlens_kv(s), padded_kv(s), s.total_tokens_kv, "kv");
+  l.kv = make_packed_sequences(seqlens_kv(s), padded_kv(s), total_tokens_kv(s), "kv");
   l.validate();
   return l;
 }

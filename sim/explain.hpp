@@ -21,7 +21,9 @@ int64_t tile_work(const Tile& tile);
 std::vector<std::string> shortcut_count_warnings(const Plan& plan);
 
 nlohmann::ordered_json explain_json(const CaseSpec& spec, const Plan& plan);
-std::string explain_text(const CaseSpec& spec, const Plan& plan);
+// te: list shortcut_count_warnings (they concern TransformerEngine's pad_between_seqs only); without it one line says
+// how many there are and how to list them.
+std::string explain_text(const CaseSpec& spec, const Plan& plan, bool te = false);
 struct TeAuditReport;
 // SVG: the chunk map, then per forward step the (q chunk, k chunk) tiles each rank computes; with a TE audit, the
 // (q chunk, k chunk) cells holding wrong pairs of TE's forward calls are outlined in red.

@@ -52,6 +52,7 @@ RankCheck check_rank_outputs(const std::string& fixture_path, int rank, const si
   check.rank = rank;
   // The engine fails a report that compared nothing; across ranks that rule belongs to the combined verdict.
   check.compared = report.compared();
+  check.no_valid_element = report.no_valid_element();
   check.pass = report.every_result_ok();
   check.rows = lines_between(text, "tensor ", "(max/lim", true);  // the table's header line, then the rows
   if (!check.pass) {
@@ -64,7 +65,8 @@ RankCheck check_rank_outputs(const std::string& fixture_path, int rank, const si
 
 std::string serialise(const RankCheck& check) {
   std::ostringstream out;
-  out << check.rank << "\n" << (check.pass ? 1 : 0) << "\n" << check.compared << "\n" << check.rows.size() << "\n"
+  out << check.rank << "\n" << (check.pass ? 1 : 0) << "\n" << check.compared << "\n" << (check.no_valid_element ? 1 : 0)
+      << "\n" << check.rows.size() << "\n"
       << check.rows << check.details;
   return out.str();
 }
@@ -72,9 +74,10 @@ std::string serialise(const RankCheck& check) {
 RankCheck deserialise_rank_check(const std::string& bytes) {
   std::istringstream in(bytes);
   RankCheck check;
-  int pass = 0;
+  int pass = 0, empty = 0;
   size_t rows = 0;
-  in >> check.rank >> pass >> check.compared >> rows;
+  in >> check.rank >> pass >> check.compared >> empty >> rows;
+  check.no_valid_element = empty != 0;
   in.get();
   check.pass = pass != 0;
   const std::string rest((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
@@ -89,7 +92,7 @@ bool combined_pass(const std::vector<RankCheck>& ranks) {
     if (!r.pass) return false;
     compared += r.compared;
   }
-  return !ranks.empty() && compared > 0;
+  return !ranks.empty() && (compared > 0 || ranks.front().no_valid_element);
 }
 
 std::string combined_report(const std::string& fixture_path, const std::vector<RankCheck>& ranks) {
@@ -113,7 +116,9 @@ std::string combined_report(const std::string& fixture_path, const std::vector<R
     if (r.pass && r.compared == 0)
       out << "\nrank " << r.rank << " holds only padding: nothing to compare under the budget rule, its pad rows are "
           << "exactly 0\n";
-  if (!ranks.empty() && compared == 0)
+  if (!ranks.empty() && compared == 0 && ranks.front().no_valid_element)
+    out << "\nno valid element: the fixture's batch holds no token; only the exact rules were checked\n";
+  else if (!ranks.empty() && compared == 0)
     out << "\nno element was compared on any rank (every row is padding): a check that compares nothing fails\n";
   out << "\nverdict: " << (combined_pass(ranks) ? "PASS" : "FAIL") << "\n";
   return out.str();

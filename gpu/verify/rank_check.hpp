@@ -14,6 +14,7 @@ struct RankCheck {
   int rank = -1;
   bool pass = false;       // every tensor of this rank within its budget (exact classes included)
   int64_t compared = 0;    // elements compared under the budget rule; 0 for a rank that holds only padding
+  bool no_valid_element = false;  // the fixture's batch holds no token at all (an empty batch, seqlens_q [0])
   std::string rows;     // the check table's rows of this rank's tensors (o@r1, lse@r1, ...)
   std::string details;  // worst element and first divergence of each failing tensor
 };
@@ -29,7 +30,8 @@ RankCheck deserialise_rank_check(const std::string& bytes);
 
 // The combined verdict: every rank passes and the ranks together compared at least one element. A rank whose rows
 // are all padding compares nothing under the budget rule (its pad rows are still checked to be exactly zero); that
-// is a pass for the rank, while a run in which no rank compared anything proves nothing and fails.
+// is a pass for the rank, while a run in which no rank compared anything proves nothing and fails, unless the fixture
+// has no valid element at all (an empty batch passes on its exact rules, as in `cpgold check`).
 bool combined_pass(const std::vector<RankCheck>& ranks);
 
 // Rank 0's report: the header of `cpgold check`'s table once, every rank's rows in rank order, the failures'

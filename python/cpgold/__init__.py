@@ -16,17 +16,29 @@ from .candidate import lse_to_ht, read_candidate, write_global, write_rank, writ
 from .cases import (explain, explain_text, generate, normalize_case, random_suite, suite,  # noqa: E402
                     suite_names)
 from .check import (Report, check, check_outputs, describe, failures, find_cpgold, ratios,  # noqa: E402
-                    self_check)
+                    self_check, summary)
+from .partition import compare_partition  # noqa: E402
 from .errors import CheckInputError, InputError  # noqa: E402
 from .fixture import INPUT_NAMES, OUTPUT_NAMES, Fixture, FixtureError  # noqa: E402
 from . import testing  # noqa: E402
 from .shrink import ShrinkResult, shrink  # noqa: E402
 
+
+def run_cp(fn, fixture, **options):
+    """Your torch CP attention on every rank of a fixture, every rank and the gathered outputs checked
+    (cpgold.cp_driver.run_cp; needs torch)."""
+    __tracebackhide__ = True
+    from .cp_driver import run_cp as run
+
+    return run(fn, fixture, **options)
+
+
 __version__ = "0.1.0"
 __all__ = ["Fixture", "FixtureError", "INPUT_NAMES", "OUTPUT_NAMES", "write_global", "write_rank", "write_ranks",
            "read_candidate", "lse_to_ht", "check", "check_outputs", "self_check", "failures", "ratios", "describe",
            "find_cpgold", "Report", "InputError", "CheckInputError", "normalize_case", "suite", "suite_names",
-           "random_suite", "explain", "explain_text", "generate", "testing", "shrink", "ShrinkResult"]
+           "random_suite", "explain", "explain_text", "generate", "testing", "shrink", "ShrinkResult", "run_cp",
+           "summary", "compare_partition"]
 
 
 def __getattr__(name):

@@ -70,9 +70,10 @@ def explain(case=None, summary=False, **keys):
     return json.loads(text)
 
 
-def explain_text(case=None, summary=False, **keys):
-    """`cpgold explain` as text."""
-    _, text = core().explain(_case_text(case, **keys), summary)
+def explain_text(case=None, summary=False, te=False, **keys):
+    """`cpgold explain` as text; te=True is `explain --te` (TransformerEngine's cu_seqlens // W shortcut warnings
+    listed instead of counted in one line)."""
+    _, text = core().explain(_case_text(case, **keys), summary, bool(te))
     return text
 
 

@@ -301,10 +301,46 @@ def failures(report):
             lines.append(f"  worst element: {describe(r['worst'], r['tensor'] != 'lse')}")
         if r.get("first_divergence") is not None:
             lines.append(f"  first divergence: {describe(r['first_divergence'], r['tensor'] != 'lse')}")
-    if report.get("results") and not report.get("compared"):
+    if report.get("results") and not report.get("compared") and not report.get("no_valid_element"):
         lines.append("nothing was compared (every selected row is padding)")
+    if report.get("hint"):
+        lines.append(report["hint"])
     lines += [f"diagnosis: {d['kind']}: {d['evidence']}" for d in report.get("diagnosis", [])]
     return lines
+
+
+def failed_names(report):
+    """Names of the failed results ("o@r1", "dq", "lse@r0/s1f"), in report order."""
+    names = []
+    for r in report.get("results", []):
+        if r.get("pass"):
+            continue
+        name = r["tensor"] + (f"@r{r['rank']}" if r.get("rank", -1) >= 0 else "")
+        if r.get("step", -1) >= 0:
+            name += f"/s{r['step']}" + ("f" if r.get("pass_kind") == "forward" else "b")
+        names.append(name + (" (missing)" if r.get("missing") else ""))
+    return names
+
+
+def summary(report, limit=300):
+    """One line on a failed report, for the first line of an assertion: which tensors on which ranks failed, then the
+    diagnosis kind and its evidence (the first, most specific one), or what else decided the verdict."""
+    names = failed_names(report)
+    shown = ", ".join(names[:8]) + (f", ... ({len(names)} in all)" if len(names) > 8 else "")
+    parts = [f"{shown} failed" if names else "no tensor failed"]
+    if any(not c["matches"] for c in report.get("inputs", {}).get("candidates", [])):
+        parts.append("computed from the inputs of another fixture")
+    if report.get("results") and not report.get("compared") and not report.get("no_valid_element"):
+        parts.append("nothing was compared (every selected row is padding)")
+    if report.get("hint"):
+        parts.append(report["hint"])
+    diagnosis = report.get("diagnosis") or []
+    if diagnosis:
+        evidence = diagnosis[0]["evidence"]
+        evidence = evidence if len(evidence) <= limit else evidence[:limit - 3] + "..."
+        more = f" (+{len(diagnosis) - 1} more kind(s) below)" if len(diagnosis) > 1 else ""
+        parts.append(f"diagnosis {diagnosis[0]['kind']}: {evidence}{more}")
+    return "; ".join(parts)
 
 
 def ratios(report):

@@ -7,15 +7,19 @@
         ...torch.distributed calls with group=group, exactly as under NCCL...
         return outputs
 
-    results = ThreadRanks(4, device="cuda").run(rank_main)   # [result of rank 0, ..., rank 3]
+    results = ThreadRanks(4).run(rank_main)     # [result of rank 0, ..., rank 3]; device: "cuda" when torch has a
+                                                # GPU, else "cpu" (give device= to choose)
 
 Every rank is a thread; every message is a device-to-device copy on the one GPU (or a host copy for CPU
 tensors). While `run` is active, torch.distributed's functions route calls whose group is one of these groups
-(`ranks.group()`, `ranks.new_group(members)`) to the thread ranks, and every other call to torch itself:
-`is_initialized`, `get_rank`, `get_world_size`, `isend`, `irecv`, `P2POp`, `batch_isend_irecv`, `all_to_all_single`,
-`all_gather_into_tensor`, `all_gather`, `reduce_scatter_tensor`, `all_reduce`, `broadcast`, `barrier`. That is
-what TransformerEngine's CP paths call (p2p, a2a, all_gather, a2a+p2p); code that calls other collectives gets a
-clear error naming the call. A group is a `torch.distributed.ProcessGroup`, so `isinstance` checks pass.
+(`ranks.group()`, `ranks.new_group(members)`), or that name no group inside a rank thread (the default group is then
+the world of thread ranks, as under `init_process_group`), to the thread ranks, and every other call to torch itself:
+`is_initialized`, `get_rank`, `get_world_size`, `send`, `recv` (blocking), `isend`, `irecv`, `P2POp`,
+`batch_isend_irecv`, `all_to_all_single`, `all_gather_into_tensor`, `all_gather`, `reduce_scatter_tensor`,
+`all_reduce`, `broadcast`, `barrier`. That is what TransformerEngine's CP paths call (p2p, a2a, all_gather, a2a+p2p)
+and what simple rings use; code that calls another collective of torch.distributed on a thread group (or without a
+group inside a rank thread) gets a ThreadRankError naming the call. A group is a `torch.distributed.ProcessGroup`, so
+`isinstance` checks pass.
 
 Ordering follows NCCL's contract: sends and receives between two ranks of one group match in the order they were
 posted, and the k-th collective of a group on one rank meets the k-th on every other. A transfer is enqueued on a
@@ -156,11 +160,16 @@ class ThreadRanks:
     returns the results in rank order; the first exception of any rank is raised (naming the rank) once all threads
     have ended."""
 
-    def __init__(self, world_size, device="cuda", timeout=120.0):
+    def __init__(self, world_size, device=None, timeout=120.0):
         if not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size: expected an integer >= 1, got {world_size!r}")
         self.world_size = world_size
+        if device is None:  # a CPU-only torch runs the ranks on the CPU
+            device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device: {device!r}, but this torch has no CUDA device (torch.cuda.is_available() is "
+                             "False): use device='cpu' with CPU tensors")
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.timeout = float(timeout)
@@ -269,7 +278,19 @@ class ThreadRanks:
         return self._p2p("send", tensor, dst, group, group_dst)
 
     def irecv(self, tensor, src=None, group=None, tag=0, group_src=None):
+        if src is None and group_src is None:
+            raise ThreadRankError("irecv without src (receive from any rank) is not offered by thread ranks: name the "
+                                  "sending rank")
         return self._p2p("recv", tensor, src, group, group_src)
+
+    def send(self, tensor, dst=None, group=None, tag=0, group_dst=None):
+        """Blocking send: returns once the matching receive has been posted and the copy enqueued."""
+        self.isend(tensor, dst, group, tag, group_dst).wait()
+
+    def recv(self, tensor, src=None, group=None, tag=0, group_src=None):
+        """Blocking receive from `src`; returns the sender's global rank, as torch does."""
+        self.irecv(tensor, src, group, tag, group_src).wait()
+        return src if src is not None else group._comm.members[group_src]
 
     def batch_isend_irecv(self, ops):
         works = []
@@ -395,12 +416,14 @@ class ThreadRanks:
     def run(self, fn):
         """fn(rank, self) in one thread per rank; returns [results]. Raises ThreadRankError naming the first rank
         that failed (with its exception chained)."""
+        __tracebackhide__ = True
         if self.device.type == "cuda":
             self._transfer_stream = torch.cuda.Stream(self.device)
         results = [None] * self.world_size
         errors = [None] * self.world_size
 
         def main(rank):
+            __tracebackhide__ = True
             self._local.rank = rank
             ctx = getattr(torch.autograd, "set_multithreading_enabled", None)
             try:
@@ -464,7 +487,8 @@ def _thread_world():
 
 def _make_routes():
     original = {name: getattr(dist, name) for name in
-                ("is_initialized", "get_rank", "get_world_size", "isend", "irecv", "P2POp", "batch_isend_irecv",
+                ("is_initialized", "get_rank", "get_world_size", "send", "recv", "isend", "irecv", "P2POp",
+                 "batch_isend_irecv",
                  "all_to_all_single", "all_gather_into_tensor", "all_gather", "reduce_scatter_tensor", "all_reduce",
                  "broadcast", "barrier") if hasattr(dist, name)}
 
@@ -492,8 +516,9 @@ def _make_routes():
             group = kwargs.get("group")
             if group is None:
                 # torch's signatures put group third for isend/irecv/reduce ops, fourth for all_to_all_single
-                pos = {"isend": 2, "irecv": 2, "all_to_all_single": 4, "all_gather_into_tensor": 2, "all_gather": 2,
-                       "reduce_scatter_tensor": 3, "all_reduce": 2, "broadcast": 2, "barrier": 0}[name]
+                pos = {"send": 2, "recv": 2, "isend": 2, "irecv": 2, "all_to_all_single": 4,
+                       "all_gather_into_tensor": 2, "all_gather": 2, "reduce_scatter_tensor": 3, "all_reduce": 2,
+                       "broadcast": 2, "barrier": 0}[name]
                 group = args[pos] if len(args) > pos else None
                 if group is not None:
                     args = args[:pos] + args[pos + 1:]
@@ -501,8 +526,11 @@ def _make_routes():
             w = _world_of(group)
             if w is None:
                 if group is None and _thread_world() is not None:
-                    raise ThreadRankError(f"torch.distributed.{name} without a group inside a thread rank: pass the "
-                                          f"group (ThreadRanks.group()); the default group is not a thread group")
+                    # Inside a rank thread the default group is the thread world, as get_rank() and get_world_size()
+                    # say: code written for init_process_group runs unchanged.
+                    w = _thread_world()
+                    kwargs["group"] = w.group()
+                    return getattr(w, name)(*args, **kwargs)
                 return original[name](*args, **kwargs)
             return getattr(w, name)(*args, **kwargs)
         call.__name__ = name
@@ -525,13 +553,38 @@ def _make_routes():
             return _world_of(p2p_op_list[0].group).batch_isend_irecv(p2p_op_list)
         return original["batch_isend_irecv"](p2p_op_list)
 
+    def refused(name, fn):
+        """A collective thread ranks do not offer: a clear error on a thread group (or with no group inside a rank
+        thread) instead of torch's "Group ... is not registered"; other groups go to torch."""
+        def call(*args, **kwargs):
+            group = kwargs.get("group")
+            if group is None:
+                group = next((a for a in args if isinstance(a, RankGroup)), None)
+            if isinstance(group, RankGroup) or (group is None and _thread_world() is not None):
+                raise ThreadRankError(f"torch.distributed.{name} is not offered by thread ranks (offered: send, recv, "
+                                      "isend, irecv, batch_isend_irecv, all_to_all_single, all_gather_into_tensor, "
+                                      "all_gather, reduce_scatter_tensor, all_reduce, broadcast, barrier)")
+            return fn(*args, **kwargs)
+        call.__name__ = name
+        return call
+
     routes = {"is_initialized": is_initialized, "get_rank": get_rank, "get_world_size": get_world_size,
               "P2POp": p2p_op, "batch_isend_irecv": batch_isend_irecv}
-    for name in ("isend", "irecv", "all_to_all_single", "all_gather_into_tensor", "all_gather",
+    for name in ("send", "recv", "isend", "irecv", "all_to_all_single", "all_gather_into_tensor", "all_gather",
                  "reduce_scatter_tensor", "all_reduce", "broadcast", "barrier"):
         if name in original:
             routes[name] = routed(name)
+    for name in _REFUSED:
+        if hasattr(dist, name):
+            original[name] = getattr(dist, name)
+            routes[name] = refused(name, original[name])
     return original, routes
+
+
+# torch.distributed collectives thread ranks do not route: refused with a clear error on a thread group.
+_REFUSED = ("all_to_all", "gather", "scatter", "reduce", "reduce_scatter", "all_gather_object", "gather_object",
+            "broadcast_object_list", "scatter_object_list", "send_object_list", "recv_object_list",
+            "all_reduce_coalesced", "all_gather_coalesced", "monitored_barrier")
 
 
 @contextlib.contextmanager

@@ -128,16 +128,17 @@ PYBIND11_MODULE(_core, m) {
 
   m.def(
       "explain",
-      [](const std::string& json_text, bool summary) {
+      [](const std::string& json_text, bool summary, bool te) {
         const sim::CaseSpec spec = parse_case(json_text);
         if (summary || sim::plan_units(spec) > sim::kSummaryPlanUnits) {
           const sim::LayoutSummary s = sim::summarize_layout(spec);
           return py::make_tuple(sim::summary_json(spec, s).dump(), sim::summary_text(spec, s));
         }
         const sim::Plan plan = sim::make_plan(spec);
-        return py::make_tuple(sim::explain_json(spec, plan).dump(), sim::explain_text(spec, plan));
+        return py::make_tuple(sim::explain_json(spec, plan).dump(), sim::explain_text(spec, plan, te));
       },
-      py::arg("case_json"), py::arg("summary") = false, "(JSON text, text) of `cpgold explain`");
+      py::arg("case_json"), py::arg("summary") = false, py::arg("te") = false,
+      "(JSON text, text) of `cpgold explain` (te: `explain --te`)");
 
   m.def(
       "generate",

@@ -55,7 +55,9 @@ def test_quick_suite_ids_name_the_cases_and_failures_show_the_report(run):
         result.stdout.fnmatch_lines([f"*test_correct?{name}? PASSED*"])
     result.stdout.fnmatch_lines(["*test_top_left?nocp_cross_window_bf16? FAILED*"])
     text = result.stdout.str()
-    assert "AssertionError: cpgold: the outputs do not pass the fixture" in text
+    # The first line sums the failure up (tensors, diagnosis); the report follows; cpgold's frames are hidden.
+    result.stdout.fnmatch_lines(["E * AssertionError: cpgold: o, lse, dq, dk, dv failed; diagnosis mask_edge: *"])
+    assert "cpgold: the outputs do not pass the fixture" in text and "def assert_close" not in text
     for needed in ("max/lim", "first divergence:", "sequence ", "diagnosis: mask_edge: ", "reproduce: cpgold gen --case '",
                    "verdict: FAIL"):
         assert needed in text, needed
@@ -76,6 +78,13 @@ def test_random_cases_need_a_seed_and_are_reproducible(run):
     result.assert_outcomes(passed=3)
     for c in cpgold.random_suite(3, 11):
         result.stdout.fnmatch_lines([f"*test_correct?{c.name}? PASSED*"])
+
+
+def test_an_empty_batch_passes_under_the_plugin(run):
+    """seqlens_q [0]: nothing to compare, the exact rules hold: a pass, as in the command and check_outputs."""
+    run("-k", "correct", "--cpgold-case", '{"seqlens_q":[0],"cp_size":2,"heads_q":2,"dim_qk":64}',
+        "--cpgold-case", '{"seqlens_q":[0,0],"padded_q":[4,8],"cp_size":2,"heads_q":2,"dim_qk":16}').assert_outcomes(
+        passed=2)
 
 
 def test_a_case_given_as_json_and_a_bad_one(run):

@@ -134,16 +134,53 @@ def test_mismatched_collectives_and_shapes_are_errors():
         ThreadRanks(2, device="cpu", timeout=10).run(bad_sizes)
 
 
-def test_other_groups_and_the_default_group_are_left_to_torch():
+def test_the_default_group_inside_a_rank_is_the_thread_world_and_torch_is_restored_after():
     original = dist.get_world_size
 
     def rank_main(rank, ranks):
         assert dist.get_world_size() == 2 and dist.get_rank() == rank
-        with pytest.raises(ThreadRankError, match="without a group inside a thread rank"):
-            dist.all_reduce(torch.zeros(1))
+        t = torch.full((1,), float(rank + 1))
+        dist.all_reduce(t)          # no group: code written for init_process_group
+        return t
 
-    ThreadRanks(2, device="cpu", timeout=10).run(rank_main)
+    assert [t.item() for t in ThreadRanks(2, device="cpu", timeout=10).run(rank_main)] == [3.0, 3.0]
     assert dist.get_world_size is original and not dist.is_initialized()
+
+
+def test_blocking_send_recv_route_with_and_without_a_group():
+    """A simple ring with blocking dist.send / dist.recv (even ranks send first): before, torch answered "Group ... is
+    not registered" or "Default process group has not been initialized"."""
+    def rank_main(rank, ranks):
+        w = dist.get_world_size()
+        got = torch.empty(2, 3, dtype=torch.float64)
+        group = ranks.group() if rank % 2 else None
+        if rank % 2 == 0:
+            dist.send(coded(rank, 2), (rank + 1) % w)
+            src = dist.recv(got, (rank - 1) % w)
+        else:
+            src = dist.recv(got, (rank - 1) % w, group)
+            dist.send(coded(rank, 2), (rank + 1) % w, group=group)
+        return src, got
+
+    for rank, (src, got) in enumerate(ThreadRanks(4, device="cpu", timeout=30).run(rank_main)):
+        assert src == (rank - 1) % 4
+        assert torch.equal(got, coded((rank - 1) % 4, 2))
+
+
+def test_collectives_not_offered_are_refused_naming_the_call():
+    def rank_main(rank, ranks):
+        dist.gather(torch.zeros(1), None, 0, group=ranks.group())
+
+    with pytest.raises(ThreadRankError, match=r"torch.distributed.gather is not offered by thread ranks"):
+        ThreadRanks(2, device="cpu", timeout=10).run(rank_main)
+
+
+def test_default_device_is_the_cpu_without_cuda():
+    ranks = ThreadRanks(2)
+    assert ranks.device.type == ("cuda" if torch.cuda.is_available() else "cpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no CUDA device"):
+            ThreadRanks(2, device="cuda")
 
 
 # ---------------------------------------------------------------- a user's CP code checked with cpgold

@@ -40,6 +40,25 @@ TEST_CASE("defaults are filled in and the normalised JSON is stable") {
   CHECK(l.q.cu_seqlens_padded == std::vector<int32_t>{0, 8, 16});
 }
 
+TEST_CASE("self-attention: padded_q and total_tokens_q alone lay out K/V as Q, cross-attention follows seqlens_kv") {
+  // A ring that assumes equal Q and K/V chunks on every rank needs the two sides padded alike.
+  CaseSpec s = parse_case_text(R"({"seqlens_q": [5], "padded_q": [16], "cp_size": 2})");
+  CHECK(padded_kv(s) == std::vector<int32_t>{16});
+  CHECK(layout(s).kv.total_rows == 16);
+  s = parse_case_text(R"({"seqlens_q": [5, 3], "seqlens_kv": [5, 3], "padded_q": [8, 8], "total_tokens_q": 20,
+                          "cp_size": 2, "comm": "p2p"})");
+  CHECK(padded_kv(s) == std::vector<int32_t>{8, 8});
+  CHECK(layout(s).kv.total_rows == 20);
+  // Given explicitly, padded_kv and total_tokens_kv win.
+  s = parse_case_text(R"({"seqlens_q": [5], "padded_q": [16], "padded_kv": [8], "cp_size": 2})");
+  CHECK(padded_kv(s) == std::vector<int32_t>{8});
+  CHECK(layout(s).kv.total_rows == 8);
+  // Other K/V lengths: padded_kv follows seqlens_kv.
+  s = parse_case_text(R"({"seqlens_q": [5], "seqlens_kv": [9], "padded_q": [16], "cp_size": 1})");
+  CHECK(padded_kv(s) == std::vector<int32_t>{10});
+  CHECK(layout(s).kv.total_rows == 10);
+}
+
 TEST_CASE("causal with a window keeps the left side and forces right = 0") {
   const CaseSpec s = parse_case_text(R"({"seqlens_q": [4], "mask": "causal", "window": [128, 7]})");
   CHECK(mask_window(s) == Window{128, 0});
