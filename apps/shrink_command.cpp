@@ -34,7 +34,7 @@ namespace cpgold::app {
 namespace {
 
 struct ShrinkArgs {
-  std::string golden, command, format = "text", work_dir, kinds, tensors, empty_row_lse = "neg-inf", dims;
+  std::string golden, command, format = "text", work_dir, kinds, tensors, empty_row_lse = "neg-inf", pad_rows = "zero", dims;
   bool any_failure = false, keep = false;
   double budget = 0, run_timeout = 300;
   int64_t max_runs = 0;
@@ -200,6 +200,9 @@ int run_shrink(const ShrinkArgs& args) {
   const auto convention = fx::parse_empty_row_lse(args.empty_row_lse);
   if (!convention) fail_input("--empty-row-lse", "expected neg-inf or pos-inf, got \"", args.empty_row_lse, "\"");
   check_options.empty_row_lse = *convention;
+  const auto pad_rows = fx::parse_pad_rows(args.pad_rows);
+  if (!pad_rows) fail_input("--pad-rows", "expected zero or unwritten, got \"", args.pad_rows, "\"");
+  check_options.pad_rows = *pad_rows;
   for (const std::string& name : items(args.tensors, "--tensors")) {
     const auto q = fx::parse_quantity(name);
     if (!q) fail_input("--tensors", "unknown tensor \"", name, "\" (expected o, lse, dq, dk, dv)");
@@ -308,6 +311,7 @@ int run_shrink(const ShrinkArgs& args) {
   }
   if (!args.tensors.empty()) check_line += " --tensors " + args.tensors;
   if (args.empty_row_lse != "neg-inf") check_line += " --empty-row-lse " + args.empty_row_lse;
+  if (args.pad_rows != "zero") check_line += " --pad-rows " + args.pad_rows;
   reproduce.push_back(check_line);
   const auto found = reports.find(sim::normalized_json(s));
 
@@ -385,6 +389,7 @@ const RegisterCommand registered("shrink", [](CLI::App& app) -> std::function<in
   sub->add_option("--dims", args->dims, "head dims the implementation supports, e.g. 64,128 (default: any)");
   sub->add_option("--tensors", args->tensors, "as for check: comma-separated subset of o,lse,dq,dk,dv");
   sub->add_option("--empty-row-lse", args->empty_row_lse, "as for check: neg-inf (default) or pos-inf");
+  sub->add_option("--pad-rows", args->pad_rows, "as for check: zero (default) or unwritten (FlashAttention-3/4)");
   sub->add_option("--work-dir", args->work_dir, "folder for the runs' fixtures and candidates (default: a new temporary folder)");
   sub->add_flag("--keep", args->keep, "keep every run's fixture, candidate and COMMAND output (run-N/ in the work folder)");
   sub->add_option("--format", args->format, "text or json");

@@ -50,7 +50,8 @@ def _start_case(start):
 
 
 def shrink(start, fn, *, kind=None, any_failure=False, budget=None, max_runs=None, reseed=0, seed=0, dims=None,
-           trace=False, scope="global", tensors=None, empty_row_lse=None, lse_layout=None, progress=None):
+           trace=False, scope="global", tensors=None, empty_row_lse=None, lse_layout=None, progress=None,
+           pad_rows=None):
     """Searches for the smallest case whose outputs fail the same way as those of `start`.
 
     start: a case (dict or JSON text), a Fixture or the path of a fixture (its case).
@@ -60,7 +61,8 @@ def shrink(start, fn, *, kind=None, any_failure=False, budget=None, max_runs=Non
     kind: a diagnosis kind (or a list) every kept failure must name; default: the kinds of the original's failure.
     any_failure: keep any failure. budget (seconds) and max_runs bound the search (the original's run included).
     reseed: a smaller case that passes is tried again with that many other input seeds (drawn from `seed`).
-    dims: the head dims fn supports (default any). trace: generate traced fixtures.
+    dims: the head dims fn supports (default any). trace: generate traced fixtures. pad_rows: "unwritten" for an
+    implementation that leaves pad rows unwritten (FlashAttention-3/4), as for check().
     progress: called with a dict after every run (run, seconds, change, case, verdict, kept, smallest).
     Raises InputError when the original does not fail (or gives no candidate)."""
     reports = {}
@@ -76,7 +78,7 @@ def shrink(start, fn, *, kind=None, any_failure=False, budget=None, max_runs=Non
                 return ("no_candidate", [], "fn returned None")
             try:
                 report = check_outputs(fixture, outputs, scope=scope, tensors=tensors, empty_row_lse=empty_row_lse,
-                                       lse_layout=lse_layout)
+                                       lse_layout=lse_layout, pad_rows=pad_rows)
             except (InputError, CheckInputError) as e:
                 return ("no_candidate", [], f"the outputs are unusable: {e}")
             if report.passed:

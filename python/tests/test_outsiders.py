@@ -208,3 +208,47 @@ def test_the_command_writes_summary_and_tables(monkeypatch, torch_cpu, tmp_path,
     assert summary["counts"]["pass"] == 1 and summary["counts"]["unsupported"] == 1
     assert summary["pad_rows"] == "unwritten"
     assert "| golden | 1 | 0 (0) | 0 | 0 | 1 |" in open(tmp_path / "t.md").read()
+
+
+def test_a_refusal_in_the_backward_is_a_refusal(monkeypatch, torch_cpu, tmp_path, cpgold_bin):
+    """FlashAttention-4 refuses GQA with dim_qk != dim_v only in its backward (an assert): unsupported, not error."""
+    module = fake_fa3_module(torch_cpu, [])
+    honest = module.flash_attn_varlen_func
+
+    class RefusingBackward(torch_cpu.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            raise AssertionError("GQA backward requires head_dim == head_dim_v")
+
+    def forward_only(*args, **kwargs):
+        out, lse = honest(*args, **kwargs)
+        return RefusingBackward.apply(out), lse
+
+    module.flash_attn_varlen_func = forward_only
+    monkeypatch.setitem(sys.modules, "flash_attn_interface", module)
+    entry = runner.run_fixture(make("fa3", device="cpu"), golden_path("p2p_w2_window_tail_fp16"), "golden",
+                               str(tmp_path), cpgold_bin)
+    assert entry["status"] == "unsupported"
+    assert entry["reason"].startswith("backward: AssertionError: GQA backward requires head_dim == head_dim_v")
+
+
+def test_write_candidate_for_one_fixture(monkeypatch, torch_cpu, tmp_path, cpgold_bin):
+    from cpgold.outsiders.__main__ import main
+    monkeypatch.setitem(sys.modules, "flash_attn_interface", fake_fa3_module(torch_cpu, []))
+    monkeypatch.setattr(flash.FlashAttn3, "__init__", lambda self, deterministic=False, **o:
+                        flash._FlashAdapter.__init__(self, deterministic, device="cpu"))
+    name = golden_path("p2p_w2_window_tail_fp16")
+    out = tmp_path / "c.h5"
+    assert main(["fa3", name, "--write-candidate", str(out)]) == 0
+    report = cpgold.check(name, out, pad_rows="unwritten", cpgold=cpgold_bin)
+    assert report["pass"]
+    before = out.read_bytes()
+    with pytest.raises(SystemExit):
+        main(["fa3", name, "--write-candidate", str(out)])     # an existing file is never overwritten
+    assert out.read_bytes() == before
+    assert main(["fa3", golden_path("allgather_w3_full_mqa_fp32"), "--write-candidate", str(tmp_path / "d.h5")]) == 3
+    assert not (tmp_path / "d.h5").exists()

@@ -1,6 +1,9 @@
 """python3 -m cpgold.outsiders ADAPTER FIXTURES... : run an implementation on fixtures, check it, write the tables.
 
-Exit 0 when every fixture passed (or was refused / not expressible), 1 when one failed or errored, 2 on bad input."""
+Exit 0 when every fixture passed (or was refused / not expressible), 1 when one failed or errored, 2 on bad input.
+With --write-candidate PATH and one fixture it only runs the implementation and writes its candidate file (for
+`cpgold check`, or as the COMMAND of `cpgold shrink FIXTURE --run "python3 -m cpgold.outsiders fa3 {fixture}
+--write-candidate {candidate}"`): exit 0 written, 3 refused or not expressible, 1 on an error."""
 import argparse
 import json
 import os
@@ -9,7 +12,7 @@ import tempfile
 import time
 
 from . import ADAPTERS, make
-from .runner import counts, fixture_list, isolated, markdown, read_results, report_line, worker
+from .runner import counts, fixture_list, isolated, markdown, read_results, report_line, run_and_write, worker
 
 
 def parse_sets(items):
@@ -38,6 +41,8 @@ def main(argv=None):
     ap.add_argument("--only", type=lambda s: [x for x in s.split(",") if x], help="comma-separated fixtures to run")
     ap.add_argument("--isolate", action="store_true", help="each run of fixtures in a child process (default for te_cp)")
     ap.add_argument("--title", help="title of the tables (default: adapter and options)")
+    ap.add_argument("--write-candidate", metavar="PATH",
+                    help="one fixture: write the implementation's candidate file to PATH, no check, no tables")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--skip", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--results", help=argparse.SUPPRESS)
@@ -56,6 +61,19 @@ def main(argv=None):
     if not items:
         ap.error("fixtures: no .h5 file found")
     workdir = tempfile.gettempdir()
+    if args.write_candidate:
+        if len(items) != 1:
+            ap.error(f"--write-candidate: give exactly one fixture, got {len(items)}")
+        if os.path.lexists(args.write_candidate):
+            ap.error(f"--write-candidate: {args.write_candidate} exists; nothing was written")
+        entry = run_and_write(make(args.adapter, **options), items[0][1], items[0][0], args.write_candidate)
+        status = entry.get("status")
+        if status:
+            print(f"{args.adapter}: {status}: {entry.get('reason', '')}", file=sys.stderr)
+            return 3 if status == "unsupported" else 1
+        print(f"{args.adapter}: wrote {args.write_candidate} ({entry.get('backend', '')}; check it with pad rows "
+              f"{entry['pad_rows']}, tensors {','.join(entry['tensors'])})")
+        return 0
     if args.worker:
         worker(make(args.adapter, **options), items, args.results, workdir, args.cpgold, args.skip)
         return 0

@@ -64,6 +64,25 @@ def _to_device(args, device):
             for k, v in args.items()}
 
 
+class refusals:
+    """Turns the library's refusals of a configuration (its asserts, argument errors and TORCH_CHECK messages)
+    into Refused, naming the pass; CUDA errors and crashes stay errors."""
+
+    def __init__(self, where):
+        self.where = where
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, e, tb):
+        if kind is None:
+            return False
+        if issubclass(kind, (AssertionError, ValueError, NotImplementedError, TypeError)) or (
+                issubclass(kind, RuntimeError) and "CUDA error" not in str(e) and "illegal" not in str(e)):
+            raise Refused(f"{self.where}: {kind.__name__}: {str(e).strip()[:600]}") from e
+        return False
+
+
 def _run_padded(fx, call, device, deterministic):
     """Forward and backward of a seqused kernel on the padded layout; outputs in the fixture's global layout.
     `call(fx, q, k, v, arguments, deterministic)` returns (out, lse)."""
@@ -71,15 +90,10 @@ def _run_padded(fx, call, device, deterministic):
     x = fx.inputs("torch", device)
     q, k, v = (x[n].detach().clone().requires_grad_() for n in ("q", "k", "v"))
     args = _to_device(seqused_arguments(fx), device)
-    try:
+    with refusals("forward"):
         out, lse = call(fx, q, k, v, args, deterministic)
-    except (AssertionError, ValueError, NotImplementedError, TypeError) as e:
-        raise Refused(f"{type(e).__name__}: {str(e).strip()[:600]}") from e
-    except RuntimeError as e:  # the C++ library's TORCH_CHECK refusals ("... only supports ...")
-        if "CUDA error" in str(e) or "illegal" in str(e):
-            raise
-        raise Refused(f"RuntimeError: {str(e).strip()[:600]}") from e
-    dq, dk, dv = torch.autograd.grad(out, (q, k, v), x["dout"])
+    with refusals("backward"):  # some configurations are refused only by the backward (FA4: GQA with d != dv)
+        dq, dk, dv = torch.autograd.grad(out, (q, k, v), x["dout"])
     return {"o": out.detach(), "lse": lse_rows_ht(lse.detach().float(), fx.heads_q), "dq": dq, "dk": dk, "dv": dv}
 
 

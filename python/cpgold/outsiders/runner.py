@@ -66,11 +66,11 @@ def describe_entry(entry, fx):
                  pad_fill=fx.case.get("pad_fill", "random"), dtype=fx.dtype)
 
 
-def run_fixture(adapter, path, suite, workdir, cpgold_bin=None):
-    """One fixture: run, write the candidate, check. Returns the summary entry."""
+def run_and_write(adapter, path, suite, candidate):
+    """Runs the adapter on one fixture and writes its candidate file (global outputs at the root, the ranks' outputs
+    or the global outputs' shards under /ranks/<r>/). Returns the summary entry so far; its "status" is set only
+    when nothing was written (unsupported, error)."""
     entry = {"fixture": os.path.basename(path), "suite": suite}
-    t0 = time.time()
-    candidate = os.path.join(workdir, f"{adapter.name}_{os.getpid()}_candidate.h5")
     with Fixture(path) as fx:
         describe_entry(entry, fx)
         reason = adapter.unsupported(fx)
@@ -98,6 +98,17 @@ def run_fixture(adapter, path, suite, workdir, cpgold_bin=None):
         tensors = adapter.tensors or tuple(n for n in ("o", "lse", "dq", "dk", "dv") if n in outputs)
         entry.update(tensors=list(tensors), empty_row_lse=convention, pad_rows=adapter.pad_rows)
         write_ranks(candidate, ranks, outputs or None, scope=outcome.scope, fixture=fx, lse_layout="ht")
+    return entry
+
+
+def run_fixture(adapter, path, suite, workdir, cpgold_bin=None):
+    """One fixture: run, write the candidate, check. Returns the summary entry."""
+    t0 = time.time()
+    candidate = os.path.join(workdir, f"{adapter.name}_{os.getpid()}_candidate.h5")
+    entry = run_and_write(adapter, path, suite, candidate)
+    if "status" in entry:
+        return entry
+    tensors, convention = entry["tensors"], entry["empty_row_lse"]
     try:
         report = check(path, candidate, tensors=tensors, empty_row_lse=convention, pad_rows=adapter.pad_rows,
                        cpgold=cpgold_bin)

@@ -13,8 +13,10 @@
 #   bench      FA3, FA4 and varlen_attn (bench_flash.py) and cuDNN's THD graph (bench_cudnn_thd.py) on the same
 #              padded batches, d 64, 128, 192/128, 256
 #   fa3-build  FlashAttention-3's wheel built from sources (fa3_sources.sh's tar in $PARTS): build_fa3.sh
+#   waitfor    wait until the run named WAIT_TAG has finished
 #   bg PHASE.. the phases one after another in the background; poll: their progress, results copied to $OUT
-# Environment: RANDOM_COUNT (120), RANDOM_SEED (26), FOLDERS (which fixture folders a phase runs; default all).
+# Environment: RANDOM_COUNT (120), RANDOM_SEED (26), FOLDERS (which fixture folders a phase runs; default all),
+# DIRECT_IMPLS (fa3 fa4), TE_BACKENDS (fused fa3 fa4), NONDETERMINISTIC=0 / DETERMINISTIC=0 (skip that backward).
 set -u
 PHASE=${1:?usage: device_run.sh receive|install|direct|te|te_cp|bench|fa3-build|bg PHASE...|poll}
 W=/tmp/outsiders; B=$W/build; FX=$W/fx; R=$W/results; L=$W/logs
@@ -68,16 +70,16 @@ PY
   done
   for d in $(folders); do echo "$(basename $d): $(ls $d/*.h5 | wc -l) fixtures"; done
   stamp "install done" ;;
-direct)
-  for fa in fa3 fa4; do
-    run ${fa}_direct $fa $fa
-    run ${fa}_direct_det $fa $fa --deterministic
+direct)   # each fixture batch in a child process: a crash of the library loses only the fixture it was running
+  for fa in ${DIRECT_IMPLS:-fa3 fa4}; do
+    [ "${NONDETERMINISTIC:-1}" = 1 ] && run ${fa}_direct $fa $fa --isolate
+    [ "${DETERMINISTIC:-1}" = 1 ] && run ${fa}_direct_det $fa $fa --deterministic --isolate
   done; stamp direct ;;
 te)
-  run te_fused none te --backend fused
-  for fa in fa3 fa4; do
-    run te_${fa} $fa te --backend flash
-    run te_${fa}_det $fa te --backend flash --deterministic
+  for be in ${TE_BACKENDS:-fused fa3 fa4}; do
+    if [ $be = fused ]; then run te_fused none te --backend fused; continue; fi
+    [ "${NONDETERMINISTIC:-1}" = 1 ] && run te_${be} $be te --backend flash
+    [ "${DETERMINISTIC:-1}" = 1 ] && run te_${be}_det $be te --backend flash --deterministic
   done; stamp te ;;
 te_cp)
   [ -n "${TE_CP_FUSED:-}" ] && run te_cp_fused none te_cp --backend fused --set timeout=30
@@ -92,6 +94,8 @@ bench)
     echo "bench rc=$?" >> $R/done.txt ); stamp bench ;;
 fa3-build)
   nice -n 19 bash $HERE/build_fa3.sh $W/parts/fa3-src.tar.gz $W/fa3-wheel 2>&1 | tail -5; stamp fa3-build ;;
+waitfor)  # until done.txt names WAIT_TAG (a run started earlier in the background)
+  while ! grep -q "^${WAIT_TAG:?} rc=" $R/done.txt 2>/dev/null; do sleep 5; done ;;
 bg)
   shift
   setsid nohup bash -c "for p in $*; do bash $0 \$p >> $L/bg.log 2>&1; done; echo 'bg done' >> $L/bg.log" \
