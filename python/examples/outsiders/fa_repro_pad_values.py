@@ -21,8 +21,9 @@ def load(impl):
     if impl == "fa3":
         from flash_attn_interface import flash_attn_varlen_func
         return lambda *a, **k: flash_attn_varlen_func(*a, return_attn_probs=True, **k)
-    from flash_attn.cute import flash_attn_varlen_func
-    return lambda *a, **k: flash_attn_varlen_func(*a, return_lse=True, **k)
+    from flash_attn.cute import flash_attn_varlen_func   # (q, k, v, qv, cu_seqlens_q, ...): by keyword
+    return lambda q, k, v, cu_q, cu_k, max_q, max_k, **kw: flash_attn_varlen_func(
+        q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k, return_lse=True, **kw)
 
 
 def batch(lengths, padded, heads, dim, dim_v, dtype, seed=0):
