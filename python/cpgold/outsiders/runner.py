@@ -23,6 +23,12 @@ from ..fixture import Fixture
 from .adapter import Refused
 
 STATUSES = ("pass", "fail", "empty", "error", "unsupported")
+# A worker that met an error which leaves the CUDA context unusable (a device-side assert, an illegal address)
+# records the fixture and exits with this code: the parent starts a fresh child at the next fixture, so one crash
+# does not turn every later fixture into an error.
+CONTEXT_LOST = 75
+CONTEXT_ERRORS = ("device-side assert", "illegal memory access", "an illegal instruction", "unspecified launch failure",
+                  "CUDA error: misaligned address")
 
 
 def mask_class(case):
@@ -154,6 +160,9 @@ def worker(adapter, items, results, workdir, cpgold_bin, skip=0, echo=True):
                 print(report_line(adapter.name, e), flush=True)
                 for f in e.get("failures", [])[:6]:
                     print(f"    {f}", flush=True)
+            if e["status"] == "error" and any(t in e.get("reason", "") + e.get("trace", "") for t in CONTEXT_ERRORS):
+                sys.stdout.flush()
+                os._exit(CONTEXT_LOST)
 
 
 def isolated(child_argv, items, results):
@@ -167,6 +176,8 @@ def isolated(child_argv, items, results):
         sys.stdout.flush()
         entries = read_results(results)
         done = len(entries)
+        if proc.returncode == CONTEXT_LOST:  # the fixture that broke the CUDA context is recorded already
+            continue
         if proc.returncode != 0 and done < len(items):
             suite, path = items[done]
             tail = "\n".join(ln for ln in proc.stderr.splitlines() if "Warning" not in ln and "warnings.warn" not in ln)
