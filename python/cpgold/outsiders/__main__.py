@@ -75,7 +75,7 @@ def main(argv=None):
               f"{entry['pad_rows']}, tensors {','.join(entry['tensors'])})")
         return 0
     if args.worker:
-        worker(make(args.adapter, **options), items, args.results, workdir, args.cpgold, args.skip)
+        worker(make(args.adapter, **options), items, args.results, workdir, args.cpgold, args.skip, child=True)
         return 0
     summary_path = args.summary or f"{args.adapter}.json"
     results = summary_path + ".jsonl"

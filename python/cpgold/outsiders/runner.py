@@ -149,8 +149,9 @@ def report_line(adapter_name, e):
     return line
 
 
-def worker(adapter, items, results, workdir, cpgold_bin, skip=0, echo=True):
-    """Runs items[skip:], one JSON line each, flushed."""
+def worker(adapter, items, results, workdir, cpgold_bin, skip=0, echo=True, child=False):
+    """Runs items[skip:], one JSON line each, flushed. child: a worker process of isolated(), which exits with
+    CONTEXT_LOST after a fixture that left the CUDA context unusable."""
     with open(results, "a") as out:
         for suite, path in items[skip:]:
             e = run_fixture(adapter, path, suite, workdir, cpgold_bin)
@@ -160,7 +161,7 @@ def worker(adapter, items, results, workdir, cpgold_bin, skip=0, echo=True):
                 print(report_line(adapter.name, e), flush=True)
                 for f in e.get("failures", [])[:6]:
                     print(f"    {f}", flush=True)
-            if e["status"] == "error" and any(t in e.get("reason", "") + e.get("trace", "") for t in CONTEXT_ERRORS):
+            if child and e["status"] == "error" and any(t in e.get("reason", "") + e.get("trace", "") for t in CONTEXT_ERRORS):
                 sys.stdout.flush()
                 os._exit(CONTEXT_LOST)
 
