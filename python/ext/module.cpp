@@ -165,7 +165,12 @@ PYBIND11_MODULE(_core, m) {
       if (p) std::rethrow_exception(p);
     } catch (const InputError& e) {
       py::object cls = py::module_::import("cpgold.errors").attr("InputError");
-      py::object error = cls(e.what(), e.field());
+      // Names from files need not be UTF-8 (a dataset named b"\xff"): escaped as the command's JSON does.
+      auto text = [](const std::string& bytes) {
+        return py::reinterpret_steal<py::object>(
+            PyUnicode_DecodeUTF8(bytes.data(), static_cast<py::ssize_t>(bytes.size()), "backslashreplace"));
+      };
+      py::object error = cls(text(e.what()), text(e.field()));
       PyErr_SetObject(cls.ptr(), error.ptr());
     }
   });
