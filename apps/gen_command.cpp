@@ -239,7 +239,7 @@ int run_gen(CaseFlags flags, const std::string& suite, const std::string& output
     fx::GenerateOptions options;
     options.trace = job_trace;
     options.progress = &progress;
-    const fx::GoldenRun run = [&] {
+    fx::GoldenRun run = [&] {
       try {
         return fx::generate(job.spec, options);
       } catch (const std::bad_alloc&) {  // with --yes, or when the estimate was too low
@@ -258,7 +258,7 @@ int run_gen(CaseFlags flags, const std::string& suite, const std::string& output
     fx::WriteOptions write_options;
     write_options.force = force;
     write_options.progress = [&](int64_t written, int64_t) { write_phase.set(static_cast<double>(written)); };
-    const fx::WriteSummary summary = fx::write_fixture(run, job.path, write_options);
+    const fx::WriteSummary summary = fx::write_fixture(std::move(run), job.path, write_options);
     write_phase.finish();
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     estimated_done += estimate;

@@ -233,7 +233,7 @@ PYBIND11_MODULE(_core, m) {
         if (path) {
           fx::WriteOptions write;
           write.force = force;
-          const fx::WriteSummary summary = signals_first([&] { return fx::write_fixture(run, *path, write); });
+          const fx::WriteSummary summary = signals_first([&] { return fx::write_fixture(std::move(run), *path, write); });
           py::dict d;
           d["path"] = summary.path;
           d["bytes"] = summary.bytes;
