@@ -50,46 +50,9 @@ int run_check(const CheckArgs& args) {
   if (!pad_rows) fail_input("--pad-rows", "expected zero or unwritten, got \"", args.pad_rows, "\"");
   options.pad_rows = *pad_rows;
   options.diagnose = !args.no_diagnosis;
-  if (!args.tensors.empty()) {
-    // "o,lse": every item a tensor name, none empty ("o," and "o,,lse" alike), none twice.
-    size_t begin = 0;
-    for (int i = 0;; ++i) {
-      const size_t end = args.tensors.find(',', begin);
-      const std::string name = args.tensors.substr(begin, end == std::string::npos ? std::string::npos : end - begin);
-      const auto quantity = fx::parse_quantity(name);
-      if (name.empty()) fail_input("--tensors", "empty item ", i, " in \"", args.tensors, "\" (expected o, lse, dq, dk, dv)");
-      if (!quantity) fail_input("--tensors", "unknown tensor \"", name, "\" (expected o, lse, dq, dk, dv)");
-      if (std::find(options.tensors.begin(), options.tensors.end(), *quantity) != options.tensors.end())
-        fail_input("--tensors", "tensor \"", name, "\" is given twice in \"", args.tensors, "\"");
-      options.tensors.push_back(*quantity);
-      if (end == std::string::npos) break;
-      begin = end + 1;
-    }
-  }
+  if (!args.tensors.empty()) options.tensors = fx::parse_tensor_list(args.tensors, "--tensors");
   options.allow_same_file = args.allow_same_file;
-  if (!args.ranks.empty()) {
-    // "0,2": non-negative integers, no empty item ("0," included), none twice.
-    size_t begin = 0;
-    for (;;) {
-      const size_t end = args.ranks.find(',', begin);
-      const std::string item = args.ranks.substr(begin, end == std::string::npos ? std::string::npos : end - begin);
-      size_t used = 0;
-      int rank = -1;
-      try {
-        rank = std::stoi(item, &used);
-      } catch (const std::exception&) {
-        used = 0;
-      }
-      if (item.empty() || used != item.size() || rank < 0)
-        fail_input("--ranks", "expected ranks as non-negative integers separated by commas (e.g. 0,2), got \"",
-                   args.ranks, "\"");
-      if (std::find(options.ranks.begin(), options.ranks.end(), rank) != options.ranks.end())
-        fail_input("--ranks", "rank ", rank, " is given twice in \"", args.ranks, "\"");
-      options.ranks.push_back(rank);
-      if (end == std::string::npos) break;
-      begin = end + 1;
-    }
-  }
+  if (!args.ranks.empty()) options.ranks = fx::parse_rank_list(args.ranks, "--ranks");
   fx::CheckReport report;
   if (args.self) {
     if (args.files.size() != 1) fail_input("--self", "expects exactly one golden file, got ", args.files.size());

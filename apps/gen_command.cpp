@@ -22,6 +22,7 @@
 #include "apps/machine_resources.hpp"
 #include "fixtures/fixture_schema.hpp"
 #include "fixtures/fixture_writer.hpp"
+#include "fixtures/generate_admission.hpp"
 #include "fixtures/golden_manifest.hpp"
 #include "fixtures/output_file.hpp"
 #include "fixtures/suites.hpp"
@@ -35,14 +36,7 @@ namespace {
 
 namespace fs = std::filesystem;
 
-std::string human_bytes(double bytes) {
-  char buffer[32];
-  if (bytes >= 1e9) std::snprintf(buffer, sizeof buffer, "%.2f GB", bytes / 1e9);
-  else if (bytes >= 1e6) std::snprintf(buffer, sizeof buffer, "%.2f MB", bytes / 1e6);
-  else if (bytes >= 1e3) std::snprintf(buffer, sizeof buffer, "%.1f kB", bytes / 1e3);
-  else std::snprintf(buffer, sizeof buffer, "%.0f B", bytes);
-  return buffer;
-}
+using fx::human_bytes;
 
 std::string seconds_text(double s) {
   char buffer[32];
@@ -204,29 +198,14 @@ int run_gen(CaseFlags flags, const std::string& suite, const std::string& output
   const std::string manifest_path = (fs::path(output) / fx::kManifestName).string();
   if (manifest) fx::check_destination(manifest_path, force);
 
-  // Refuse before any work when the estimates exceed what the machine has (unless --yes). First what any run of the
-  // case certainly holds (sim::case_cost: the inputs, the float64 oracle, the Plan, the step partials), before any
-  // Plan is built: a Plan can be larger than the machine. Then, from each Plan, the peak (fx::generate_memory).
-  double disk_needed = 0, memory_needed = 0;
-  sim::CaseCost largest_cost;
-  std::string largest;
-  for (const Job& job : jobs) {
-    const sim::CaseCost cost = sim::case_cost(job.spec, trace || job.trace);
-    if (cost.memory_bytes > memory_needed) memory_needed = cost.memory_bytes, largest = job.name, largest_cost = cost;
-  }
+  // Refuse before any work when the estimates exceed what the machine has, with a margin (unless --yes):
+  // fx::admit_generate, which cpgold.generate in Python goes through too.
   const std::string folder = fs::absolute(fs::path(jobs.front().path)).parent_path().string();
-  const MachineResources machine = machine_resources(folder);
-  if (!yes && memory_needed > double(machine.memory_available)) {
-    const auto job = std::find_if(jobs.begin(), jobs.end(), [&](const Job& j) { return j.name == largest; });
-    fail_input(jobs.size() == 1 ? std::string("case") : largest,
-               "needs at least ", human_bytes(memory_needed), " of memory (the inputs, the float64 oracle and ",
-               human_bytes(largest_cost.plan_bytes), " for the Plan: ", largest_cost.tiles, " tiles per pass x ",
-               job->spec.seqlens_q.size(), " sequences", largest_cost.trace_bytes > 0 ? ", the step partials" : "",
-               ") but ", human_bytes(double(machine.memory_available)), " are available (", machine.memory_source,
-               "); make the case smaller or pass --yes to try anyway");
-  }
-  // Disk: each fixture's size bound (fx::fixture_size_bound over every dataset and group, step groups included), and
-  // memory: each case's peak, from its Plan, which fits now.
+  std::vector<fx::AdmissionJob> admission_jobs;
+  for (const Job& job : jobs) admission_jobs.push_back({job.name, job.path, job.spec, trace || job.trace});
+  const fx::Admission admission = fx::admit_generate(admission_jobs, folder, yes, "--yes");
+  const std::vector<double>& disk_bounds = admission.disk_bounds;
+  const std::vector<fx::GenerateMemory>& memories = admission.memories;
   auto out_of_memory = [&](const Job& job, double needed) {
     const ThdLayout layout = sim::layout(job.spec);
     fail_input(job.name, "out of memory: total_tokens_q = ", layout.q.total_rows, ", total_tokens_kv = ",
@@ -234,32 +213,6 @@ int run_gen(CaseFlags flags, const std::string& suite, const std::string& output
                ", cp_size = ", job.spec.cp_size, " need about ", human_bytes(needed), ", ",
                human_bytes(double(machine_resources(folder).memory_available)), " are available");
   };
-  std::vector<double> disk_bounds;
-  std::vector<fx::GenerateMemory> memories;
-  const int threads = omp_get_max_threads();
-  for (const Job& job : jobs) {
-    try {
-      const sim::Plan plan = sim::make_plan(job.spec);
-      disk_bounds.push_back(double(fx::fixture_size_bound(job.spec, plan, trace || job.trace)));
-      disk_needed += disk_bounds.back();
-      memories.push_back(fx::generate_memory(job.spec, plan, trace || job.trace, threads));
-    } catch (const std::bad_alloc&) {  // with --yes: the Plan, or the row maps of the estimate's dry run
-      out_of_memory(job, sim::case_cost(job.spec, trace || job.trace).memory_bytes);
-    }
-  }
-  for (size_t i = 0; i < jobs.size(); ++i) {
-    const fx::GenerateMemory& m = memories[i];
-    if (yes || m.peak() <= double(machine.memory_available)) continue;
-    fail_input(jobs.size() == 1 ? std::string("case") : jobs[i].name, "needs about ", human_bytes(m.peak()),
-               " of memory at its peak (", m.peak_phase(), ": ", human_bytes(m.inputs), " of inputs, ",
-               human_bytes(m.oracle), " of float64 oracle and the rest of that phase; ", m.threads, " threads) but ",
-               human_bytes(double(machine.memory_available)), " are available (", machine.memory_source,
-               "); make the case smaller or pass --yes to try anyway");
-  }
-  if (!yes && disk_needed > double(machine.disk_free))
-    fail_input(jobs.size() == 1 ? jobs.front().path : folder, "needs up to ", human_bytes(disk_needed),
-               " of disk (an upper bound: the fixtures' uncompressed size and HDF5's overhead, step groups included) but ",
-               human_bytes(double(machine.disk_free)), " are free there; free space or pass --yes to try anyway");
 
   const bool terminal = ::isatty(STDERR_FILENO) != 0;
   double total_estimate = 0;
@@ -286,7 +239,7 @@ int run_gen(CaseFlags flags, const std::string& suite, const std::string& output
     fx::GenerateOptions options;
     options.trace = job_trace;
     options.progress = &progress;
-    const fx::GoldenRun run = [&] {
+    fx::GoldenRun run = [&] {
       try {
         return fx::generate(job.spec, options);
       } catch (const std::bad_alloc&) {  // with --yes, or when the estimate was too low
@@ -305,7 +258,7 @@ int run_gen(CaseFlags flags, const std::string& suite, const std::string& output
     fx::WriteOptions write_options;
     write_options.force = force;
     write_options.progress = [&](int64_t written, int64_t) { write_phase.set(static_cast<double>(written)); };
-    const fx::WriteSummary summary = fx::write_fixture(run, job.path, write_options);
+    const fx::WriteSummary summary = fx::write_fixture(std::move(run), job.path, write_options);
     write_phase.finish();
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     estimated_done += estimate;
@@ -353,7 +306,9 @@ const RegisterCommand registered("gen", [](CLI::App& app) -> std::function<int()
   auto yes = std::make_shared<bool>(false);
   add_case_flags(*sub, flags);
   sub->add_option("--suite", *suite, "suite name: quick, edge, te, full, golden, random (with --count and --seed)");
-  sub->add_option("--count", *count, "with --suite random: number of cases (with --seed S: the same cases every time)");
+  sub->add_option("--count", *count, "with --suite random: number of cases, 1..10000 (with --seed S: the same cases every time; the bound: gen "
+                  "builds the whole list and checks every case's estimates before it writes the first fixture, and "
+                  "10000 fixtures take hours; use several seeds for more)");
   sub->add_option("-o,--output", *output, "output file (a case) or folder (a suite)");
   sub->add_flag("--force", *force, "replace existing fixtures");
   sub->add_flag("--trace", *trace, "also store the per-step partials of the forward and backward");

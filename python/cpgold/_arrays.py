@@ -42,17 +42,42 @@ def to_torch(x, case_dtype, device=None):
 _EXTENSION_FLOATS = ("bfloat16", "float16")
 
 
-def to_float32(x, what):
-    """numpy or torch (any float dtype, any device: CUDA tensors are copied to the host) -> contiguous numpy float32.
-    bf16/fp16 (torch, numpy's float16, ml_dtypes' bfloat16) convert exactly; float64 rounds to nearest, as the writer
-    stores it."""
+def _refuse_element(dtype_name, what):
+    if dtype_name in ("float64", "torch.float64", "longdouble", "float128"):
+        raise ValueError(f"{what}: expected float32, bf16 or fp16 values, found {dtype_name} (refused rather than "
+                         "rounded to float32, as `cpgold check` refuses float64 candidate files: convert it yourself "
+                         "if the rounding is what you mean)")
+    raise ValueError(f"{what}: expected a floating-point array (float32, bf16 or fp16), got dtype {dtype_name}")
+
+
+def host_array(x, what):
+    """(numpy array, element) of a numpy array or torch tensor without converting its values: a view where possible
+    (a CUDA tensor is copied to the host); torch's bfloat16 as its 16-bit words with element "bfloat16", else ""."""
     if is_torch(x):
+        import torch
+
         if not x.is_floating_point():
-            raise ValueError(f"{what}: expected a floating-point tensor, got {x.dtype}")
+            _refuse_element(str(x.dtype), what)
+        t = x.detach().to("cpu")
+        if t.dtype == torch.bfloat16:
+            return t.view(torch.int16).numpy(), "bfloat16"
+        return t.numpy(), ""
+    return np.asarray(x), ""
+
+
+def to_float32(x, what):
+    """numpy or torch (float32, bf16, fp16; any device: CUDA tensors are copied to the host) -> contiguous numpy
+    float32. bf16/fp16 (torch, numpy's float16, ml_dtypes' bfloat16) convert exactly; float64 and other types are
+    refused (ValueError), as `cpgold check` refuses them in candidate files."""
+    if is_torch(x):
+        import torch
+
+        if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            _refuse_element(str(x.dtype), what)
         return x.detach().to("cpu").float().contiguous().numpy()
     a = np.asarray(x)
-    if a.dtype.kind != "f" and a.dtype.name not in _EXTENSION_FLOATS:
-        raise ValueError(f"{what}: expected a floating-point array, got dtype {a.dtype}")
+    if not ((a.dtype.kind == "f" and a.dtype.itemsize in (2, 4)) or a.dtype.name in _EXTENSION_FLOATS):
+        _refuse_element(a.dtype.name, what)
     return np.ascontiguousarray(a.astype(np.float32, copy=False))
 
 

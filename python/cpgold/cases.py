@@ -11,21 +11,26 @@ from ._core_loader import core
 
 
 def _case_text(case=None, **keys):
+    """The case as JSON text for the core. Text goes to the core as given, so that its parser (the one of
+    `cpgold gen --case`: a key twice, nesting past 32 levels, numbers past a double) judges it; with keyword arguments
+    it is validated by the core first and the keys merged into its normalised form."""
+    from .errors import InputError
+
     if case is None:
         case = {}
+    if isinstance(case, (bytes, bytearray)):
+        case = bytes(case).decode("utf-8", errors="replace")
     if isinstance(case, str):
-        try:
-            case = json.loads(case)
-        except json.JSONDecodeError as e:
-            from .errors import InputError
-
-            raise InputError(f"case: not valid JSON ({e}): {case}", "case") from None
+        if not keys:
+            return case
+        case = json.loads(core().normalize_case(case))
     if not isinstance(case, dict):
-        from .errors import InputError
-
         raise InputError(f"case: expected a dict or a JSON object, got {type(case).__name__}", "case")
     merged = dict(case, **keys)
-    return json.dumps(merged)
+    try:
+        return json.dumps(merged, allow_nan=False)
+    except (TypeError, ValueError, RecursionError) as e:
+        raise InputError(f"case: not representable as JSON ({type(e).__name__}: {e})", "case") from None
 
 
 def normalize_case(case=None, **keys):
@@ -77,15 +82,18 @@ def explain_text(case=None, summary=False, te=False, **keys):
     return text
 
 
-def generate(case=None, path=None, trace=False, force=False, **keys):
+def generate(case=None, path=None, trace=False, force=False, yes=False, **keys):
     """A golden fixture of the case, made by the code of `cpgold gen`.
     path: write it there (never over an existing file unless force) and return a Fixture open on it;
     None: keep it in memory and return a Fixture on its bytes (the same bytes `gen` writes; nothing stays on disk).
-    trace: also store the per-step partials."""
+    trace: also store the per-step partials. Before any work the memory estimate (with gen's margin) and, with a path,
+    the disk estimate are checked against what the machine has, as `cpgold gen` does; yes=True goes ahead anyway
+    (`gen --yes`). cpgold's signal handlers are installed only while the file is written, and Python's are back
+    afterwards; Ctrl-C during the write removes the file and raises KeyboardInterrupt."""
     from .fixture import Fixture
 
     text = _case_text(case, **keys)
     if path is None:
-        return Fixture(core().generate(text, None, bool(trace), False))
-    core().generate(text, os.fspath(path), bool(trace), bool(force))
+        return Fixture(core().generate(text, None, bool(trace), False, bool(yes)))
+    core().generate(text, os.fspath(path), bool(trace), bool(force), bool(yes))
     return Fixture(path)

@@ -47,17 +47,43 @@ def find_cpgold(cpgold=None):
 
 
 def tensor_names(tensors):
-    """('o', 'lse') from a list, a tuple or a comma-separated string ("o,lse"); None for all five."""
+    """("o", "lse") from a list, a tuple or a comma-separated string ("o,lse"); None for all five. Read by the parser
+    of `cpgold check --tensors` (an empty item, an unknown name or a name given twice is an InputError naming
+    "tensors")."""
     if tensors is None:
         return None
     if isinstance(tensors, str):
-        tensors = tensors.split(",")
-    names = [str(t).strip() for t in tensors]
-    for name in names:
-        if name not in OUTPUT_NAMES:
-            raise InputError(f"tensors: {name!r} is not one of {', '.join(OUTPUT_NAMES)} "
-                             f"(given: {', '.join(repr(n) for n in names)})", "tensors")
-    return tuple(names)
+        text = tensors
+    elif isinstance(tensors, (list, tuple)) and all(isinstance(t, str) for t in tensors):
+        text = ",".join(tensors)
+    else:
+        raise InputError(f"tensors: expected names of o, lse, dq, dk, dv as a list or a comma-separated string, got "
+                         f"{tensors!r}", "tensors")
+    if _core_available():
+        core().check_options_text(text, None)  # the command's parser and messages
+    else:
+        names = text.split(",")
+        for i, name in enumerate(names):
+            if name not in OUTPUT_NAMES:
+                raise InputError(f"tensors: item {i} {name!r} is not one of {', '.join(OUTPUT_NAMES)}", "tensors")
+            if names.count(name) > 1:
+                raise InputError(f"tensors: tensor {name!r} is given twice in {text!r}", "tensors")
+    return tuple(text.split(","))
+
+
+def rank_index(rank, field="rank"):
+    """A rank given from Python: an int (numpy's integers too), never a bool, a float or a string."""
+    import operator
+
+    if isinstance(rank, bool) or isinstance(rank, (str, bytes, float)):
+        raise InputError(f"{field}: expected a rank as an integer >= 0, got {rank!r}", field)
+    try:
+        value = operator.index(rank)
+    except TypeError:
+        raise InputError(f"{field}: expected a rank as an integer >= 0, got {rank!r}", field) from None
+    if value < 0:
+        raise InputError(f"{field}: expected a rank as an integer >= 0, got {value}", field)
+    return value
 
 
 def _empty_row_lse(value):
@@ -75,11 +101,18 @@ def _pad_rows(value):
 
 
 def _ranks(ranks):
+    """ranks= as the text of `cpgold check --ranks` ("0,2"): an int, a list of ints, or that text; "" for every rank."""
     if ranks is None:
-        return []
-    if isinstance(ranks, int):
-        return [ranks]
-    return [int(r) for r in ranks]
+        return ""
+    if isinstance(ranks, str):
+        text = ranks
+    elif isinstance(ranks, (list, tuple)):
+        text = ",".join(str(rank_index(r, "ranks")) for r in ranks)
+    else:
+        text = str(rank_index(ranks, "ranks"))
+    if _core_available():
+        core().check_options_text(None, text)  # the command's parser and messages (a rank twice, "0,", "-1")
+    return text
 
 
 def _restore_nonfinite(node):
@@ -130,33 +163,31 @@ def check(golden, *candidates, tensors=None, empty_row_lse=None, ranks=None, all
         return _check_with_binary(_source(golden), files, names, convention, rank_list, allow_same_file, cpgold,
                                   timeout, diagnosis, pads)
     try:
-        result = core().check_files(_source(golden), files, list(names or ()), convention, rank_list, allow_same_file,
-                                    bool(diagnosis), pads)
+        result = core().check_files(_source(golden), files, ",".join(names or ()), convention, rank_list,
+                                    allow_same_file, bool(diagnosis), pads)
     except InputError as e:
         raise CheckInputError(str(e), e.field) from None
     return _report(result)
 
 
 def _arrays_of(fixture, outputs, rank, lse_layout):
-    """(rank, name, float32 array, lse_row_major) tuples for the engine; LSE converted to [h, t]."""
-    from .candidate import lse_to_ht
-
+    """(rank or -1, name, array, element, lse layout) tuples for the engine, which compares every shape with the
+    fixture's before it copies anything and takes float32, fp16 and bf16 (float64 refused, as in candidate files)."""
     if not isinstance(outputs, dict) or not outputs:
         raise InputError(f"outputs: expected a dict of tensors (some of {', '.join(OUTPUT_NAMES)}), got "
                          f"{type(outputs).__name__}", "outputs")
+    if lse_layout not in (None, "ht", "th"):
+        raise InputError(f"lse_layout: expected 'ht' or 'th', got {lse_layout!r}", "lse_layout")
     where = "outputs" if rank < 0 else f"outputs of rank {rank}"
     out = []
     for name, x in outputs.items():
         if name not in OUTPUT_NAMES:
             raise InputError(f"{where}: tensor {name!r} is not one of {', '.join(OUTPUT_NAMES)}", "outputs")
         try:
-            if name == "lse":
-                values = lse_to_ht(x, fixture.heads_q, lse_layout)
-            else:
-                values = _arrays.to_float32(x, f"{where}: {name}")
+            array, element = _arrays.host_array(x, f"{where}: {name}")
         except ValueError as e:
-            raise InputError(f"{where}: {e}" if not str(e).startswith(where) else str(e), name) from None
-        out.append((rank, name, values, False))
+            raise InputError(str(e), name) from None
+        out.append((rank, name, array, element, (lse_layout or "") if name == "lse" else ""))
     return out
 
 
@@ -188,18 +219,19 @@ def check_outputs(fixture, outputs, rank=None, scope="global", tensors=None, emp
             raise InputError(f"outputs: a list of {len(outputs)} ranks' outputs, the fixture has cp_size "
                              f"{fixture.cp_size}", "outputs")
         arrays = [a for r, o in enumerate(outputs) for a in _arrays_of(fixture, o, r, lse_layout)]
-        ranks, source = [], f"arrays of ranks 0..{fixture.cp_size - 1}"
+        ranks, source = "", f"arrays of ranks 0..{fixture.cp_size - 1}"
     elif rank is not None:
-        if not 0 <= int(rank) < fixture.cp_size:
+        rank = rank_index(rank)
+        if not rank < fixture.cp_size:
             raise InputError(f"rank: {rank} is outside [0, {fixture.cp_size}) (cp_size {fixture.cp_size})", "rank")
-        arrays = _arrays_of(fixture, outputs, int(rank), lse_layout)
-        ranks, source = [int(rank)], f"arrays of rank {int(rank)}"
+        arrays = _arrays_of(fixture, outputs, rank, lse_layout)
+        ranks, source = str(rank), f"arrays of rank {rank}"
     else:
         arrays = _arrays_of(fixture, outputs, -1, lse_layout)
-        ranks, source = [], f"arrays ({scope})"
+        ranks, source = "", f"arrays ({scope})"
     try:
-        result = core().check_arrays(fixture.source, arrays, scope, source, "", list(names or ()), convention, ranks,
-                                     bool(diagnosis), pads)
+        result = core().check_arrays(fixture.source, arrays, scope, source, "", ",".join(names or ()), convention,
+                                     ranks, bool(diagnosis), pads)
     except InputError as e:
         raise CheckInputError(str(e), e.field) from None
     return _report(result)
@@ -210,7 +242,8 @@ def self_check(golden, tensors=None, empty_row_lse=None, diagnosis=True):
     against the fixture."""
     names = tensor_names(tensors)
     try:
-        result = core().self_check(_source(golden), list(names or ()), _empty_row_lse(empty_row_lse), bool(diagnosis))
+        result = core().self_check(_source(golden), ",".join(names or ()), _empty_row_lse(empty_row_lse),
+                                   bool(diagnosis))
     except InputError as e:
         raise CheckInputError(str(e), e.field) from None
     return _report(result)
@@ -224,7 +257,7 @@ def _check_with_binary(golden, files, names, convention, ranks, allow_same_file,
     if names:
         cmd += ["--tensors", ",".join(names)]
     if ranks:
-        cmd += ["--ranks", ",".join(str(r) for r in ranks)]
+        cmd += ["--ranks", ranks]
     if allow_same_file:
         cmd += ["--allow-same-file"]
     if not diagnosis:

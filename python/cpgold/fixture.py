@@ -14,6 +14,9 @@ import h5py
 import numpy as np
 
 from . import _arrays
+from ._core_loader import available as _core_available
+from ._core_loader import core as _core
+from .errors import InputError
 
 SUPPORTED_SCHEMA_VERSIONS = (1, 2)
 INPUT_NAMES = ("q", "k", "v", "dout")
@@ -22,8 +25,9 @@ OUTPUT_NAMES = ("o", "lse", "dq", "dk", "dv")
 SIDE = {"q": "q", "dout": "q", "o": "q", "lse": "q", "dq": "q", "k": "kv", "v": "kv", "dk": "kv", "dv": "kv"}
 
 
-class FixtureError(ValueError):
-    """A fixture that this package cannot use (missing file or dataset, unknown schema version)."""
+class FixtureError(InputError):
+    """A fixture that this package cannot use (missing file or dataset, unknown schema version, anything
+    `cpgold inspect --no-verify` refuses); `field` names the file, object or attribute."""
 
 
 IN_MEMORY = "<fixture in memory>"
@@ -42,21 +46,49 @@ class Fixture:
             self.path = os.fspath(path) if not isinstance(path, str) else path
             self.source = self.path
             opened = self.path
+        self._file = None
+        # The reader of `cpgold inspect --no-verify` first (cpgold's C++ core): a pipe, a link to one, datasets
+        # declared but never written, attributes of the wrong type or shape, case_json nested too deep or naming a key
+        # twice are refused naming the object, in bounded time and memory, before h5py opens anything.
+        if _core_available():
+            try:
+                _core().open_fixture(self.source, False)
+            except InputError as e:
+                raise FixtureError(str(e), e.field) from None
+        elif not isinstance(self.source, bytes):
+            _require_regular_file(self.path)
         try:
             self._file = h5py.File(opened, "r")
         except OSError as e:
-            raise FixtureError(f"fixture {self.path!r}: cannot open as HDF5 ({e})") from None
+            raise FixtureError(f"fixture {self.path!r}: cannot open as HDF5 ({e})", self.path) from None
+        try:
+            self._read_case()
+        except FixtureError:
+            self.close()
+            raise
+        except (KeyError, TypeError, ValueError, RecursionError) as e:
+            self.close()
+            raise FixtureError(f"fixture {self.path!r}: not a readable cpgold fixture ({type(e).__name__}: {e})",
+                               self.path) from None
+
+    def _read_case(self):
         if "case" not in self._file:
-            self.close()
-            raise FixtureError(f"fixture {self.path!r}: no /case group (not a cpgold fixture)")
+            raise FixtureError(f"fixture {self.path!r}: no /case group (not a cpgold fixture)", "/case")
         attrs = self._file["case"].attrs
-        self.schema_version = int(attrs["schema_version"])
+        version = attrs["schema_version"]
+        if np.ndim(version) != 0 or not np.issubdtype(np.asarray(version).dtype, np.integer):
+            raise FixtureError(f"fixture {self.path!r}: /case attribute schema_version: expected a scalar integer, "
+                               f"found {np.asarray(version).dtype} {list(np.shape(version))}", "schema_version")
+        self.schema_version = int(version)
         if self.schema_version not in SUPPORTED_SCHEMA_VERSIONS:
-            self.close()
             raise FixtureError(f"fixture {self.path!r}: schema_version {self.schema_version} is not one of "
-                               f"{SUPPORTED_SCHEMA_VERSIONS}")
+                               f"{SUPPORTED_SCHEMA_VERSIONS}", "schema_version")
         self.case_json = _text(attrs["case_json"])
-        self.case = json.loads(self.case_json)
+        try:
+            self.case = json.loads(self.case_json)
+        except (ValueError, RecursionError) as e:
+            raise FixtureError(f"fixture {self.path!r}: /case attribute case_json: not a case ({type(e).__name__})",
+                               "case_json") from None
         self.generator = _text(attrs["generator"])
         self._inputs_sha256 = _text(attrs["inputs_sha256"]) if "inputs_sha256" in attrs else None
         self._layout = {name: np.asarray(self._file["layout"][name][()]) for name in self._file["layout"]}
@@ -257,6 +289,19 @@ class Fixture:
     def _check_rank(self, rank):
         if not 0 <= int(rank) < self.cp_size:
             raise ValueError(f"rank: {rank} is outside [0, {self.cp_size}) (cp_size {self.cp_size})")
+
+
+def _require_regular_file(path):
+    """Without the C++ core: at least never block on a pipe (open(2) of a FIFO waits for a writer)."""
+    import stat
+
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as e:
+        raise FixtureError(f"{path}: cannot open ({e.strerror})", path) from None
+    if not stat.S_ISREG(mode):
+        kind = "a pipe (FIFO)" if stat.S_ISFIFO(mode) else "a folder" if stat.S_ISDIR(mode) else "not a regular file"
+        raise FixtureError(f"{path}: is {kind}, expected an HDF5 file (a regular file)", path)
 
 
 def _side(side):

@@ -7,6 +7,9 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <cstring>
+#include <filesystem>
+#include <memory>
 #include <optional>
 #include <string>
 #include <variant>
@@ -16,6 +19,7 @@
 #include "fixtures/fixture_reader.hpp"
 #include "fixtures/fixture_schema.hpp"
 #include "fixtures/fixture_writer.hpp"
+#include "fixtures/generate_admission.hpp"
 #include "fixtures/golden_run.hpp"
 #include "fixtures/hdf5_file.hpp"
 #include "fixtures/inputs_digest.hpp"
@@ -32,6 +36,11 @@ namespace py = pybind11;
 using namespace cpgold;
 
 namespace {
+
+// A temporary output file held by Python until release() (its destructor removes the file unless committed).
+struct PartialOutput {
+  std::optional<fx::PartialFile> file;
+};
 
 // A fixture given from Python: a path, or the bytes of an HDF5 file (a fixture generated in memory).
 using FixtureSource = std::variant<py::bytes, std::string>;
@@ -53,25 +62,90 @@ void open_golden(const FixtureSource& source, OpenGolden& out) {
 
 sim::CaseSpec parse_case(const std::string& json_text) { return sim::parse_case_text(json_text); }
 
-fx::CheckOptions check_options(const std::vector<std::string>& tensors, const std::string& empty_row_lse,
-                               const std::vector<int>& ranks, bool allow_same_file, bool diagnose,
-                               const std::string& pad_rows = "zero") {
+// tensors and ranks as `cpgold check --tensors/--ranks` take them ("o,lse", "0,2"; "" for all): one parser.
+fx::CheckOptions check_options(const std::string& tensors, const std::string& empty_row_lse, const std::string& ranks,
+                               bool allow_same_file, bool diagnose, const std::string& pad_rows = "zero") {
   fx::CheckOptions options;
-  for (const std::string& name : tensors) {
-    const auto quantity = fx::parse_quantity(name);
-    if (!quantity) fail_input("tensors", "unknown tensor \"", name, "\" (expected o, lse, dq, dk, dv)");
-    options.tensors.push_back(*quantity);
-  }
+  if (!tensors.empty()) options.tensors = fx::parse_tensor_list(tensors, "tensors");
   const auto convention = fx::parse_empty_row_lse(empty_row_lse);
   if (!convention) fail_input("empty_row_lse", "expected neg-inf or pos-inf, got \"", empty_row_lse, "\"");
   options.empty_row_lse = *convention;
   const auto pad_convention = fx::parse_pad_rows(pad_rows);
   if (!pad_convention) fail_input("pad_rows", "expected zero or unwritten, got \"", pad_rows, "\"");
   options.pad_rows = *pad_convention;
-  options.ranks = ranks;
+  if (!ranks.empty()) options.ranks = fx::parse_rank_list(ranks, "ranks");
   options.allow_same_file = allow_same_file;
   options.diagnose = diagnose;
   return options;
+}
+
+// A C++ error raised while a signal was pending in Python (SIGINT during a write: cpgold's handler removed the file
+// and ran Python's, which only noted the signal): Python's exception for that signal (KeyboardInterrupt) instead.
+template <class F>
+auto signals_first(F&& f) -> decltype(f()) {
+  try {
+    return f();
+  } catch (const InputError&) {
+    if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+    throw;
+  }
+}
+
+// An array of the Python door as the engine's candidate tensor: its declared shape first (against the golden's, by
+// the rule of candidate files; nothing copied for one that does not fit), then its element type by the rule of
+// candidate files (float32, fp16 and bf16 widened exactly; float64 refused rather than rounded), then its values.
+// element: "bfloat16" for 16-bit words holding bf16 (torch's bfloat16 handed over as int16), else "" (the dtype's).
+// layout: "ht", "th" or "" for an LSE: "" takes [t, h, 1] as [t, h], a 2-D LSE as [h, t] unless only [t, h] fits
+// the fixture's heads (the rule of candidate files: [h, t] unless stated).
+fx::CandidateTensor array_tensor(const py::array& array, const std::string& element, const std::string& layout,
+                                 const fx::CandidateSet::Key& key, const std::string& where, int64_t heads_q,
+                                 const fx::ExpectedShape& expected_shape) {
+  const fx::Quantity q = std::get<3>(key);
+  fx::CandidateTensor t;
+  t.where = where;
+  for (py::ssize_t i = 0; i < array.ndim(); ++i) t.dims.push_back(array.shape(i));
+  if (q == fx::Quantity::lse) {
+    if (!layout.empty() && layout != "ht" && layout != "th")
+      fail_input("lse_layout", "expected \"ht\" or \"th\", got \"", layout, "\"");
+    if (t.dims.size() == 3 && t.dims[2] == 1) {
+      if (layout == "ht") fail_input("lse_layout", "\"ht\" does not fit a [t, h, 1] LSE (", where, ")");
+      t.dims.pop_back();
+      t.lse_row_major = true;
+    } else if (t.dims.size() == 2) {
+      t.lse_row_major = layout == "th" || (layout.empty() && t.dims[1] == heads_q && t.dims[0] != heads_q);
+    }
+  }
+  const auto [expected, from] = expected_shape(key, t);
+  if (t.dims != expected)
+    fail_input(where, "expected shape ", fx::h5::dims_text(expected), " (from ", from, "), found ",
+               t.dims.empty() ? std::string("a 0-d array (a scalar)") : fx::h5::dims_text(t.dims));
+  const py::dtype dtype = array.dtype();
+  const std::string type_name = py::str(dtype.attr("name"));
+  const size_t n = static_cast<size_t>(array.size());
+  t.values.resize(n);
+  if (element == "bfloat16" || type_name == "bfloat16") {
+    if (dtype.itemsize() != 2) fail_input(where, "bfloat16 values must be 16-bit words, found ", type_name);
+    const auto words = py::array_t<uint16_t, py::array::c_style | py::array::forcecast>::ensure(array.attr("view")(py::dtype("uint16")));
+    if (!words) throw py::error_already_set();
+    for (size_t i = 0; i < n; ++i) {
+      const uint32_t bits = static_cast<uint32_t>(words.data()[i]) << 16;
+      std::memcpy(&t.values[i], &bits, sizeof bits);
+    }
+  } else if (dtype.kind() == 'f' && dtype.itemsize() == 4) {
+    const auto values = py::array_t<float, py::array::c_style | py::array::forcecast>::ensure(array);
+    if (!values) throw py::error_already_set();
+    std::copy(values.data(), values.data() + n, t.values.begin());
+  } else if (dtype.kind() == 'f' && dtype.itemsize() == 2) {
+    const auto values = py::array_t<float, py::array::c_style | py::array::forcecast>::ensure(array);  // exact
+    if (!values) throw py::error_already_set();
+    std::copy(values.data(), values.data() + n, t.values.begin());
+  } else {
+    fail_input(where, "expected float32, bf16 or fp16 values, found ", type_name,
+               dtype.kind() == 'f' ? " (refused rather than rounded to float32, as in candidate files: convert it "
+                                     "yourself if the rounding is what you mean)"
+                                   : "");
+  }
+  return t;
 }
 
 py::dict suite_case_dict(const fx::SuiteCase& c) {
@@ -95,7 +169,12 @@ PYBIND11_MODULE(_core, m) {
       if (p) std::rethrow_exception(p);
     } catch (const InputError& e) {
       py::object cls = py::module_::import("cpgold.errors").attr("InputError");
-      py::object error = cls(e.what(), e.field());
+      // Names from files need not be UTF-8 (a dataset named b"\xff"): escaped as the command's JSON does.
+      auto text = [](const std::string& bytes) {
+        return py::reinterpret_steal<py::object>(
+            PyUnicode_DecodeUTF8(bytes.data(), static_cast<py::ssize_t>(bytes.size()), "backslashreplace"));
+      };
+      py::object error = cls(text(e.what()), text(e.field()));
       PyErr_SetObject(cls.ptr(), error.ptr());
     }
   });
@@ -142,9 +221,12 @@ PYBIND11_MODULE(_core, m) {
 
   m.def(
       "generate",
-      [](const std::string& json_text, std::optional<std::string> path, bool trace, bool force) -> py::object {
+      [](const std::string& json_text, std::optional<std::string> path, bool trace, bool force, bool yes) -> py::object {
         const sim::CaseSpec spec = parse_case(json_text);
         if (path) fx::check_destination(*path, force);  // before any compute, as `cpgold gen`
+        // The memory (with its margin) and disk estimates of `cpgold gen`, before any work.
+        const std::string folder = path ? std::filesystem::absolute(*path).parent_path().string() : std::string(".");
+        (void)fx::admit_generate({{"case", path.value_or(""), spec, trace}}, folder, yes, "yes=True");
         fx::GenerateOptions options;
         options.trace = trace;
         fx::GoldenRun run;
@@ -152,10 +234,11 @@ PYBIND11_MODULE(_core, m) {
           py::gil_scoped_release release;
           run = fx::generate(spec, options);
         }
+        if (PyErr_CheckSignals() != 0) throw py::error_already_set();  // Ctrl-C during the compute
         if (path) {
           fx::WriteOptions write;
           write.force = force;
-          const fx::WriteSummary summary = fx::write_fixture(run, *path, write);
+          const fx::WriteSummary summary = signals_first([&] { return fx::write_fixture(std::move(run), *path, write); });
           py::dict d;
           d["path"] = summary.path;
           d["bytes"] = summary.bytes;
@@ -166,7 +249,47 @@ PYBIND11_MODULE(_core, m) {
         return py::bytes(reinterpret_cast<const char*>(image.data()), image.size());
       },
       py::arg("case_json"), py::arg("path") = py::none(), py::arg("trace") = false, py::arg("force") = false,
+      py::arg("yes") = false,
       "a fixture of the case: written to `path` as `cpgold gen` writes it, or (path None) the bytes of the same file");
+
+  // The destination rules of every file cpgold writes, for the Python candidate writers: check_destination before
+  // any work, a hidden temporary file (removed on error, on SIGINT/SIGTERM/SIGHUP, and by release()), a no-replace
+  // move into place (with force: replacing a regular file only, never through a symlink).
+  py::class_<PartialOutput>(m, "PartialFile")
+      .def(py::init([](const std::string& destination, bool force) {
+             auto out = std::make_unique<PartialOutput>();
+             out->file.emplace(destination, force);
+             return out;
+           }),
+           py::arg("destination"), py::arg("force"))
+      .def_property_readonly("path", [](const PartialOutput& p) { return p.file ? p.file->path() : std::string(); })
+      .def("commit", [](PartialOutput& p) { signals_first([&] { p.file->commit(); }); })
+      .def("release", [](PartialOutput& p) { p.file.reset(); }, "removes the temporary file unless committed");
+
+  // A candidate file's tensors as `cpgold check` reads them (the same reader and rules): {name: float32 array} of
+  // the root (rank -1) or of /ranks/<rank>; LSE as stored (dims of [t, h, 1] without the 1).
+  m.def(
+      "read_candidate",
+      [](const std::string& path, int rank) {
+        const fx::CandidateSet set = fx::read_candidate_files({path});
+        if (rank >= 0 && !set.fixture_candidate.empty())
+          fail_input(path, "is a cpgold fixture: it holds no per-rank candidate outputs");
+        // The root's tensors (rank < 0), or those of /ranks/<rank>/ (step partials aside), by where they were read.
+        const std::string group = rank < 0 ? std::string("/") : "/ranks/" + std::to_string(rank) + "/";
+        py::dict out;
+        bool rank_found = false;
+        for (const auto& [key, tensor] : set.tensors) {
+          const fx::Quantity q = std::get<3>(key);
+          if (tensor.where != set.sources.front() + ":" + group + std::string(quantity_name(q))) continue;
+          rank_found = true;
+          py::array_t<float> a(tensor.dims);
+          std::copy(tensor.values.begin(), tensor.values.end(), a.mutable_data());
+          out[py::str(std::string(quantity_name(q)))] = a;
+        }
+        if (rank >= 0 && !rank_found) fail_input(path, "has no outputs of rank ", rank, " (/ranks/", rank, ")");
+        return out;
+      },
+      py::arg("path"), py::arg("rank") = -1);
 
   m.def(
       "open_fixture",
@@ -187,11 +310,20 @@ PYBIND11_MODULE(_core, m) {
       py::arg("fixture"), py::arg("verify") = false,
       "validates a fixture against the schema (verify: also every checksum and the inputs digest)");
 
+  // tensors= and ranks= of the Python door read by the parsers of `cpgold check --tensors/--ranks` (None: not given).
+  m.def(
+      "check_options_text",
+      [](std::optional<std::string> tensors, std::optional<std::string> ranks) {
+        if (tensors) (void)fx::parse_tensor_list(*tensors, "tensors");
+        if (ranks) (void)fx::parse_rank_list(*ranks, "ranks");
+      },
+      py::arg("tensors"), py::arg("ranks"));
+
   m.def(
       "check_files",
-      [](const FixtureSource& golden_source, const std::vector<std::string>& candidates,
-         const std::vector<std::string>& tensors, const std::string& empty_row_lse, const std::vector<int>& ranks,
-         bool allow_same_file, bool diagnose, const std::string& pad_rows) {
+      [](const FixtureSource& golden_source, const std::vector<std::string>& candidates, const std::string& tensors,
+         const std::string& empty_row_lse, const std::string& ranks, bool allow_same_file, bool diagnose,
+         const std::string& pad_rows) {
         const fx::CheckOptions options = check_options(tensors, empty_row_lse, ranks, allow_same_file, diagnose, pad_rows);
         OpenGolden golden;
         open_golden(golden_source, golden);
@@ -202,33 +334,32 @@ PYBIND11_MODULE(_core, m) {
       py::arg("golden"), py::arg("candidates"), py::arg("tensors"), py::arg("empty_row_lse"), py::arg("ranks"),
       py::arg("allow_same_file"), py::arg("diagnose") = true, py::arg("pad_rows") = "zero");
 
-  // tensors: (rank or -1, name, float32 C-contiguous array, lse_row_major); LSE [h, t] unless lse_row_major.
+  // arrays: (rank or -1, name, array of any dtype, element, lse layout): see array_tensor. Shapes are compared with
+  // the fixture's before any array is copied.
   m.def(
       "check_arrays",
       [](const FixtureSource& golden_source,
-         const std::vector<std::tuple<int, std::string, py::array_t<float, py::array::c_style>, bool>>& arrays,
+         const std::vector<std::tuple<int, std::string, py::array, std::string, std::string>>& arrays,
          const std::string& scope, const std::string& source, const std::string& inputs_sha256,
-         const std::vector<std::string>& tensors, const std::string& empty_row_lse, const std::vector<int>& ranks,
-         bool diagnose, const std::string& pad_rows) {
+         const std::string& tensors, const std::string& empty_row_lse, const std::string& ranks, bool diagnose,
+         const std::string& pad_rows) {
         const fx::CheckOptions options = check_options(tensors, empty_row_lse, ranks, false, diagnose, pad_rows);
         fx::CandidateSet cands;
         cands.sources = {source};
         if (scope == "cp_gathered") cands.global_scope = fx::CandidateScope::cp_output;
         else if (scope != "global") fail_input("scope", "expected \"global\" or \"cp_gathered\", got \"", scope, "\"");
         if (!inputs_sha256.empty()) cands.inputs.push_back({source, inputs_sha256, "", true});
-        for (const auto& [rank, name, array, lse_row_major] : arrays) {
-          const auto quantity = fx::parse_quantity(name);
-          if (!quantity) fail_input("outputs", "tensor \"", name, "\" is not one of o, lse, dq, dk, dv");
-          fx::CandidateTensor t;
-          t.where = "array " + name + (rank >= 0 ? "@r" + std::to_string(rank) : std::string());
-          t.values.assign(array.data(), array.data() + array.size());
-          for (py::ssize_t i = 0; i < array.ndim(); ++i) t.dims.push_back(array.shape(i));
-          t.lse_row_major = lse_row_major;
-          cands.add({rank, -1, 0, *quantity}, std::move(t));
-        }
         OpenGolden golden;
         open_golden(golden_source, golden);
         const fx::FixtureFile fixture = fx::open_fixture(*golden.reader, fx::OpenOptions{false, true});
+        const fx::ExpectedShape expected_shape = fx::expected_shapes(*golden.reader, fixture);
+        for (const auto& [rank, name, array, element, layout] : arrays) {
+          const auto quantity = fx::parse_quantity(name);
+          if (!quantity) fail_input("outputs", "tensor \"", name, "\" is not one of o, lse, dq, dk, dv");
+          const fx::CandidateSet::Key key{rank, -1, 0, *quantity};
+          const std::string where = "array " + name + (rank >= 0 ? "@r" + std::to_string(rank) : std::string());
+          cands.add(key, array_tensor(array, element, layout, key, where, fixture.spec.heads_q, expected_shape));
+        }
         py::gil_scoped_release release;
         return fx::check(*golden.reader, fixture, cands, options);
       },
@@ -238,9 +369,8 @@ PYBIND11_MODULE(_core, m) {
 
   m.def(
       "self_check",
-      [](const std::string& golden, const std::vector<std::string>& tensors, const std::string& empty_row_lse,
-         bool diagnose) {
-        const fx::CheckOptions options = check_options(tensors, empty_row_lse, {}, false, diagnose);
+      [](const std::string& golden, const std::string& tensors, const std::string& empty_row_lse, bool diagnose) {
+        const fx::CheckOptions options = check_options(tensors, empty_row_lse, "", false, diagnose);
         py::gil_scoped_release release;
         return fx::self_check(golden, options);
       },

@@ -35,10 +35,12 @@ def test_lse_layouts_are_stored_as_heads_by_tokens(tmp_path):
     for given, layout in ((lse_ht, None), (lse_ht.T.copy(), None), (lse_ht.T[:, :, None].copy(), None),
                           (lse_ht.T.copy(), "th")):
         cpgold.write_global(tmp_path / "c.h5", {"o": np.zeros((10, 3, 8), np.float32), "lse": given},
-                            lse_layout=layout)
+                            lse_layout=layout, force=True)
         assert np.array_equal(cpgold.read_candidate(tmp_path / "c.h5")["lse"], lse_ht)
-    with pytest.raises(ValueError, match="fits \\[h, t\\] and \\[t, h\\]"):
-        cpgold.lse_to_ht(np.zeros((4, 4), np.float32), heads=4)
+    # A square LSE (t = h) with no stated layout is [h, t], the rule of candidate files in both doors.
+    square = np.arange(16, dtype=np.float32).reshape(4, 4)
+    assert np.array_equal(cpgold.lse_to_ht(square, heads=4), square)
+    assert np.array_equal(cpgold.lse_to_ht(square, heads=4, layout="th"), square.T)
     with pytest.raises(ValueError, match="must be \\[t, h, 1\\]"):
         cpgold.lse_to_ht(np.zeros((4, 3, 2), np.float32), heads=3)
 

@@ -73,11 +73,11 @@ def test_bad_input_names_the_field(tmp_path):
             fx.seqlens("k")
         with pytest.raises(ValueError, match="golden: tensor 'out'"):
             fx.golden("out")
-    with pytest.raises(cpgold.FixtureError, match="cannot open"):
+    with pytest.raises(cpgold.FixtureError, match="cannot open|no such file"):
         cpgold.Fixture(tmp_path / "missing.h5")
     with h5py.File(tmp_path / "other.h5", "w") as f:
         f["x"] = np.zeros(3)
-    with pytest.raises(cpgold.FixtureError, match="no /case group"):
+    with pytest.raises(cpgold.FixtureError, match="no /case group|expected a cpgold fixture"):
         cpgold.Fixture(tmp_path / "other.h5")
 
 
