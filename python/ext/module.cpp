@@ -50,13 +50,34 @@ struct OpenGolden {
   std::optional<fx::h5::Reader> reader;
 };
 
-void open_golden(const FixtureSource& source, OpenGolden& out) {
+// What opening a golden needs, taken from the Python object while the GIL is held; the file itself is then opened and
+// read with the GIL released. h5py holds the GIL while it waits for HDF5's lock, so code here that held the GIL
+// while in HDF5 could deadlock with another thread reading through h5py (ranks of cpgold.thread_ranks do both).
+struct GoldenSource {
+  std::string path;             // a file
+  std::vector<uint8_t> image;   // or the bytes of one (a fixture in memory)
+  bool in_memory = false;
+};
+
+GoldenSource golden_source(const FixtureSource& source) {
+  GoldenSource out;
   if (const auto* path = std::get_if<std::string>(&source)) {
-    out.reader.emplace(*path);
-    return;
+    out.path = *path;
+    return out;
   }
   const std::string bytes = std::get<py::bytes>(source);
   out.image.assign(bytes.begin(), bytes.end());
+  out.in_memory = true;
+  return out;
+}
+
+// No Python object is touched: call it with the GIL released.
+void open_golden(GoldenSource source, OpenGolden& out) {
+  if (!source.in_memory) {
+    out.reader.emplace(source.path);
+    return;
+  }
+  out.image = std::move(source.image);
   out.reader.emplace("<fixture in memory>", out.image, fx::h5::InMemory{});
 }
 
@@ -97,9 +118,8 @@ auto signals_first(F&& f) -> decltype(f()) {
 // element: "bfloat16" for 16-bit words holding bf16 (torch's bfloat16 handed over as int16), else "" (the dtype's).
 // layout: "ht", "th" or "" for an LSE: "" takes [t, h, 1] as [t, h], a 2-D LSE as [h, t] unless only [t, h] fits
 // the fixture's heads (the rule of candidate files: [h, t] unless stated).
-fx::CandidateTensor array_tensor(const py::array& array, const std::string& element, const std::string& layout,
-                                 const fx::CandidateSet::Key& key, const std::string& where, int64_t heads_q,
-                                 const fx::ExpectedShape& expected_shape) {
+fx::CandidateTensor array_shape(const py::array& array, const std::string& layout, const fx::CandidateSet::Key& key,
+                                const std::string& where, int64_t heads_q) {
   const fx::Quantity q = std::get<3>(key);
   fx::CandidateTensor t;
   t.where = where;
@@ -115,10 +135,19 @@ fx::CandidateTensor array_tensor(const py::array& array, const std::string& elem
       t.lse_row_major = layout == "th" || (layout.empty() && t.dims[1] == heads_q && t.dims[0] != heads_q);
     }
   }
+  return t;
+}
+
+void require_expected_shape(const fx::CandidateTensor& t, const fx::CandidateSet::Key& key,
+                            const fx::ExpectedShape& expected_shape) {
   const auto [expected, from] = expected_shape(key, t);
   if (t.dims != expected)
-    fail_input(where, "expected shape ", fx::h5::dims_text(expected), " (from ", from, "), found ",
+    fail_input(t.where, "expected shape ", fx::h5::dims_text(expected), " (from ", from, "), found ",
                t.dims.empty() ? std::string("a 0-d array (a scalar)") : fx::h5::dims_text(t.dims));
+}
+
+void array_values(const py::array& array, const std::string& element, fx::CandidateTensor& t) {
+  const std::string& where = t.where;
   const py::dtype dtype = array.dtype();
   const std::string type_name = py::str(dtype.attr("name"));
   const size_t n = static_cast<size_t>(array.size());
@@ -145,7 +174,6 @@ fx::CandidateTensor array_tensor(const py::array& array, const std::string& elem
                                      "yourself if the rounding is what you mean)"
                                    : "");
   }
-  return t;
 }
 
 py::dict suite_case_dict(const fx::SuiteCase& c) {
@@ -271,7 +299,11 @@ PYBIND11_MODULE(_core, m) {
   m.def(
       "read_candidate",
       [](const std::string& path, int rank) {
-        const fx::CandidateSet set = fx::read_candidate_files({path});
+        fx::CandidateSet set;
+        {
+          py::gil_scoped_release release;  // HDF5 without the GIL (golden_source says why)
+          set = fx::read_candidate_files({path});
+        }
         if (rank >= 0 && !set.fixture_candidate.empty())
           fail_input(path, "is a cpgold fixture: it holds no per-rank candidate outputs");
         // The root's tensors (rank < 0), or those of /ranks/<rank>/ (step partials aside), by where they were read.
@@ -294,16 +326,24 @@ PYBIND11_MODULE(_core, m) {
   m.def(
       "open_fixture",
       [](const FixtureSource& source, bool verify) {
+        GoldenSource bytes = golden_source(source);
         OpenGolden golden;
-        open_golden(source, golden);
-        const fx::FixtureFile f = fx::open_fixture(*golden.reader, fx::OpenOptions{verify});
+        std::optional<fx::FixtureFile> opened;
+        std::string digest;
+        {
+          py::gil_scoped_release release;  // HDF5 without the GIL (golden_source says why)
+          open_golden(std::move(bytes), golden);
+          opened.emplace(fx::open_fixture(*golden.reader, fx::OpenOptions{verify}));
+          digest = opened->inputs_sha256.empty() ? fx::inputs_sha256(*golden.reader) : opened->inputs_sha256;
+        }
+        const fx::FixtureFile& f = *opened;
         py::dict d;
         d["schema_version"] = f.schema_version;
         d["generator"] = f.generator;
         d["case_json"] = f.case_json;
         d["traced"] = f.traced;
         d["datasets"] = f.datasets;
-        d["inputs_sha256"] = f.inputs_sha256.empty() ? fx::inputs_sha256(*golden.reader) : f.inputs_sha256;
+        d["inputs_sha256"] = digest;
         d["inputs_sha256_stored"] = !f.inputs_sha256.empty();
         return d;
       },
@@ -321,24 +361,25 @@ PYBIND11_MODULE(_core, m) {
 
   m.def(
       "check_files",
-      [](const FixtureSource& golden_source, const std::vector<std::string>& candidates, const std::string& tensors,
+      [](const FixtureSource& golden_source_arg, const std::vector<std::string>& candidates, const std::string& tensors,
          const std::string& empty_row_lse, const std::string& ranks, bool allow_same_file, bool diagnose,
          const std::string& pad_rows) {
         const fx::CheckOptions options = check_options(tensors, empty_row_lse, ranks, allow_same_file, diagnose, pad_rows);
-        OpenGolden golden;
-        open_golden(golden_source, golden);
-        const fx::FixtureFile fixture = fx::open_fixture(*golden.reader, fx::OpenOptions{false, true});
+        GoldenSource source = golden_source(golden_source_arg);
         py::gil_scoped_release release;
+        OpenGolden golden;
+        open_golden(std::move(source), golden);
+        const fx::FixtureFile fixture = fx::open_fixture(*golden.reader, fx::OpenOptions{false, true});
         return fx::check(*golden.reader, fixture, candidates, options);
       },
       py::arg("golden"), py::arg("candidates"), py::arg("tensors"), py::arg("empty_row_lse"), py::arg("ranks"),
       py::arg("allow_same_file"), py::arg("diagnose") = true, py::arg("pad_rows") = "zero");
 
-  // arrays: (rank or -1, name, array of any dtype, element, lse layout): see array_tensor. Shapes are compared with
+  // arrays: (rank or -1, name, array of any dtype, element, lse layout): see array_shape. Shapes are compared with
   // the fixture's before any array is copied.
   m.def(
       "check_arrays",
-      [](const FixtureSource& golden_source,
+      [](const FixtureSource& golden_source_arg,
          const std::vector<std::tuple<int, std::string, py::array, std::string, std::string>>& arrays,
          const std::string& scope, const std::string& source, const std::string& inputs_sha256,
          const std::string& tensors, const std::string& empty_row_lse, const std::string& ranks, bool diagnose,
@@ -349,19 +390,35 @@ PYBIND11_MODULE(_core, m) {
         if (scope == "cp_gathered") cands.global_scope = fx::CandidateScope::cp_output;
         else if (scope != "global") fail_input("scope", "expected \"global\" or \"cp_gathered\", got \"", scope, "\"");
         if (!inputs_sha256.empty()) cands.inputs.push_back({source, inputs_sha256, "", true});
+        GoldenSource golden_bytes = golden_source(golden_source_arg);
         OpenGolden golden;
-        open_golden(golden_source, golden);
-        const fx::FixtureFile fixture = fx::open_fixture(*golden.reader, fx::OpenOptions{false, true});
-        const fx::ExpectedShape expected_shape = fx::expected_shapes(*golden.reader, fixture);
+        std::optional<fx::FixtureFile> fixture;
+        {
+          py::gil_scoped_release release;  // HDF5 without the GIL (golden_source says why)
+          open_golden(std::move(golden_bytes), golden);
+          fixture.emplace(fx::open_fixture(*golden.reader, fx::OpenOptions{false, true}));
+        }
+        // Shapes first (the arrays' own, then the fixture's), values only once every shape fits.
+        std::vector<std::pair<fx::CandidateSet::Key, fx::CandidateTensor>> items;
         for (const auto& [rank, name, array, element, layout] : arrays) {
           const auto quantity = fx::parse_quantity(name);
           if (!quantity) fail_input("outputs", "tensor \"", name, "\" is not one of o, lse, dq, dk, dv");
           const fx::CandidateSet::Key key{rank, -1, 0, *quantity};
           const std::string where = "array " + name + (rank >= 0 ? "@r" + std::to_string(rank) : std::string());
-          cands.add(key, array_tensor(array, element, layout, key, where, fixture.spec.heads_q, expected_shape));
+          items.emplace_back(key, array_shape(array, layout, key, where, fixture->spec.heads_q));
+        }
+        {
+          py::gil_scoped_release release;
+          const fx::ExpectedShape expected_shape = fx::expected_shapes(*golden.reader, *fixture);
+          for (const auto& [key, t] : items) require_expected_shape(t, key, expected_shape);
+        }
+        for (size_t i = 0; i < items.size(); ++i) {
+          const auto& [rank, name, array, element, layout] = arrays[i];
+          array_values(array, element, items[i].second);
+          cands.add(items[i].first, std::move(items[i].second));
         }
         py::gil_scoped_release release;
-        return fx::check(*golden.reader, fixture, cands, options);
+        return fx::check(*golden.reader, *fixture, cands, options);
       },
       py::arg("golden"), py::arg("arrays"), py::arg("scope"), py::arg("source"), py::arg("inputs_sha256"),
       py::arg("tensors"), py::arg("empty_row_lse"), py::arg("ranks"), py::arg("diagnose") = true,

@@ -252,3 +252,15 @@ def test_write_candidate_for_one_fixture(monkeypatch, torch_cpu, tmp_path, cpgol
     assert out.read_bytes() == before
     assert main(["fa3", golden_path("allgather_w3_full_mqa_fp32"), "--write-candidate", str(tmp_path / "d.h5")]) == 3
     assert not (tmp_path / "d.h5").exists()
+
+
+def test_fixture_list_selects_by_name_and_prefix(tmp_path):
+    for suite in ("a", "b"):
+        (tmp_path / suite).mkdir()
+        for i in range(3):
+            (tmp_path / suite / f"f{i}.h5").write_bytes(b"")
+    items = runner.fixture_list([str(tmp_path / "a"), str(tmp_path / "b")], first={"b": 1})
+    assert [(s, p.split("/")[-1]) for s, p in items] == [("a", "f0.h5"), ("a", "f1.h5"), ("a", "f2.h5"), ("b", "f0.h5")]
+    assert len(runner.fixture_list([str(tmp_path / "a")], only=["a/f1.h5", "f2.h5"])) == 2
+    with pytest.raises(FileNotFoundError, match="neither a folder nor a file"):
+        runner.fixture_list([str(tmp_path / "none")])

@@ -39,6 +39,8 @@ def main(argv=None):
     ap.add_argument("--backend", choices=("fused", "flash"), help="TE adapters: the backend TE's variables select")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="another adapter option")
     ap.add_argument("--only", type=lambda s: [x for x in s.split(",") if x], help="comma-separated fixtures to run")
+    ap.add_argument("--first", action="append", default=[], metavar="SUITE=N",
+                    help="only the first N fixtures (by name) of the folder named SUITE")
     ap.add_argument("--isolate", action="store_true", help="each run of fixtures in a child process (default for te_cp)")
     ap.add_argument("--title", help="title of the tables (default: adapter and options)")
     ap.add_argument("--write-candidate", metavar="PATH",
@@ -54,8 +56,14 @@ def main(argv=None):
         if not args.adapter.startswith("te"):
             ap.error(f"--backend: the adapter {args.adapter} has no backend choice (TE adapters only)")
         options["backend"] = args.backend
+    first = {}
+    for item in args.first:
+        suite, _, n = item.partition("=")
+        if not suite or not n.isdigit():
+            ap.error(f"--first: expected SUITE=N, got {item!r}")
+        first[suite] = int(n)
     try:
-        items = fixture_list(args.fixtures, args.only)
+        items = fixture_list(args.fixtures, args.only, first)
     except FileNotFoundError as e:
         ap.error(str(e))
     if not items:
@@ -88,7 +96,7 @@ def main(argv=None):
         child = [sys.executable, "-m", "cpgold.outsiders", args.adapter, *args.fixtures] + \
                 sum((["--set", s] for s in args.set), []) + (["--deterministic"] if args.deterministic else []) + \
                 (["--backend", args.backend] if args.backend else []) + (["--cpgold", args.cpgold] if args.cpgold else []) + \
-                (["--only", ",".join(args.only)] if args.only else [])
+                (["--only", ",".join(args.only)] if args.only else []) + sum((["--first", f] for f in args.first), [])
         isolated(child, items, results)
     else:
         worker(adapter, items, results, workdir, args.cpgold)

@@ -39,8 +39,9 @@ def mask_class(case):
     return ("causal+window" if windowed else "causal") if causal else ("window" if windowed else "none")
 
 
-def fixture_list(paths, only=None):
-    """(suite, path) of every .h5 in the folders (suite: the folder's name) and of the files given."""
+def fixture_list(paths, only=None, first=None):
+    """(suite, path) of every .h5 in the folders (suite: the folder's name) and of the files given; `only`: names
+    (file or suite/file) to keep; `first`: {suite: N}, only the first N fixtures (by name) of that suite."""
     items = []
     for p in paths:
         if os.path.isdir(p):
@@ -53,6 +54,14 @@ def fixture_list(paths, only=None):
     if only:
         wanted = set(only)
         items = [(s, p) for s, p in items if os.path.basename(p) in wanted or f"{s}/{os.path.basename(p)}" in wanted]
+    if first:
+        seen = {}
+        kept = []
+        for s, p in items:
+            seen[s] = seen.get(s, 0) + 1
+            if s not in first or seen[s] <= first[s]:
+                kept.append((s, p))
+        items = kept
     return items
 
 
