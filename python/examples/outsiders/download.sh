@@ -4,6 +4,7 @@
 #   TransformerEngine 2.20.2 (../te/download_te.sh);
 #   FlashAttention-3, which has no wheel on PyPI: a wheel built by build_fa3.sh on a GPU machine, given as FA3_WHEEL
 #   (else the device builds it from sources, see device_run.sh fa3-build);
+#   WITH_TE=0: no TransformerEngine (FlashAttention alone, for bench_flash.py);
 #   TE_TORCH_SO: a prebuilt transformer_engine_torch extension for the device's torch, if there is one.
 # Then everything is packed into one tar, split into parts of PART_BYTES (default 52000000) for transfers with a
 # size limit; install.sh joins them.
@@ -21,10 +22,12 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
   nvidia-cutlass-dsl-libs-core==4.8.1 nvidia-cutlass-dsl-libs-cu13==4.8.1 quack-kernels==0.6.5 \
   apache-tvm-ffi==0.1.15.post2 torch-c-dlpack-ext==0.1.5
 sha256sum -c "$HERE/SHA256SUMS_FA4"
-PART_BYTES=999999999999 bash "$HERE/../te/download_te.sh" "$DIR/files/te" > /dev/null
+if [ "${WITH_TE:-1}" = 1 ]; then   # WITH_TE=0: FlashAttention only (the benchmarks)
+  PART_BYTES=999999999999 bash "$HERE/../te/download_te.sh" "$DIR/files/te" > /dev/null
+fi
 if [ -n "${FA3_WHEEL:-}" ]; then cp "$FA3_WHEEL" .; fi
 # TE's torch extension built once for the device's torch (../te/install_te.sh says how): saves its 8-minute build.
-if [ -n "${TE_TORCH_SO:-}" ]; then cp "$TE_TORCH_SO" te/; fi
+if [ -n "${TE_TORCH_SO:-}" ] && [ -d te ]; then cp "$TE_TORCH_SO" te/; fi
 cd "$DIR"
 tar -cf outsiders.tar -C files .
 rm -f outsiders.tar.part-*

@@ -30,7 +30,11 @@ if ls "$files"/flash_attn_3-*.whl > /dev/null 2>&1; then
 else
   echo "install: no flash_attn_3 wheel in $files: build one with build_fa3.sh (device_run.sh fa3-build)"
 fi
-bash "$HERE/../te/install_te.sh" "$files/te" "$PREFIX/te" | tail -2
+if [ -d "$files/te" ]; then
+  bash "$HERE/../te/install_te.sh" "$files/te" "$PREFIX/te" | tail -2
+else
+  echo "install: no TransformerEngine files (download.sh with WITH_TE=0): FlashAttention only"
+fi
 cat > "$PREFIX/env.sh" <<ENV
 # source $PREFIX/env.sh fa3|fa4|none|all: TE plus that FlashAttention on PYTHONPATH (TE prefers FA3 when both are\n# there); all: both FlashAttentions and PREFIX/extra (other wheels), no TE, for the benchmarks
 case "\${1:-none}" in
