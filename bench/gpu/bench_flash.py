@@ -21,29 +21,39 @@ sys.path[:0] = [HERE]
 from bench_torch import fwd_flops, matmul_rate, median_ms, varlen_lengths  # noqa: E402  (the same batches)
 
 
-def implementations():
+VARLEN_MASK = {}   # the installed varlen_attn's spelling of causal: window_size (-1, 0), or is_causal
+
+
+def implementations(wanted):
     out = {}
     for name, module in (("fa3", "flash_attn_interface"), ("fa4", "flash_attn.cute")):
+        if name not in wanted:
+            continue
         try:
             out[name] = importlib.import_module(module).flash_attn_varlen_func
         except Exception as e:  # noqa: BLE001 - reported, the others still run
             print(f"{name}: not run: {type(e).__name__}: {e}".splitlines()[0])
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-        out["varlen"] = varlen_attn
-    except ImportError as e:
-        print(f"varlen: not run: {e}")
+    if "varlen" in wanted:
+        try:
+            import inspect
+            from torch.nn.attention.varlen import varlen_attn
+            windowed = "window_size" in inspect.signature(varlen_attn).parameters
+            VARLEN_MASK.update({True: {"window_size": (-1, 0)} if windowed else {"is_causal": True},
+                                False: {"window_size": (-1, -1)} if windowed else {}})
+            out["varlen"] = varlen_attn
+        except ImportError as e:
+            print(f"varlen: not run: {e}")
     return out
 
 
 def call(name, fn, q, k, v, cu, used, mx, causal, deterministic=False):
     if name == "fa3":
-        return fn(q, k, v, cu, cu, mx, mx, seqused_q=used, seqused_k=used, causal=causal,
-                  deterministic=deterministic)[0]
+        out = fn(q, k, v, cu, cu, mx, mx, seqused_q=used, seqused_k=used, causal=causal, deterministic=deterministic)
+        return out[0] if isinstance(out, tuple) else out   # (out, lse) only with return_attn_probs
     if name == "fa4":
         return fn(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=mx, max_seqlen_k=mx, seqused_q=used,
                   seqused_k=used, causal=causal, deterministic=deterministic)[0]
-    return fn(q, k, v, cu, cu, mx, mx, is_causal=causal)
+    return fn(q, k, v, cu, cu, mx, mx, **VARLEN_MASK[causal])
 
 
 def main():
@@ -52,10 +62,11 @@ def main():
     ap.add_argument("--dims", default="64,128,192/128,256", help="d or d/dv, comma separated")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--totals", default="16384,32768,65536", help="token counts (slot rows), comma separated")
+    ap.add_argument("--impls", default="fa3,fa4,varlen", help="which of fa3, fa4, varlen (comma separated)")
     args = ap.parse_args()
     dims = [tuple(int(x) for x in item.split("/")) if "/" in item else (int(item), int(item))
             for item in args.dims.split(",")]
-    impls = implementations()
+    impls = implementations(set(args.impls.split(",")))
     print(f"device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}; pad rows per sequence: "
           f"{args.pad_rows}")
     print(f"bf16 matmul 8192^3: {matmul_rate():.1f} TFLOP/s")
