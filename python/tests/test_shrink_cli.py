@@ -132,3 +132,15 @@ def test_one_process_per_rank(golden):
     assert j["smallest"]["case"]["heads_q"] == 2 and j["smallest"]["case"].get("heads_kv") == 1
     assert "for rank in " in j["reproduce"][1] and "candidate.rank$rank.h5" in j["reproduce"][1]
     assert env is not None
+
+
+def test_pad_rows_convention_reaches_the_check(golden):
+    """Outputs right on every valid row, NaN on pad rows: a failure under the contract, a pass under --pad-rows
+    unwritten (then the original does not fail: exit 2 saying so); a bad value is named."""
+    runner = f"{shlex.quote(sys.executable)} {shlex.quote(os.path.join(HERE, 'pads_nan_runner.py'))} {{fixture}} {{candidate}}"
+    code, j, _ = shrink(golden, runner, "--max-runs", "2")
+    assert code in (0, 1), j
+    code, j, _ = shrink(golden, runner, "--pad-rows", "unwritten", "--max-runs", "2")
+    assert code == 2 and "pass" in j["error"]["message"]
+    code, j, _ = shrink(golden, runner, "--pad-rows", "skip")
+    assert code == 2 and j["error"]["field"] == "--pad-rows"
