@@ -43,12 +43,7 @@ int run_check(const CheckArgs& args) {
     return report.pass() ? kExitPass : kExitFail;
   }
   fx::CheckOptions options;
-  const auto convention = fx::parse_empty_row_lse(args.empty_row_lse);
-  if (!convention) fail_input("--empty-row-lse", "expected neg-inf or pos-inf, got \"", args.empty_row_lse, "\"");
-  options.empty_row_lse = *convention;
-  const auto pad_rows = fx::parse_pad_rows(args.pad_rows);
-  if (!pad_rows) fail_input("--pad-rows", "expected zero or unwritten, got \"", args.pad_rows, "\"");
-  options.pad_rows = *pad_rows;
+  fx::set_conventions(options, args.empty_row_lse, "--empty-row-lse", args.pad_rows, "--pad-rows");
   options.diagnose = !args.no_diagnosis;
   if (!args.tensors.empty()) options.tensors = fx::parse_tensor_list(args.tensors, "--tensors");
   options.allow_same_file = args.allow_same_file;

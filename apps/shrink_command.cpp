@@ -197,17 +197,8 @@ int run_shrink(const ShrinkArgs& args) {
   options.seed = args.seed;
   options.reseed = args.reseed;
   fx::CheckOptions check_options;
-  const auto convention = fx::parse_empty_row_lse(args.empty_row_lse);
-  if (!convention) fail_input("--empty-row-lse", "expected neg-inf or pos-inf, got \"", args.empty_row_lse, "\"");
-  check_options.empty_row_lse = *convention;
-  const auto pad_rows = fx::parse_pad_rows(args.pad_rows);
-  if (!pad_rows) fail_input("--pad-rows", "expected zero or unwritten, got \"", args.pad_rows, "\"");
-  check_options.pad_rows = *pad_rows;
-  for (const std::string& name : items(args.tensors, "--tensors")) {
-    const auto q = fx::parse_quantity(name);
-    if (!q) fail_input("--tensors", "unknown tensor \"", name, "\" (expected o, lse, dq, dk, dv)");
-    check_options.tensors.push_back(*q);
-  }
+  fx::set_conventions(check_options, args.empty_row_lse, "--empty-row-lse", args.pad_rows, "--pad-rows");
+  if (!args.tensors.empty()) check_options.tensors = fx::parse_tensor_list(args.tensors, "--tensors");
 
   fx::OpenOptions open;
   open.verify_checksums = false;

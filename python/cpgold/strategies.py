@@ -98,8 +98,9 @@ def _cases(draw, cp_size, comm, max_cp_size, min_sequences, max_sequences, max_s
             tail = draw(st.integers(0, 2)) * w if w > 1 else draw(st.integers(0, 3))
             if tail:
                 padded = case.get(f"padded_{side}")
-                if padded is None and side == "kv" and "seqlens_kv" not in case:
-                    padded = case.get("padded_q")  # self-attention: K/V are laid out as Q when padded_kv is absent
+                if padded is None and side == "kv" and case.get("seqlens_kv", lq) == lq:
+                    # self-attention (no seqlens_kv, or the same lengths): K/V are laid out as Q when padded_kv is absent
+                    padded = case.get("padded_q")
                 if padded is None:
                     padded = [(x + m - 1) // m * m for x in lengths]
                 case[f"total_tokens_{side}"] = sum(padded) + tail

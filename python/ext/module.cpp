@@ -88,12 +88,7 @@ fx::CheckOptions check_options(const std::string& tensors, const std::string& em
                                bool allow_same_file, bool diagnose, const std::string& pad_rows = "zero") {
   fx::CheckOptions options;
   if (!tensors.empty()) options.tensors = fx::parse_tensor_list(tensors, "tensors");
-  const auto convention = fx::parse_empty_row_lse(empty_row_lse);
-  if (!convention) fail_input("empty_row_lse", "expected neg-inf or pos-inf, got \"", empty_row_lse, "\"");
-  options.empty_row_lse = *convention;
-  const auto pad_convention = fx::parse_pad_rows(pad_rows);
-  if (!pad_convention) fail_input("pad_rows", "expected zero or unwritten, got \"", pad_rows, "\"");
-  options.pad_rows = *pad_convention;
+  fx::set_conventions(options, empty_row_lse, "empty_row_lse", pad_rows, "pad_rows");
   if (!ranks.empty()) options.ranks = fx::parse_rank_list(ranks, "ranks");
   options.allow_same_file = allow_same_file;
   options.diagnose = diagnose;
