@@ -261,7 +261,7 @@ void gpu_checks(const std::vector<SuiteRow>& rows, const std::filesystem::path& 
   }
 #else
   (void)rows, (void)folder, (void)total, (void)failures, (void)unsupported;
-  std::printf("\n3. cpgold's CUDA kernels: not in this build (configured without nvcc)\n");
+  std::printf("\n3. cpgold's CUDA kernels: not in this build (no nvcc, or no GPU found, at configure time; -DCPGOLD_ENABLE_CUDA=ON builds them in)\n");
 #endif
 }
 

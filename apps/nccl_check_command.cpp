@@ -53,7 +53,8 @@ int run_nccl_check(const NcclCheckArgs& args, const RankLaunchOptions& options) 
 #else
 
 int run_nccl_check(const NcclCheckArgs&, const RankLaunchOptions&) {
-  fail_input("nccl-check", "this cpgold was built without NCCL (no CUDA or no NCCL at configure time)");
+  fail_input("nccl-check", "this cpgold was built without NCCL (no CUDA, no NCCL or no GPU at configure time; "
+                       "build/bin/cpgold-gpu has it where they were found, or configure with -DCPGOLD_ENABLE_CUDA=ON)");
 }
 
 #endif

@@ -175,7 +175,8 @@ int run_verify(const VerifyArgs& args, const RankLaunchOptions& launch) {
 #else
 
 int run_verify(const VerifyArgs&, const RankLaunchOptions&) {
-  fail_input("verify", "this cpgold was built without CUDA (no nvcc at configure time)");
+  fail_input("verify", "this cpgold was built without the GPU layer (no nvcc, or no GPU found, at configure time; "
+                       "build/bin/cpgold-gpu has it where nvcc was found, or configure with -DCPGOLD_ENABLE_CUDA=ON)");
 }
 
 #endif

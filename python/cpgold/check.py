@@ -40,7 +40,7 @@ def find_cpgold(cpgold=None):
     if not candidate or not os.path.isfile(candidate) or not os.access(candidate, os.X_OK):
         raise FileNotFoundError(f"cpgold binary not found (argument {cpgold!r}, CPGOLD_BIN "
                                 f"{os.environ.get('CPGOLD_BIN')!r}, PATH): build it with "
-                                "`cmake --preset default && cmake --build --preset default` and set "
+                                "`cmake --preset default && cmake --build --preset cli` and set "
                                 "CPGOLD_BIN=build/bin/cpgold, or install the package (pip install ./python) to check "
                                 "in process")
     return candidate
