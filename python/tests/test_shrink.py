@@ -38,7 +38,8 @@ def swap_heads(fx, out):  # query heads 0 and 1 exchanged on the way out
 
 
 def lse_plus_ln2(fx, out):
-    out["lse"] = np.where(np.isfinite(out["lse"]), out["lse"] + np.float32(np.log(2.0)), out["lse"])  # float32 in NumPy 2
+    # np.float32: the LSE stays float32 under NumPy 2's promotion rules too
+    out["lse"] = np.where(np.isfinite(out["lse"]), out["lse"] + np.float32(np.log(2.0)), out["lse"])
 
 
 def garbage_on_pads(fx, out):
