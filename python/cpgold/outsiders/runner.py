@@ -120,6 +120,8 @@ def run_fixture(adapter, path, suite, workdir, cpgold_bin=None):
     """One fixture: run, write the candidate, check. Returns the summary entry."""
     t0 = time.time()
     candidate = os.path.join(workdir, f"{adapter.name}_{os.getpid()}_candidate.h5")
+    if os.path.exists(candidate):  # the runner's own scratch file, left by a process of the same pid that died
+        os.remove(candidate)
     entry = run_and_write(adapter, path, suite, candidate)
     if "status" in entry:
         return entry
