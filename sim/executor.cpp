@@ -118,6 +118,32 @@ void merge_forward(const std::vector<ForwardPart<T>>& parts, Tensor3<T>& o, LseT
   round_all(o, arith);
 }
 
+// The online merge of a MergeRule other than lse_weighted (executor.hpp): parts in step order.
+template <class T, class Arith>
+void merge_forward_online(const std::vector<ForwardPart<T>>& parts, Tensor3<T>& o, LseTensor<T>& lse, MergeRule rule,
+                          const Arith& arith) {
+  const T inf = std::numeric_limits<T>::infinity();
+  for (const auto& part : parts)
+    for (size_t i = 0; i < part.rows.size(); ++i)
+      for (int64_t h = 0; h < o.heads; ++h) {
+        T li = (*part.lse)(h, static_cast<int64_t>(i));
+        if (li == -inf && rule == MergeRule::keyless_step_lse_0) li = T(0);
+        if (li == -inf && rule == MergeRule::keyless_step_lse_inf) li = inf;
+        T& l = lse(h, part.rows[i]);
+        const T merged = (l == inf || li == inf) ? inf : lse_merge(l, li);
+        T a = l == -inf ? T(0) : std::exp(l - merged);
+        T b = li == -inf ? T(0) : std::exp(li - merged);
+        if (rule == MergeRule::running_o_not_rescaled && l != -inf) a = T(1);
+        if (rule == MergeRule::step_o_not_rescaled && li != -inf) b = T(1);
+        if (rule == MergeRule::double_rescale) a *= a;
+        const T* src = part.o->at(static_cast<int64_t>(i), h);
+        T* dst = o.at(part.rows[i], h);
+        for (int64_t x = 0; x < o.dim; ++x) dst[x] = (a == T(0) ? T(0) : dst[x] * a) + (b == T(0) ? T(0) : src[x] * b);
+        l = merged;
+      }
+  round_all(o, arith);
+}
+
 // dst[rows[i]] += src[i] (all heads).
 template <class T>
 void add_rows(Tensor3<T>& dst, const Tensor3<T>& src, const std::vector<int64_t>& rows) {
@@ -146,12 +172,14 @@ Tensor3<T> take_rows_as(const Tensor3<float>& x, const std::vector<int64_t>& row
 }
 
 template <class T>
-RankShards<T> shard_inputs(const Plan& plan, const CaseInputs& inputs) {
+RankShards<T> shard_inputs(const Plan& plan, const CaseInputs& inputs, const RunVariation* variation) {
   const SidePartition& qs = plan.partition.q;
   const SidePartition& ks = plan.partition.kv;
   RankShards<T> shards;
   for (int r = 0; r < plan.cp_size; ++r) {
-    const std::vector<int64_t> rows_q = qs.gather_indices(r), rows_kv = ks.gather_indices(r);
+    const bool own_rows = variation && !variation->q_rows.empty();
+    const std::vector<int64_t> rows_q = own_rows ? variation->q_rows[static_cast<size_t>(r)] : qs.gather_indices(r);
+    const std::vector<int64_t> rows_kv = own_rows ? variation->kv_rows[static_cast<size_t>(r)] : ks.gather_indices(r);
     shards.q.push_back(take_rows_as<T>(inputs.q, rows_q));
     shards.k.push_back(take_rows_as<T>(inputs.k, rows_kv));
     shards.v.push_back(take_rows_as<T>(inputs.v, rows_kv));
@@ -174,9 +202,9 @@ class HostRankBackend {
   using Backward = BackwardResult<T>;
 
   HostRankBackend(int rank, const RankShards<T>& shards, const Arith& arith, Rendezvous<HostCopy>& rendezvous,
-                  bool record_trace, bool by_rows)
+                  bool record_trace, bool by_rows, MergeRule merge)
       : rank_(rank), shards_(shards), arith_(arith), rendezvous_(rendezvous), record_trace_(record_trace),
-        by_rows_(by_rows) {}
+        by_rows_(by_rows), merge_(merge) {}
 
   int rank() const { return rank_; }
   const Tensor& input(Payload payload) const {
@@ -250,7 +278,8 @@ class HostRankBackend {
     std::vector<ForwardPart<T>> host_parts;
     host_parts.reserve(parts.size());
     for (const auto& part : parts) host_parts.push_back({part.o, part.lse, part.rows});
-    cpgold::sim::merge_forward(host_parts, o, lse, arith_);
+    if (merge_ == MergeRule::lse_weighted) cpgold::sim::merge_forward(host_parts, o, lse, arith_);
+    else merge_forward_online(host_parts, o, lse, merge_, arith_);
   }
   void finalize(Tensor& x) const { round_all(x, arith_); }
 
@@ -311,6 +340,7 @@ class HostRankBackend {
   Rendezvous<HostCopy>& rendezvous_;
   bool record_trace_;
   bool by_rows_;
+  MergeRule merge_;
 };
 
 template <class Arith>
@@ -319,12 +349,13 @@ CpRun<typename Arith::T> run_cp(const Plan& plan, const CaseInputs& inputs, cons
   using T = typename Arith::T;
   using Backend = HostRankBackend<Arith>;
   const int W = plan.cp_size;
-  const RankShards<T> shards = shard_inputs<T>(plan, inputs);
+  const RankShards<T> shards = shard_inputs<T>(plan, inputs, options.variation);
   // A simulated exchange never legitimately waits long: the peers are threads of this process.
   Rendezvous<HostCopy> rendezvous(W, std::chrono::minutes(10));
   std::vector<std::unique_ptr<Backend>> backends;
   for (int g = 0; g < W; ++g) backends.push_back(
-        std::make_unique<Backend>(g, shards, arith, rendezvous, options.record_trace, options.by_rows));
+        std::make_unique<Backend>(g, shards, arith, rendezvous, options.record_trace, options.by_rows,
+                                  options.variation ? options.variation->merge : MergeRule::lse_weighted));
   CpRun<T> run;
   run.ranks.resize(static_cast<size_t>(W));
   // Ranks share the OpenMP threads: each rank's tiles use threads / W of them (results do not depend on the count).
@@ -373,8 +404,8 @@ CpRun<float> run_cp_peer(const Plan& plan, const CaseInputs& inputs, DType dtype
 namespace {
 // Copies rank r's outputs into their global rows.
 template <class T>
-void gather_rank(const Plan& plan, int r, const RankOutputs<T>& x, GlobalOutputs<T>& out) {
-  const std::vector<int64_t> qi = plan.partition.q.gather_indices(r), ki = plan.partition.kv.gather_indices(r);
+void gather_rank(const std::vector<int64_t>& qi, const std::vector<int64_t>& ki, const RankOutputs<T>& x,
+                 GlobalOutputs<T>& out) {
 #pragma omp parallel for schedule(static) if (x.o.values.size() > (size_t{1} << 18))
   for (size_t i = 0; i < qi.size(); ++i) {
     std::copy_n(x.o.at(static_cast<int64_t>(i), 0), x.o.row_stride(), out.o.at(qi[i], 0));
@@ -407,7 +438,7 @@ template <class T>
 GlobalOutputs<T> gather_outputs(const Plan& plan, std::vector<RankOutputs<T>>&& ranks) {
   GlobalOutputs<T> out = global_like(plan, ranks.at(0));
   for (int r = 0; r < plan.cp_size; ++r) {
-    gather_rank(plan, r, ranks[static_cast<size_t>(r)], out);
+    gather_rank(plan.partition.q.gather_indices(r), plan.partition.kv.gather_indices(r), ranks[static_cast<size_t>(r)], out);
     ranks[static_cast<size_t>(r)] = RankOutputs<T>{};  // each rank freed once copied: one tensor set at a time
   }
   ranks.clear();
@@ -416,29 +447,21 @@ GlobalOutputs<T> gather_outputs(const Plan& plan, std::vector<RankOutputs<T>>&& 
 
 template <class T>
 GlobalOutputs<T> gather_outputs(const Plan& plan, const std::vector<RankOutputs<T>>& ranks) {
-  const SidePartition& qs = plan.partition.q;
-  const SidePartition& ks = plan.partition.kv;
-  GlobalOutputs<T> out;
-  const auto& r0 = ranks.at(0);
-  out.o = Tensor3<T>(qs.global().total_rows, r0.o.heads, r0.o.dim);
-  out.dq = Tensor3<T>(qs.global().total_rows, r0.dq.heads, r0.dq.dim);
-  out.dk = Tensor3<T>(ks.global().total_rows, r0.dk.heads, r0.dk.dim);
-  out.dv = Tensor3<T>(ks.global().total_rows, r0.dv.heads, r0.dv.dim);
-  out.lse = LseTensor<T>(r0.lse.heads, qs.global().total_rows, neg_inf<T>());
-  for (int r = 0; r < plan.cp_size; ++r) {
-    const std::vector<int64_t> qi = qs.gather_indices(r), ki = ks.gather_indices(r);
-    const RankOutputs<T>& x = ranks[static_cast<size_t>(r)];
-    for (size_t i = 0; i < qi.size(); ++i) {
-      std::copy_n(x.o.at(static_cast<int64_t>(i), 0), x.o.row_stride(), out.o.at(qi[i], 0));
-      if (!x.dq.values.empty()) std::copy_n(x.dq.at(static_cast<int64_t>(i), 0), x.dq.row_stride(), out.dq.at(qi[i], 0));
-      for (int64_t h = 0; h < x.lse.heads; ++h) out.lse(h, qi[i]) = x.lse(h, static_cast<int64_t>(i));
-    }
-    if (!x.dk.values.empty())
-      for (size_t i = 0; i < ki.size(); ++i) {
-        std::copy_n(x.dk.at(static_cast<int64_t>(i), 0), x.dk.row_stride(), out.dk.at(ki[i], 0));
-        std::copy_n(x.dv.at(static_cast<int64_t>(i), 0), x.dv.row_stride(), out.dv.at(ki[i], 0));
-      }
-  }
+  GlobalOutputs<T> out = global_like(plan, ranks.at(0));
+  for (int r = 0; r < plan.cp_size; ++r)
+    gather_rank(plan.partition.q.gather_indices(r), plan.partition.kv.gather_indices(r), ranks[static_cast<size_t>(r)],
+                out);
+  return out;
+}
+
+template <class T>
+GlobalOutputs<T> gather_outputs(const Plan& plan, const std::vector<RankOutputs<T>>& ranks,
+                                const RunVariation& variation) {
+  if (variation.q_rows.empty()) return gather_outputs(plan, ranks);
+  GlobalOutputs<T> out = global_like(plan, ranks.at(0));
+  for (int r = 0; r < plan.cp_size; ++r)
+    gather_rank(variation.q_rows[static_cast<size_t>(r)], variation.kv_rows[static_cast<size_t>(r)],
+                ranks[static_cast<size_t>(r)], out);
   return out;
 }
 
@@ -447,6 +470,7 @@ template Tensor3<float> shard_rows(const SidePartition&, int, const Tensor3<floa
 template GlobalOutputs<double> gather_outputs(const Plan&, const std::vector<RankOutputs<double>>&);
 template GlobalOutputs<float> gather_outputs(const Plan&, const std::vector<RankOutputs<float>>&);
 template GlobalOutputs<double> gather_outputs(const Plan&, std::vector<RankOutputs<double>>&&);
+template GlobalOutputs<double> gather_outputs(const Plan&, const std::vector<RankOutputs<double>>&, const RunVariation&);
 template GlobalOutputs<float> gather_outputs(const Plan&, std::vector<RankOutputs<float>>&&);
 
 }  // namespace cpgold::sim

@@ -32,6 +32,28 @@ struct CpRun {
   Trace<T> trace;
 };
 
+// How a merge of step partials combines them (sim/mistakes.hpp models the wrong ones). lse_weighted is the Plan's:
+// LSE first, then O = sum O_i exp(lse_i - lse). The others run an online merge in step order,
+// (o, lse) <- (o a + o_i b, logaddexp(lse, lse_i)) with a = exp(lse - lse_new), b = exp(lse_i - lse_new), and change
+// one thing: a = 1 (running_o_not_rescaled), b = 1 (step_o_not_rescaled), a squared (double_rescale), or a partial
+// whose lse_i is -inf (no key of the row in that step) taken as lse_i = 0 (keyless_step_lse_0) or +inf
+// (keyless_step_lse_inf).
+enum class MergeRule {
+  lse_weighted,
+  running_o_not_rescaled,
+  step_o_not_rescaled,
+  double_rescale,
+  keyless_step_lse_0,
+  keyless_step_lse_inf,
+};
+
+// A run that departs from the Plan the way a mistaken implementation does: which global rows each rank holds (inputs
+// sharded and outputs held in that order), and the merge rule.
+struct RunVariation {
+  std::vector<std::vector<int64_t>> q_rows, kv_rows;  // [W][local row] -> global row; empty: the partition's
+  MergeRule merge = MergeRule::lse_weighted;
+};
+
 struct ExecutorOptions {
   bool backward = true;
   bool record_trace = true;
@@ -42,6 +64,8 @@ struct ExecutorOptions {
   // the GPU backend does: the host backend then gathers the halves itself and adds the step's dQ/dK/dV into the sums
   // at the rows given. The same bits as the default path; it lets the program's StepRows be tested without a GPU.
   bool by_rows = false;
+  // A mistake to run (sim/mistakes.hpp); nullptr: the Plan as it is.
+  const RunVariation* variation = nullptr;
 };
 
 // Global inputs are sharded with the partition's gather indices; each rank then sees only its shards.
@@ -56,6 +80,10 @@ struct GlobalOutputs {
 };
 template <class T>
 GlobalOutputs<T> gather_outputs(const Plan& plan, const std::vector<RankOutputs<T>>& ranks);
+// The same for outputs held in a variation's rows (the partition's when it states none).
+template <class T>
+GlobalOutputs<T> gather_outputs(const Plan& plan, const std::vector<RankOutputs<T>>& ranks,
+                                const RunVariation& variation);
 // The same, freeing each rank's outputs once copied (memory: the global tensors plus one rank's, not all of them).
 template <class T>
 GlobalOutputs<T> gather_outputs(const Plan& plan, std::vector<RankOutputs<T>>&& ranks);
