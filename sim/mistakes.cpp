@@ -211,6 +211,38 @@ bool parse_edge(const std::string& name, EdgeEdit& edit, std::optional<StepSecti
 
 // ---- merge ---------------------------------------------------------------------------------------------------
 
+// True if some query row of the tile sees none of the tile's keys (its partial's LSE is -inf there).
+bool has_keyless_row(const Tile& t) {
+  const Window w = t.call.window;
+  for (const SequenceTile& seq : t.call.sequences)
+    for (const RowSegment& q : seq.q)
+      for (int32_t i = 0; i < q.count; ++i) {
+        const int64_t diag = static_cast<int64_t>(q.position) + i + seq.delta();
+        bool any = false;
+        for (const RowSegment& k : seq.kv) {
+          int64_t lo = k.position, hi = static_cast<int64_t>(k.position) + k.count - 1;
+          if (w.left >= 0) lo = std::max(lo, diag - w.left);
+          if (w.right >= 0) hi = std::min(hi, diag + w.right);
+          if (lo <= hi) {
+            any = true;
+            break;
+          }
+        }
+        if (!any) return true;
+      }
+  return false;
+}
+
+// The forward tiles whose partial a merge rule treats otherwise: those with a keyless row (keyless rules), every
+// tile merged into a running result (the rescale rules: steps after the first).
+std::vector<TileRef> merge_tiles(const Plan& plan, MergeRule rule) {
+  std::vector<TileRef> out;
+  const bool keyless = rule == MergeRule::keyless_step_lse_0 || rule == MergeRule::keyless_step_lse_inf;
+  for (const Tile& t : plan.forward.tiles)
+    if (t.computed && (keyless ? has_keyless_row(t) : t.step > 0)) out.push_back({PassKind::forward, t.rank, t.step});
+  return out;
+}
+
 std::optional<MergeRule> merge_rule_named(const std::string& name) {
   if (name == "running_o_not_rescaled") return MergeRule::running_o_not_rescaled;
   if (name == "step_o_not_rescaled") return MergeRule::step_o_not_rescaled;
@@ -262,6 +294,8 @@ std::optional<Mistake> make_mistake(const Plan& plan, const std::string& name) {
     if (plan.forward.steps < 2) return std::nullopt;  // nothing is merged
     m.family = MistakeFamily::merge;
     m.variation.merge = *rule;
+    m.changed_tiles = merge_tiles(plan, *rule);
+    if (m.changed_tiles.empty()) return std::nullopt;  // no step's partial is merged otherwise
     switch (*rule) {
       case MergeRule::running_o_not_rescaled: m.description = "the online merge leaves the running output unrescaled"; break;
       case MergeRule::step_o_not_rescaled: m.description = "the online merge adds each step's output unrescaled"; break;

@@ -41,7 +41,9 @@ struct Mistake {
   std::string description;  // one sentence, for reports
   Plan plan;                // the Plan with the mistake's calls (= the correct Plan for layout and merge mistakes)
   RunVariation variation;   // rows held and merge rule
-  std::vector<TileRef> changed_tiles;  // tiles whose call the mistake changes (empty for layout and merge mistakes)
+  // The tiles where the mistake acts: whose call it changes (mask, counts), whose forward partial it merges otherwise
+  // (merge); empty for layout mistakes (every tile of every rank).
+  std::vector<TileRef> changed_tiles;
 };
 
 // Every mistake of the catalogue that changes something for this plan (a mask edge of a mask the case does not have,

@@ -59,12 +59,18 @@ TEST_CASE("mistakes: the catalogue holds what changes something for the plan") {
   const std::vector<std::string> names = mistake_names(p2p);
   for (const char* name : {"contiguous_chunks", "chunks_swapped", "ranks_reversed", "counts_cu_div_w", "counts_cu_div_2w",
                            "right_edge+1:every", "right_edge+1:diagonal", "right_edge-1:diagonal",
-                           "running_o_not_rescaled", "step_o_not_rescaled", "double_rescale", "keyless_step_lse_0",
-                           "keyless_step_lse_inf"}) {
+                           "running_o_not_rescaled", "step_o_not_rescaled", "double_rescale"}) {
     CAPTURE(name);
     CHECK(has(names, name));
   }
   CHECK_FALSE(has(names, "left_edge+1:every"));  // causal: the left side is unbounded
+  // Causal p2p: every row of every step sees a key (its own chunk on the diagonal, earlier chunks below it).
+  CHECK_FALSE(has(names, "keyless_step_lse_0"));
+  // The rescale rules act on the partials merged into a running result: steps after the first.
+  const std::optional<Mistake> rescale = make_mistake(p2p, "running_o_not_rescaled");
+  REQUIRE(rescale);
+  REQUIRE(rescale->changed_tiles.size() == 2);
+  for (const TileRef& t : rescale->changed_tiles) CHECK(t.step == 1);
   CHECK_FALSE(make_mistake(p2p, "no_such_mistake"));
 
   // Lengths that split evenly over the 2W chunks: the count shortcuts are the right counts.
@@ -205,6 +211,10 @@ TEST_CASE("mistakes: keyless steps merged with LSE 0 scale the row by S / (S + 1
   const CpRun<double> right = run_cp_oracle(plan, inputs, options);
   const std::optional<Mistake> m = make_mistake(plan, "keyless_step_lse_0");
   REQUIRE(m);
+  // The partials with a keyless row: rank 0's step 1 and rank 1's step 0 (sequence 0's key is on rank 0).
+  REQUIRE(m->changed_tiles.size() == 2);
+  CHECK(((m->changed_tiles[0].rank == 0 && m->changed_tiles[0].step == 1) ||
+         (m->changed_tiles[1].rank == 0 && m->changed_tiles[1].step == 1)));
   ExecutorOptions o = options;
   o.variation = &m->variation;
   const CpRun<double> run = run_cp_oracle(m->plan, inputs, o);
