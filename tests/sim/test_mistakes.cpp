@@ -93,7 +93,7 @@ TEST_CASE("mistakes: the catalogue holds what changes something for the plan") {
   CHECK(has(a2a_names, "contiguous_chunks"));
 }
 
-TEST_CASE("mistakes: a layout mistake moves whole chunks; every global row is held once") {
+TEST_CASE("mistakes: a layout mistake moves whole chunks, every global row is held once") {
   const CaseSpec spec = causal_case(3, {57, 13, 30});
   const Plan plan = make_plan(spec);
   for (const char* name : {"contiguous_chunks", "chunks_swapped", "ranks_reversed"}) {
@@ -117,7 +117,7 @@ TEST_CASE("mistakes: a layout mistake moves whole chunks; every global row is he
   for (int r = 0; r < 3; ++r) CHECK(c->variation.q_rows[static_cast<size_t>(r)][0] == 2 * r * C);
 }
 
-TEST_CASE("mistakes: the run's variation plumbing leaves the correct run bit for bit; every mistake moves the outputs") {
+TEST_CASE("mistakes: the run's variation plumbing leaves the correct run bit for bit, every mistake moves the outputs") {
   CaseSpec spec = causal_case(2, {57, 13, 30});
   spec.seqlens_kv = {57, 13, 30};
   const Plan plan = make_plan(spec);
