@@ -139,6 +139,20 @@ def _source(golden):
     return golden.source if isinstance(golden, Fixture) else os.fspath(golden)
 
 
+def _diagnosis(diagnosis):
+    """(diagnose, replay budget in seconds) of diagnosis=: True (the replay's default 30 s), False, or seconds."""
+    if isinstance(diagnosis, bool) or diagnosis is None:
+        return bool(diagnosis), 30.0
+    try:
+        seconds = float(diagnosis)
+    except (TypeError, ValueError):
+        seconds = float("nan")
+    if not 0 <= seconds <= 86400:  # NaN fails too
+        raise InputError(f"diagnosis: expected True, False or seconds from 0 to 86400 for the replay of modelled "
+                         f"mistakes, got {diagnosis!r}", "diagnosis")
+    return True, seconds
+
+
 def check(golden, *candidates, tensors=None, empty_row_lse=None, ranks=None, allow_same_file=False, cpgold=None,
           timeout=None, diagnosis=True, pad_rows=None):
     """Checks candidate file(s) against a golden fixture (a path or a Fixture) as `cpgold check` does.
@@ -146,7 +160,8 @@ def check(golden, *candidates, tensors=None, empty_row_lse=None, ranks=None, all
     FlashAttention-2's LSE +inf on rows with no visible key (the contract, and the default, is "neg-inf").
     ranks: check the per-rank outputs of these ranks only. allow_same_file: accept the golden itself as candidate (its
     stored simulator outputs are then checked). diagnosis: False skips the diagnosis of a failure (report["diagnosis"]
-    stays empty). pad_rows: "unwritten" leaves the pad and tail rows of o/dq/dk/dv out of the comparison (FlashAttention-3/4
+    stays empty); a number of seconds bounds its replay of modelled CP mistakes (`--diagnosis-budget`; True: 30 s,
+    0: no replay). pad_rows: "unwritten" leaves the pad and tail rows of o/dq/dk/dv out of the comparison (FlashAttention-3/4
     with seqused_q/k never write them; their non-zero counts are reported); the contract, and the default, is "zero".
     Raises CheckInputError (an InputError) on unusable input.
     cpgold: a cpgold binary to run instead of the in-process engine (also used when the extension is missing)."""
@@ -156,15 +171,16 @@ def check(golden, *candidates, tensors=None, empty_row_lse=None, ranks=None, all
     convention = _empty_row_lse(empty_row_lse)
     pads = _pad_rows(pad_rows)
     rank_list = _ranks(ranks)
+    diagnose, budget = _diagnosis(diagnosis)
     files = [os.fspath(c) for c in candidates]
     if cpgold is not None or not _core_available():
         if isinstance(golden, Fixture) and not isinstance(golden.source, str):
             raise InputError("check: a fixture in memory needs the in-process engine (pip install ./python)", "golden")
         return _check_with_binary(_source(golden), files, names, convention, rank_list, allow_same_file, cpgold,
-                                  timeout, diagnosis, pads)
+                                  timeout, diagnose, pads, budget)
     try:
         result = core().check_files(_source(golden), files, ",".join(names or ()), convention, rank_list,
-                                    allow_same_file, bool(diagnosis), pads)
+                                    allow_same_file, diagnose, pads, budget)
     except InputError as e:
         raise CheckInputError(str(e), e.field) from None
     return _report(result)
@@ -202,7 +218,7 @@ def check_outputs(fixture, outputs, rank=None, scope="global", tensors=None, emp
     scope (global outputs): "global" for a non-CP implementation (the larger of the CP and non-CP budgets decides),
     "cp_gathered" for CP outputs gathered to the global layout (the CP budget decides).
     A failure's report carries its diagnosis (report["diagnosis"], the "diagnosis:" lines of report.text); diagnosis=False
-    skips it. pad_rows: "unwritten" for implementations that leave pad rows unwritten (see check())."""
+    skips it, diagnosis=SECONDS bounds its replay of modelled CP mistakes (see check()). pad_rows: "unwritten" for implementations that leave pad rows unwritten (see check())."""
     if not isinstance(fixture, Fixture):
         with Fixture(fixture) as opened:
             return check_outputs(opened, outputs, rank, scope, tensors, empty_row_lse, lse_layout, diagnosis, pad_rows)
@@ -211,6 +227,7 @@ def check_outputs(fixture, outputs, rank=None, scope="global", tensors=None, emp
     names = tensor_names(tensors)
     convention = _empty_row_lse(empty_row_lse)
     pads = _pad_rows(pad_rows)
+    diagnose, budget = _diagnosis(diagnosis)
     if isinstance(outputs, (list, tuple)):
         if rank is not None:
             raise InputError("rank: give either one rank's outputs with rank=r, or a list of every rank's outputs",
@@ -231,7 +248,7 @@ def check_outputs(fixture, outputs, rank=None, scope="global", tensors=None, emp
         ranks, source = "", f"arrays ({scope})"
     try:
         result = core().check_arrays(fixture.source, arrays, scope, source, "", ",".join(names or ()), convention,
-                                     ranks, bool(diagnosis), pads)
+                                     ranks, diagnose, pads, budget)
     except InputError as e:
         raise CheckInputError(str(e), e.field) from None
     return _report(result)
@@ -250,7 +267,7 @@ def self_check(golden, tensors=None, empty_row_lse=None, diagnosis=True):
 
 
 def _check_with_binary(golden, files, names, convention, ranks, allow_same_file, cpgold, timeout, diagnosis=True,
-                       pad_rows="zero"):
+                       pad_rows="zero", diagnosis_budget=30.0):
     cmd = [find_cpgold(cpgold), "check", golden, *files, "--format", "json", "--empty-row-lse", convention]
     if pad_rows != "zero":
         cmd += ["--pad-rows", pad_rows]
@@ -262,6 +279,8 @@ def _check_with_binary(golden, files, names, convention, ranks, allow_same_file,
         cmd += ["--allow-same-file"]
     if not diagnosis:
         cmd += ["--no-diagnosis"]
+    elif diagnosis_budget != 30.0:
+        cmd += ["--diagnosis-budget", repr(float(diagnosis_budget))]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     if proc.returncode not in (0, 1):
         raise CheckInputError(f"{' '.join(cmd)}: exit {proc.returncode}: {proc.stderr.strip() or proc.stdout.strip()}")

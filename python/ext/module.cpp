@@ -3,6 +3,7 @@
 // arrays, without a subprocess and without writing a candidate. Every function here calls the code the `cpgold`
 // command calls (fixtures::check, fixtures::generate, sim::explain_json, ...), so the two cannot disagree.
 // The Python package (python/cpgold) wraps these in its documented API; this module is its private engine.
+#include <cmath>
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -85,13 +86,17 @@ sim::CaseSpec parse_case(const std::string& json_text) { return sim::parse_case_
 
 // tensors and ranks as `cpgold check --tensors/--ranks` take them ("o,lse", "0,2"; "" for all): one parser.
 fx::CheckOptions check_options(const std::string& tensors, const std::string& empty_row_lse, const std::string& ranks,
-                               bool allow_same_file, bool diagnose, const std::string& pad_rows = "zero") {
+                               bool allow_same_file, bool diagnose, const std::string& pad_rows = "zero",
+                               double diagnosis_budget = 30) {
   fx::CheckOptions options;
   if (!tensors.empty()) options.tensors = fx::parse_tensor_list(tensors, "tensors");
   fx::set_conventions(options, empty_row_lse, "empty_row_lse", pad_rows, "pad_rows");
   if (!ranks.empty()) options.ranks = fx::parse_rank_list(ranks, "ranks");
   options.allow_same_file = allow_same_file;
   options.diagnose = diagnose;
+  if (!std::isfinite(diagnosis_budget) || diagnosis_budget < 0 || diagnosis_budget > 86400)
+    fail_input("diagnosis", "expected True, False or seconds from 0 to 86400 for the replay, got ", diagnosis_budget);
+  options.diagnosis_budget_seconds = diagnosis_budget;
   return options;
 }
 
@@ -358,8 +363,9 @@ PYBIND11_MODULE(_core, m) {
       "check_files",
       [](const FixtureSource& golden_source_arg, const std::vector<std::string>& candidates, const std::string& tensors,
          const std::string& empty_row_lse, const std::string& ranks, bool allow_same_file, bool diagnose,
-         const std::string& pad_rows) {
-        const fx::CheckOptions options = check_options(tensors, empty_row_lse, ranks, allow_same_file, diagnose, pad_rows);
+         const std::string& pad_rows, double diagnosis_budget) {
+        const fx::CheckOptions options =
+            check_options(tensors, empty_row_lse, ranks, allow_same_file, diagnose, pad_rows, diagnosis_budget);
         GoldenSource source = golden_source(golden_source_arg);
         py::gil_scoped_release release;
         OpenGolden golden;
@@ -368,7 +374,8 @@ PYBIND11_MODULE(_core, m) {
         return fx::check(*golden.reader, fixture, candidates, options);
       },
       py::arg("golden"), py::arg("candidates"), py::arg("tensors"), py::arg("empty_row_lse"), py::arg("ranks"),
-      py::arg("allow_same_file"), py::arg("diagnose") = true, py::arg("pad_rows") = "zero");
+      py::arg("allow_same_file"), py::arg("diagnose") = true, py::arg("pad_rows") = "zero",
+      py::arg("diagnosis_budget") = 30.0);
 
   // arrays: (rank or -1, name, array of any dtype, element, lse layout): see array_shape. Shapes are compared with
   // the fixture's before any array is copied.
@@ -378,8 +385,9 @@ PYBIND11_MODULE(_core, m) {
          const std::vector<std::tuple<int, std::string, py::array, std::string, std::string>>& arrays,
          const std::string& scope, const std::string& source, const std::string& inputs_sha256,
          const std::string& tensors, const std::string& empty_row_lse, const std::string& ranks, bool diagnose,
-         const std::string& pad_rows) {
-        const fx::CheckOptions options = check_options(tensors, empty_row_lse, ranks, false, diagnose, pad_rows);
+         const std::string& pad_rows, double diagnosis_budget) {
+        const fx::CheckOptions options =
+            check_options(tensors, empty_row_lse, ranks, false, diagnose, pad_rows, diagnosis_budget);
         fx::CandidateSet cands;
         cands.sources = {source};
         if (scope == "cp_gathered") cands.global_scope = fx::CandidateScope::cp_output;
@@ -417,7 +425,7 @@ PYBIND11_MODULE(_core, m) {
       },
       py::arg("golden"), py::arg("arrays"), py::arg("scope"), py::arg("source"), py::arg("inputs_sha256"),
       py::arg("tensors"), py::arg("empty_row_lse"), py::arg("ranks"), py::arg("diagnose") = true,
-      py::arg("pad_rows") = "zero");
+      py::arg("pad_rows") = "zero", py::arg("diagnosis_budget") = 30.0);
 
   m.def(
       "self_check",

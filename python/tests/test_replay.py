@@ -201,3 +201,44 @@ def test_the_example_runs(core, capsys):
     assert planted_ring_attention.main() == 0
     out = capsys.readouterr().out
     assert out.count("PASS") == 4 and out.count("FAIL") == 4 * (len(KIND))
+
+
+# -- the replay's budget: diagnosis=SECONDS in process, --diagnosis-budget on the command line ---------------------
+
+def test_diagnosis_budget_bounds_the_replay(core, tmp_path):
+    fx, outputs, _ = planted("running_o_not_rescaled", 0)
+    named = cpgold.check_outputs(fx, outputs, lse_layout="ht")
+    assert replay_findings(named, "running_o_not_rescaled")
+    assert replay_findings(cpgold.check_outputs(fx, outputs, lse_layout="ht", diagnosis=5), "running_o_not_rescaled")
+    off = cpgold.check_outputs(fx, outputs, lse_layout="ht", diagnosis=0)  # the diagnosis without its replay
+    assert not off["pass"] and off["diagnosis"]
+    assert all("replay" not in (d.get("where") or {}) for d in off["diagnosis"])
+    for bad in (-1, float("nan"), "soon", 1e9):
+        with pytest.raises(cpgold.InputError) as e:
+            cpgold.check_outputs(fx, outputs, lse_layout="ht", diagnosis=bad)
+        assert e.value.field == "diagnosis"
+
+
+def test_diagnosis_budget_on_the_command_line(core, cpgold_bin, tmp_path):
+    import json
+    import subprocess
+
+    fx, outputs, _ = planted("running_o_not_rescaled", 0)
+    golden = str(tmp_path / "g.h5")
+    cpgold.generate(CASES["running_o_not_rescaled"][0], path=golden).close()
+    cand = str(tmp_path / "c.h5")
+    with cpgold.Fixture(golden) as opened:
+        cpgold.write_ranks(cand, outputs, fixture=opened, lse_layout="ht")
+
+    def run(*extra):
+        return subprocess.run([cpgold_bin, "check", golden, cand, "--format", "json", *extra], capture_output=True,
+                              text=True)
+
+    full = json.loads(run().stdout)
+    assert any((d["where"].get("replay") or {}).get("mistake") == "running_o_not_rescaled" for d in full["diagnosis"])
+    off = json.loads(run("--diagnosis-budget", "0").stdout)
+    assert off["diagnosis"] and all("replay" not in d["where"] for d in off["diagnosis"])
+    for bad in ("-1", "abc", "nan", "1e9", ""):
+        r = run("--diagnosis-budget", bad)
+        assert r.returncode == 2, (bad, r.stdout, r.stderr)
+        assert "--diagnosis-budget" in r.stdout + r.stderr
