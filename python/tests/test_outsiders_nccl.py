@@ -187,3 +187,19 @@ def test_nccl_without_nvls_off_is_refused(tmp_path):
         assert "NCCL_NVLS_ENABLE=0 must be in the environment" in proc.stderr
         assert ("unset" if value is None else "'1'") in proc.stderr
         assert not (tmp_path / "out").exists()
+
+
+def test_every_rank_raising_is_recorded_and_the_run_goes_on(core, fixture_dir, tmp_path):
+    out = tmp_path / "all"
+    rc, text, seconds = launch(2, ["torch_allgather", fixture_dir, "--out", out, "--set", "fail_rank=all",
+                                   "--timeout", 30, "--grace", 2], timeout=60)
+    assert rc == 1, text
+    with open(out / "summary.json") as f:
+        summary = json.load(f)
+    assert summary["stopped"] is None
+    statuses = {e["fixture"][:-3]: e["status"] for e in summary["fixtures"]}
+    assert statuses == {"a2a_p2p_w4_causal_window": "skipped", "a2a_w2_window": "error",
+                        "all_gather_w2_cross": "error", "p2p_w2_causal_nan": "error"}
+    e = entries(out)["p2p_w2_causal_nan"]
+    assert e["reason"].startswith("every rank raised: rank 0: RuntimeError: planted failure on rank 0")
+    assert "rank 1: RuntimeError: planted failure on rank 1" in e["reason"] and e["rank_status"] == ["error"] * 2

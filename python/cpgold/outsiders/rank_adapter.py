@@ -65,7 +65,7 @@ RANK_ADAPTERS = {
               "TransformerEngine DotProductAttention CP, one process per GPU over NCCL (--backend fused|flash)"),
     "torch_allgather": ("torch_cp", "TorchAllGather",
                         "plain torch all-gather CP (CPU under gloo, GPU under NCCL); --set mistake=causal_edge_plus1 "
-                        "plants an off-by-one causal edge, --set fail_rank=R raises on rank R (fail_when=before|after "
+                        "plants an off-by-one causal edge, --set fail_rank=R|all raises on rank R (or every rank) (fail_when=before|after "
                         "its collectives)"),
 }
 

@@ -17,7 +17,8 @@ r0.h5 r1.h5 ...`), gathers them to DIR/<suite>/<fixture>.gathered.h5 and checks 
 A rank that raises writes its status; a watchdog thread in every process stops a rank that is still inside the
 fixture --grace seconds after a peer failed (waiting on a peer that will never come), or --timeout seconds after the
 fixture began. Every rank then stops naming the failing rank(s); rank 0 first records the fixture as an error (the
-fixtures done so far stay recorded). Exit: 0 every fixture that ran passed (skipped and refused ones aside), 1 one
+fixtures done so far stay recorded). When every rank raised (or refused) on a fixture, nobody waits on a peer: the
+fixture is recorded as an error (or refused) and the run goes on. Exit: 0 every fixture that ran passed (skipped and refused ones aside), 1 one
 failed or errored, 2 bad usage or environment, 3 no fixture had cp_size = the world size; when a rank fails the run
 stops: 1 on the rank that raised, 75 (CONTEXT_LOST) on a rank whose CUDA context was lost (a device-side assert), 4
 on the ranks stopped because of it.
@@ -127,7 +128,10 @@ class Watchdog(threading.Thread):
             if current is None:
                 continue
             n, label, start = current
-            peers = {r: s for r, s in self.statuses.all(n).items() if r != self.rank and s["status"] != "ok"}
+            found = self.statuses.all(n)
+            peers = {r: s for r, s in found.items() if r != self.rank and s["status"] != "ok"}
+            if len(found) == self.statuses.world and all(s["status"] in ("error", "refused") for s in found.values()):
+                peers = {}   # every rank raised or refused: they meet in the exchange, nobody waits on a peer
             now = time.time()
             if peers and self.seen is None:
                 self.seen = now
@@ -347,6 +351,20 @@ class Harness:
         sys.stderr.flush()
         os._exit({"context_lost": 75, "error": 1}.get(own, EXIT_STOPPED))
 
+    def all_raised(self, n, text, trace):
+        """After this rank raised: whether every rank raised or refused on fixture n (then nobody waits on a peer and
+        the run goes on), waiting up to grace/2 for the peers' statuses."""
+        self.statuses.write(n, self.rank, "error", reason=text[:2000], trace=trace)
+        deadline = time.time() + self.args.grace / 2
+        while time.time() < deadline:
+            found = self.statuses.all(n)
+            if len(found) == self.world or any(s["status"] in ("ok", "stopped", "context_lost")
+                                               for s in found.values()):
+                break
+            time.sleep(0.05)
+        found = self.statuses.all(n)
+        return len(found) == self.world and all(s["status"] in ("error", "refused") for s in found.values())
+
     def describe(self, suite, path):
         from ..fixture import Fixture
         from .runner import describe_entry
@@ -419,24 +437,27 @@ class Harness:
             except Exception as e:  # noqa: BLE001 - every rank stops, naming this one
                 text = f"{type(e).__name__}: {e}"
                 trace = traceback.format_exc()[-4000:]
-                lost = any(t in text + trace for t in CONTEXT_ERRORS)
                 if self.stopping.locked():      # the watchdog is stopping this rank: a peer failed first
                     self.stop(n, label, text)
-                peers = {r: st for r, st in self.statuses.all(n).items() if r != self.rank and st["status"] != "ok"}
-                if peers and not lost:          # a consequence of a peer's failure (a closed connection)
-                    self.stop(n, label, "; ".join(f"rank {r} {st['status']}: {st.get('reason', '')}"
-                                                  for r, st in sorted(peers.items())) + f" (here: {text})"[:2000])
                 self.say(f"{PROG}: rank {self.rank} raised on {label}: {text}\n{trace}", err=True)
-                self.stop(n, label, text[:2000], own="context_lost" if lost else "error", trace=trace)
+                if any(t in text + trace for t in CONTEXT_ERRORS):
+                    self.stop(n, label, text[:2000], own="context_lost", trace=trace)
+                if not self.all_raised(n, text, trace):
+                    self.stop(n, label, text[:2000], own="error", trace=trace)
+                mine = {"status": "error", "reason": text[:2000]}
             mine["seconds"] = round(time.time() - t0, 2)
             self.statuses.write(n, self.rank, mine["status"], reason=mine.get("reason", ""))
             every = [None] * self.world
             self.dist.all_gather_object(every, mine, group=self.ctl)
             kinds = {s["status"] for s in every}
             if kinds != {"ok"}:
-                if kinds == {"refused"}:
+                if kinds <= {"refused", "error"}:   # every rank refused or raised: recorded, the run goes on
                     if entry is not None:
-                        entry.update(status="unsupported", reason=every[0]["reason"], seconds=mine["seconds"])
+                        reasons = "; ".join(f"rank {r}: {s['reason']}" for r, s in enumerate(every)
+                                            if s["reason"] != every[0]["reason"] or r == 0)
+                        entry.update(status="unsupported" if kinds == {"refused"} else "error",
+                                     reason=(reasons if kinds == {"refused"} else f"every rank raised: {reasons}")[:4000],
+                                     rank_status=[s["status"] for s in every], seconds=mine["seconds"])
                     self.dist.barrier(group=self.ctl)
                     self.watchdog.end()
                     return entry

@@ -10,7 +10,7 @@ Backward by autograd: dQ of the rank's rows; dK/dV on the global rows, summed ov
 inverse of the gather) and the rank's rows kept. Arithmetic in float64.
 
 Options (--set): mistake=none|causal_edge_plus1 (a causal query at position i also sees the key at i + 1: a planted
-off-by-one causal edge), fail_rank=R and fail_when=before|after (rank R raises before its collectives, leaving its
+off-by-one causal edge), fail_rank=R|all and fail_when=before|after (rank R, or every rank, raises before its collectives, leaving its
 peers waiting in the all-gather, or after them), for the harness's tests of a failing rank.
 """
 import numpy as np
@@ -40,6 +40,7 @@ class TorchAllGather(RankAdapter):
 
     def __init__(self, deterministic=False, mistake="none", fail_rank=-1, fail_when="before", **options):
         super().__init__(deterministic, **options)
+        fail_rank = -2 if fail_rank == "all" else fail_rank
         if mistake not in MISTAKES:
             raise ValueError(f"mistake: expected one of {', '.join(MISTAKES)}, got {mistake!r}")
         if fail_when not in ("before", "after"):
@@ -58,7 +59,7 @@ class TorchAllGather(RankAdapter):
         return "not a CP fixture (cp_size 1)" if fx.cp_size < 2 else None
 
     def _fail(self, rank, when):
-        if rank == self.fail_rank and self.fail_when == when:
+        if self.fail_when == when and self.fail_rank in (rank, -2):
             raise RuntimeError(f"planted failure on rank {rank} ({when} its collectives)")
 
     def _gather_kv(self, fx, rank, groups, k, v):
