@@ -70,8 +70,13 @@ RANK_ADAPTERS = {
 }
 
 
-def make_rank_adapter(name, **options):
+def rank_adapter_class(name):
+    """The class of a per-rank adapter (its module imports no implementation: TE is imported by the constructor)."""
     if name not in RANK_ADAPTERS:
         raise ValueError(f"adapter: {name!r} is not one of {', '.join(RANK_ADAPTERS)}")
     module, cls, _ = RANK_ADAPTERS[name]
-    return getattr(importlib.import_module(f"{__package__}.{module}"), cls)(**options)
+    return getattr(importlib.import_module(f"{__package__}.{module}"), cls)
+
+
+def make_rank_adapter(name, **options):
+    return rank_adapter_class(name)(**options)

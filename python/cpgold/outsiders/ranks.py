@@ -532,7 +532,7 @@ def main(argv=None):
                           f"{PROG} ...), one process per rank")
     rank, world, local_rank = (int(os.environ[v]) for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
     from .__main__ import parse_sets
-    from .rank_adapter import make_rank_adapter
+    from .rank_adapter import make_rank_adapter, rank_adapter_class
     from .runner import fixture_list
 
     options = parse_sets(args.set)
@@ -565,12 +565,14 @@ def main(argv=None):
         os.environ.setdefault("NCCL_ASYNC_ERROR_HANDLING", "1")
     else:
         device = torch.device("cpu")
+    if getattr(rank_adapter_class(args.adapter), "requires_cuda", False) and device.type != "cuda":
+        return fail_usage(f"{args.adapter} runs on GPUs: use --dist-backend nccl")
     try:
         adapter = make_rank_adapter(args.adapter, **options)
     except (ValueError, TypeError) as e:
         return fail_usage(str(e))
-    if getattr(adapter, "requires_cuda", False) and device.type != "cuda":
-        return fail_usage(f"{args.adapter} runs on GPUs: use --dist-backend nccl")
+    except ImportError as e:
+        return fail_usage(f"{args.adapter}: {e}")
     os.makedirs(args.out, exist_ok=True)
     return Harness(args, adapter, dist, torch, rank, world, local_rank, device, items).main()
 
