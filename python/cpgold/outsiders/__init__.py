@@ -9,6 +9,9 @@ Adapters (name: implementation): varlen (PyTorch's varlen_attn, FlashAttention-2
 its frontend), te (TransformerEngine's DotProductAttention, non-CP), te_cp (TransformerEngine's CP with W thread
 ranks on one GPU). From Python: `make("fa3")`, then `runner.run_fixture(adapter, path, suite, workdir)` or your own
 loop over `adapter.run(fixture)`. A new implementation is a subclass of `Adapter` (adapter.py).
+
+One process per rank (torchrun, NCCL or gloo): `torchrun --nproc-per-node W -m cpgold.outsiders.ranks te_cp DIR...
+--out OUT` with per-rank adapters (rank_adapter.py; docs/outsiders-nccl.md).
 """
 import importlib
 

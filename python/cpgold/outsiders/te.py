@@ -550,3 +550,28 @@ class TeContextParallel(_TeAdapter):
             notes["calls"] = {str(r): res[3] for r, res in enumerate(results)}
         return Outcome(outputs=gather(fx, outs), rank_outputs=outs, scope="cp_gathered",
                        backend=", ".join(sorted({r[2] for r in results})), log=results[0][1], notes=notes)
+
+
+class TeContextParallelProcess(_TeAdapter):
+    """TE's CP the way its users run it: one process per GPU (torchrun), NCCL process groups made by the harness
+    (cpgold.outsiders.ranks, adapter te_cp there). Per rank what TeContextParallel does for a thread rank:
+    DotProductAttention with set_context_parallel_group(group or [a2a group, p2p group], every CP rank, a CUDA
+    stream, the fixture's comm type), THD, forward and backward on the rank's shard with the global cu_seqlens."""
+    name = "te_cp"
+    tensors = TENSORS
+    requires_cuda = True
+
+    def unsupported(self, fx):
+        return "not a CP fixture (cp_size 1): the adapter te runs it" if fx.cp_size < 2 else None
+
+    def run_rank(self, fx, rank, groups):
+        from .rank_adapter import RankResult
+        torch = self.m.torch
+        dpa = make_dpa(self.m, fx)
+        dpa.set_context_parallel_group(groups.cp_group, list(groups.cp_global_ranks), torch.cuda.Stream(), fx.comm)
+        x = fx.rank_inputs(rank, "torch", "cuda")
+        out, log, backend = run_dpa(self.m, dpa, fx, x["q"], x["k"], x["v"], x["dout"], self.cu(fx))
+        torch.cuda.current_stream().synchronize()
+        return RankResult({n: out[n].float().cpu().numpy() for n in TENSORS}, backend=backend,
+                          log=debug_summary(log),
+                          notes={"arguments": te_arguments(fx), "lse_from": "none: TE's CP API returns no LSE"})

@@ -10,6 +10,10 @@
 #   direct     FA3 and FA4 on every folder, default and deterministic backward (`python3 -m cpgold.outsiders`)
 #   te         TE non-CP: backend fused, flash with FA3, flash with FA4 (deterministic with NVTE_ALLOW_...=0 too)
 #   te_cp      TE CP on W thread ranks with the flash backend, FA3 and FA4 (fused: TE_CP_FUSED=1)
+#   te_ranks   TE CP one process per GPU over NCCL (torchrun, `python3 -m cpgold.outsiders.ranks`, NCCL_NVLS_ENABLE=0):
+#              W = 2 and 4 (RANKS_W) over quick, edge and te (fixtures of another cp_size are recorded as skipped),
+#              first the harness's torch all-gather reference, then TE backend fused and flash (FA3; RANKS_FLASH="fa3
+#              fa4" for both); summaries in $OUT/te_ranks/<tag>/ (docs/outsiders-nccl.md)
 #   bench      FA3, FA4 and varlen_attn (bench_flash.py) and cuDNN's THD graph (bench_cudnn_thd.py) on the same
 #              padded batches, d 64, 128, 192/128, 256
 #   fa3-build  FlashAttention-3's wheel built from sources (fa3_sources.sh's tar in $PARTS): build_fa3.sh
@@ -18,7 +22,7 @@
 # Environment: RANDOM_COUNT (120), RANDOM_SEED (26), FOLDERS (which fixture folders a phase runs; default all),
 # DIRECT_IMPLS (fa3 fa4), TE_BACKENDS (fused fa3 fa4), NONDETERMINISTIC=0 / DETERMINISTIC=0 (skip that backward).
 set -u
-PHASE=${1:?usage: device_run.sh receive|install|direct|te|te_cp|bench|fa3-build|bg PHASE...|poll}
+PHASE=${1:?usage: device_run.sh receive|install|direct|te|te_cp|te_ranks|bench|fa3-build|bg PHASE...|poll}
 W=/tmp/outsiders; B=$W/build; FX=$W/fx; R=$W/results; L=$W/logs
 mkdir -p $W/parts $R $L
 export CPGOLD_PYTHONPATH=$PWD/python:$PWD/python/examples PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
@@ -84,6 +88,26 @@ te)
 te_cp)
   [ -n "${TE_CP_FUSED:-}" ] && run te_cp_fused none te_cp --backend fused --set timeout=30
   for fa in fa3 fa4; do run te_cp_${fa} $fa te_cp --backend flash --set timeout=30; done; stamp te_cp ;;
+te_ranks)   # one process per GPU: the rank files, results.jsonl, summary.json and summary.md of each run
+  gpus=$(nvidia-smi --query-gpu=name --format=csv,noheader | wc -l)
+  ranks() {  # ranks TAG ENV W ADAPTER ARGS...: the harness under torchrun on W GPUs over quick, edge and te
+    local tag=$1 env=$2 w=$3; shift 3
+    if [ "$w" -gt "$gpus" ]; then echo "$tag: W=$w needs $w GPUs, this machine has $gpus: not run"; return; fi
+    rm -rf $R/ranks/$tag && mkdir -p $R/ranks/$tag $OUT/te_ranks/$tag
+    ( source $W/prefix/env.sh $env
+      export NCCL_NVLS_ENABLE=0
+      timeout ${RUN_TIMEOUT:-3000} python3 -m torch.distributed.run --standalone --nproc-per-node $w \
+        -m cpgold.outsiders.ranks "$@" $FX/quick $FX/edge $FX/te --out $R/ranks/$tag --cpgold $B/bin/cpgold \
+        --timeout ${RANKS_TIMEOUT:-300} --title "$tag" > $R/ranks/$tag/run.log 2>&1
+      echo "$tag rc=$?" >> $R/done.txt )
+    cp $R/ranks/$tag/summary.* $R/ranks/$tag/results.jsonl $R/ranks/$tag/run.log $OUT/te_ranks/$tag/ 2>/dev/null
+    grep "^== \|stopped at" $R/ranks/$tag/run.log | tail -2
+  }
+  for w in ${RANKS_W:-2 4}; do
+    ranks torch_allgather_w$w none $w torch_allgather
+    ranks te_ranks_fused_w$w none $w te_cp --backend fused
+    for fa in ${RANKS_FLASH:-fa3}; do ranks te_ranks_${fa}_w$w $fa $w te_cp --backend flash; done
+  done; stamp te_ranks ;;
 bench)
   ( source $W/prefix/env.sh all
     nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
