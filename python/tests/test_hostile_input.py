@@ -148,6 +148,9 @@ sys.path[:0] = sys.argv[3].split(os.pathsep)
 import cpgold
 seen = []
 signal.signal(signal.SIGTERM, lambda *a: seen.append("term"))
+# Python installs its KeyboardInterrupt handler only where SIGINT was not ignored at startup (a background job of a
+# non-interactive shell, as CI may run this, starts with it ignored): install it here, as an interpreter does.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 cpgold.generate({"seqlens_q": [5, 8], "cp_size": 2}, path=sys.argv[1]).close()
 assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
 # A signal a process sends itself may be delivered to another of its threads (the OpenMP workers the core started),
