@@ -1,6 +1,7 @@
 #include "sim/mistakes.hpp"
 
 #include <algorithm>
+#include <cstddef>
 #include <functional>
 
 namespace cpgold::sim {
@@ -11,6 +12,7 @@ std::string_view mistake_family_name(MistakeFamily family) {
     case MistakeFamily::counts: return "counts";
     case MistakeFamily::mask: return "mask";
     case MistakeFamily::merge: return "merge";
+    case MistakeFamily::rows: return "rows";
   }
   return "?";
 }
@@ -139,6 +141,43 @@ bool apply_count_shortcut(const Plan& plan, Plan& out, bool per_chunk, std::vect
         seq.length_q = end_q;
         seq.length_kv = end_kv;
         tile_changed = true;
+      }
+      if (tile_changed) {
+        changed.push_back({pass, t.rank, t.step});
+        any = true;
+      }
+    }
+  }
+  return any;
+}
+
+// ---- rows: the last valid query row of each sequence on each rank left out ----------------------------------------
+
+bool apply_last_row_dropped(const Plan& plan, Plan& out, std::vector<TileRef>& changed) {
+  bool any = false;
+  for (PassKind pass : {PassKind::forward, PassKind::backward}) {
+    PassPlan& pp = pass == PassKind::forward ? out.forward : out.backward;
+    for (Tile& t : pp.tiles) {
+      if (!t.computed || t.q_space == StepSpace::sequence_order || t.q_chunks[0] < 0) continue;
+      const SidePartition& qs = t.q_space == StepSpace::group_local ? plan.group_partition.q : plan.partition.q;
+      const int P = qs.cp_size();
+      bool tile_changed = false;
+      for (size_t b = 0; b < t.call.sequences.size(); ++b) {
+        const int bi = static_cast<int>(b);
+        const int32_t c = qs.chunk_size(bi), length = qs.global().length(bi);
+        // The rank's two chunks (a half step names one of them) and its last valid position over both.
+        const int chunks[2] = {t.q_chunks[0], 2 * P - 1 - t.q_chunks[0]};
+        int32_t last = -1;
+        for (int chunk : chunks)
+          if (static_cast<int64_t>(chunk) * c < length) last = std::max(last, std::min((chunk + 1) * c, length) - 1);
+        if (last < 0) continue;
+        std::vector<RowSegment>& q = t.call.sequences[b].q;
+        for (size_t i = 0; i < q.size(); ++i)
+          if (q[i].position + q[i].count - 1 == last) {
+            if (--q[i].count == 0) q.erase(q.begin() + static_cast<std::ptrdiff_t>(i));
+            tile_changed = true;
+            break;
+          }
       }
       if (tile_changed) {
         changed.push_back({pass, t.rank, t.step});
@@ -279,6 +318,12 @@ std::optional<Mistake> make_mistake(const Plan& plan, const std::string& name) {
     if (!apply_count_shortcut(plan, m.plan, per_chunk, m.changed_tiles)) return std::nullopt;
     return m;
   }
+  if (name == "last_row_dropped") {
+    m.family = MistakeFamily::rows;
+    m.description = "every call leaves out the last valid query row of each sequence on each rank (a count one short)";
+    if (!apply_last_row_dropped(plan, m.plan, m.changed_tiles)) return std::nullopt;
+    return m;
+  }
   EdgeEdit edit;
   std::optional<StepSection> section;
   bool known = false;
@@ -315,7 +360,7 @@ std::optional<Mistake> make_mistake(const Plan& plan, const std::string& name) {
 
 std::vector<std::string> mistake_names(const Plan& plan) {
   std::vector<std::string> candidates = {"contiguous_chunks", "chunks_swapped", "ranks_reversed", "counts_cu_div_w",
-                                         "counts_cu_div_2w"};
+                                         "counts_cu_div_2w", "last_row_dropped"};
   // Mask edges: every tile, and per section where the plan has more than one.
   std::vector<std::string> scopes = {"every"};
   bool seen[4] = {false, false, false, false};

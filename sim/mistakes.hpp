@@ -11,6 +11,8 @@
 //                                part of them), pad rows included, and drops the valid rows past it
 //            counts_cu_div_2w    TransformerEngine's pad_between_seqs=False shortcut: cu_seqlens // W for a step that
 //                                reads a rank's two chunks, // 2W for a step that reads one
+//   rows     last_row_dropped    every call leaves out the last valid query row of each sequence on each rank (a
+//                                count one short): that row is never computed, its keys stay
 //   mask     right_edge+1:S, right_edge-1:S, left_edge+1:S, left_edge-1:S   a mask edge one key off in the tiles of
 //            section S (diagonal, lower, upper, all) or of every tile (S = every)
 //   merge    running_o_not_rescaled, step_o_not_rescaled, double_rescale  the online merge of step partials with a
@@ -26,7 +28,7 @@
 
 namespace cpgold::sim {
 
-enum class MistakeFamily { layout, counts, mask, merge };
+enum class MistakeFamily { layout, counts, mask, merge, rows };
 std::string_view mistake_family_name(MistakeFamily family);  // "layout", "counts", "mask", "merge"
 
 // The tiles a mistake changes: pass, rank, step.

@@ -31,6 +31,8 @@ MISTAKES (`mistake=` of ring_attention):
                              without rescaling the running O by exp(LSE_old - LSE_new)
   right_edge_plus1_diagonal  in the diagonal step only (forward and backward) the causal edge lets the query at
                              position i see the key at position i + 1
+  last_row_dropped           a rank's query count of each sequence is one short: its last valid query row is never
+                             computed (O, dQ 0, LSE -inf), the row stays a key
 
 REPLAY_NAME maps each mistake to the name `cpgold check`'s replay gives it.
 """
@@ -41,10 +43,10 @@ import numpy as np
 import cpgold
 
 MISTAKES = ("none", "contiguous_chunks", "counts_cu_div_w", "keyless_step_lse_0", "running_o_not_rescaled",
-            "right_edge_plus1_diagonal")
+            "right_edge_plus1_diagonal", "last_row_dropped")
 REPLAY_NAME = {"contiguous_chunks": "contiguous_chunks", "counts_cu_div_w": "counts_cu_div_w",
                "keyless_step_lse_0": "keyless_step_lse_0", "running_o_not_rescaled": "running_o_not_rescaled",
-               "right_edge_plus1_diagonal": "right_edge+1:diagonal"}
+               "right_edge_plus1_diagonal": "right_edge+1:diagonal", "last_row_dropped": "last_row_dropped"}
 
 
 class Shard:
@@ -80,6 +82,13 @@ def shard(fx, rank, side, mistake="none"):
         seq.append(np.full(2 * c, b))
         if mistake == "counts_cu_div_w":
             token.append(np.arange(2 * c) < cu[b + 1] // w - cu[b] // w)
+        elif mistake == "last_row_dropped" and side == "q":
+            # the rank's query count of the sequence one short: its last valid row is never computed (as a key it
+            # stays)
+            t = block_pos < lens[b]
+            if t.any():
+                t[np.flatnonzero(t)[np.argmax(block_pos[t])]] = False
+            token.append(t)
         else:
             token.append(block_pos < lens[b])
     tail = fx.total_rows(side) - offsets[-1]
@@ -267,6 +276,8 @@ CASES = {
                                "heads_kv": 2, "dim_qk": 32},
     "right_edge_plus1_diagonal": {"seqlens_q": [57, 13, 30], "cp_size": 2, "mask": "causal", "heads_q": 4,
                                   "heads_kv": 2, "dim_qk": 32},
+    "last_row_dropped": {"seqlens_q": [57, 13, 30], "cp_size": 2, "mask": "causal", "heads_q": 4, "heads_kv": 2,
+                         "dim_qk": 32},
 }
 
 

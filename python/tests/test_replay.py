@@ -15,7 +15,8 @@ import cpgold
 from planted_ring_attention import REPLAY_NAME, gather, ring_attention, shard
 
 KIND = {"contiguous_chunks": "chunk_order", "counts_cu_div_w": "per_rank_counts", "keyless_step_lse_0": "merge",
-        "running_o_not_rescaled": "merge", "right_edge_plus1_diagonal": "mask_edge"}
+        "running_o_not_rescaled": "merge", "right_edge_plus1_diagonal": "mask_edge",
+        "last_row_dropped": "tail_rows_missing"}
 EVIDENCE = "matches the simulation of"
 BASE = {"heads_q": 4, "heads_kv": 2, "dim_qk": 32}
 
@@ -54,6 +55,11 @@ CASES = {
         dict(BASE, seqlens_q=[57, 13, 30], cp_size=2, mask="causal"),
         dict(BASE, seqlens_q=[57, 13, 30], cp_size=3, mask="causal"),
         dict(BASE, seqlens_q=[57, 13, 30, 9], cp_size=4, mask="none"),
+    ],
+    "last_row_dropped": [
+        dict(BASE, seqlens_q=[57, 13, 30], cp_size=2, mask="causal"),
+        dict(BASE, seqlens_q=[57, 13, 30], cp_size=3, mask="none", pad_fill="nan"),
+        dict(BASE, seqlens_q=[57, 13, 30, 9], cp_size=4, mask="causal"),
     ],
     "right_edge_plus1_diagonal": [
         dict(BASE, seqlens_q=[57, 13, 30], cp_size=2, mask="causal"),

@@ -16,7 +16,8 @@ import cpgold
 from planted_ring_attention import MISTAKES, REPLAY_NAME, ring_attention
 
 KIND = {"contiguous_chunks": "chunk_order", "counts_cu_div_w": "per_rank_counts", "keyless_step_lse_0": "merge",
-        "running_o_not_rescaled": "merge", "right_edge_plus1_diagonal": "mask_edge"}
+        "running_o_not_rescaled": "merge", "right_edge_plus1_diagonal": "mask_edge",
+        "last_row_dropped": "tail_rows_missing"}
 KINDS = ["chunk_order", "mask_edge", "merge", "per_rank_counts", "tail_rows_missing", "pad_rows_not_zero",
          "nonfinite_leak", "unexplained"]
 SEED = 4702

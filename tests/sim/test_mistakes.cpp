@@ -59,7 +59,7 @@ TEST_CASE("mistakes: the catalogue holds what changes something for the plan") {
   const std::vector<std::string> names = mistake_names(p2p);
   for (const char* name : {"contiguous_chunks", "chunks_swapped", "ranks_reversed", "counts_cu_div_w", "counts_cu_div_2w",
                            "right_edge+1:every", "right_edge+1:diagonal", "right_edge-1:diagonal",
-                           "running_o_not_rescaled", "step_o_not_rescaled", "double_rescale"}) {
+                           "running_o_not_rescaled", "step_o_not_rescaled", "double_rescale", "last_row_dropped"}) {
     CAPTURE(name);
     CHECK(has(names, name));
   }
@@ -72,6 +72,17 @@ TEST_CASE("mistakes: the catalogue holds what changes something for the plan") {
   REQUIRE(rescale->changed_tiles.size() == 2);
   for (const TileRef& t : rescale->changed_tiles) CHECK(t.step == 1);
   CHECK_FALSE(make_mistake(p2p, "no_such_mistake"));
+  // last_row_dropped: every call that reads a rank's last valid query row of a sequence reads one row less.
+  const std::optional<Mistake> dropped = make_mistake(p2p, "last_row_dropped");
+  REQUIRE(dropped);
+  int64_t rows_before = 0, rows_after = 0;
+  for (size_t i = 0; i < p2p.forward.tiles.size(); ++i)
+    for (size_t b = 0; b < p2p.forward.tiles[i].call.sequences.size(); ++b) {
+      for (const RowSegment& s : p2p.forward.tiles[i].call.sequences[b].q) rows_before += s.count;
+      for (const RowSegment& s : dropped->plan.forward.tiles[i].call.sequences[b].q) rows_after += s.count;
+    }
+  CHECK(rows_after < rows_before);
+  CHECK(rows_before - rows_after <= static_cast<int64_t>(p2p.forward.tiles.size() * 3));  // at most one per call and sequence
 
   // Lengths that split evenly over the 2W chunks: the count shortcuts are the right counts.
   const std::vector<std::string> even = mistake_names(make_plan(causal_case(2, {8, 16, 4})));
