@@ -248,3 +248,14 @@ def test_diagnosis_budget_on_the_command_line(core, cpgold_bin, tmp_path):
         r = run("--diagnosis-budget", bad)
         assert r.returncode == 2, (bad, r.stdout, r.stderr)
         assert "--diagnosis-budget" in r.stdout + r.stderr
+
+
+def test_nothing_matches_names_the_closest_mistakes(core):
+    fx, _, right = planted("running_o_not_rescaled", 0)
+    scaled = [dict(o, o=o["o"] * 1.25) for o in right]  # no modelled mistake scales the output
+    report = cpgold.check_outputs(fx, scaled, lse_layout="ht")
+    assert not report["pass"]
+    assert [d["kind"] for d in report["diagnosis"]] == ["unexplained"]
+    evidence = report["diagnosis"][0]["evidence"]
+    assert "no replayed mistake matches" in evidence and "closest:" in evidence
+    assert "failing rows, worst ratio" in evidence
