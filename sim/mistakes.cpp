@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cstddef>
 #include <functional>
+#include <map>
+#include <utility>
 
 namespace cpgold::sim {
 
@@ -97,6 +99,13 @@ bool ring_block(const SidePartition& side, StepSpace space, HalfSelect half, con
 // first n rows of the block (counts_cu_div_w); true: TransformerEngine's shortcut, cu // W for a step that reads the
 // whole shard and cu // (2W) for one that reads a half (counts_cu_div_2w).
 bool apply_count_shortcut(const Plan& plan, Plan& out, bool per_chunk, std::vector<TileRef>& changed) {
+  // cu // W (whole) and cu // 2W of each side partition, computed once.
+  std::map<std::pair<const SidePartition*, bool>, std::vector<int32_t>> shortcuts;
+  auto shortcut = [&](const SidePartition& side, bool whole) -> const std::vector<int32_t>& {
+    auto [it, fresh] = shortcuts.try_emplace({&side, whole});
+    if (fresh) it->second = side.cu_seqlens_shortcut(true, whole);
+    return it->second;
+  };
   bool any = false;
   for (PassKind pass : {PassKind::forward, PassKind::backward}) {
     PassPlan& pp = pass == PassKind::forward ? out.forward : out.backward;
@@ -108,7 +117,7 @@ bool apply_count_shortcut(const Plan& plan, Plan& out, bool per_chunk, std::vect
       // The rows of sequence b a side reads under the mistake.
       auto count = [&](const SidePartition& side, HalfSelect half, int b) {
         const bool whole = half == HalfSelect::full || !per_chunk;
-        const std::vector<int32_t> cu = side.cu_seqlens_shortcut(true, whole);
+        const std::vector<int32_t>& cu = shortcut(side, whole);
         const int32_t n = cu[static_cast<size_t>(b) + 1] - cu[static_cast<size_t>(b)];
         if (half == HalfSelect::full || per_chunk) return n;
         const int32_t c = side.chunk_size(b);
@@ -358,7 +367,7 @@ std::optional<Mistake> make_mistake(const Plan& plan, const std::string& name) {
   return std::nullopt;
 }
 
-std::vector<std::string> mistake_names(const Plan& plan) {
+std::vector<std::string> mistake_catalogue(const Plan& plan) {
   std::vector<std::string> candidates = {"contiguous_chunks", "chunks_swapped", "ranks_reversed", "counts_cu_div_w",
                                          "counts_cu_div_2w", "last_row_dropped"};
   // Mask edges: every tile, and per section where the plan has more than one.
@@ -375,8 +384,12 @@ std::vector<std::string> mistake_names(const Plan& plan) {
   for (const char* merge : {"running_o_not_rescaled", "step_o_not_rescaled", "double_rescale", "keyless_step_lse_0",
                             "keyless_step_lse_inf"})
     candidates.push_back(merge);
+  return candidates;
+}
+
+std::vector<std::string> mistake_names(const Plan& plan) {
   std::vector<std::string> out;
-  for (const std::string& name : candidates)
+  for (const std::string& name : mistake_catalogue(plan))
     if (make_mistake(plan, name)) out.push_back(name);
   return out;
 }

@@ -48,6 +48,8 @@ struct Mistake {
   std::vector<TileRef> changed_tiles;
 };
 
+// The catalogue's names for this plan's sections, whether or not each changes something here (make_mistake says).
+std::vector<std::string> mistake_catalogue(const Plan& plan);
 // Every mistake of the catalogue that changes something for this plan (a mask edge of a mask the case does not have,
 // the count shortcut where every length splits evenly, a merge of one step are left out).
 std::vector<std::string> mistake_names(const Plan& plan);

@@ -338,9 +338,7 @@ def failures(report):
     for r in report.get("results", []):
         if r.get("pass"):
             continue
-        where = r["tensor"] + (f"@r{r['rank']}" if r.get("rank", -1) >= 0 else "")
-        if r.get("step", -1) >= 0:
-            where += f"/s{r['step']}" + ("f" if r.get("pass_kind") == "forward" else "b")
+        where = _result_name(r)
         if r.get("missing"):
             lines.append(f"{where}: missing in the candidate")
             continue
@@ -361,17 +359,18 @@ def failures(report):
     return lines
 
 
+def _result_name(r):
+    """A result's name: "o@r1", "dq", "lse@r0/s1f"."""
+    name = r["tensor"] + (f"@r{r['rank']}" if r.get("rank", -1) >= 0 else "")
+    if r.get("step", -1) >= 0:
+        name += f"/s{r['step']}" + ("f" if r.get("pass_kind") == "forward" else "b")
+    return name
+
+
 def failed_names(report):
     """Names of the failed results ("o@r1", "dq", "lse@r0/s1f"), in report order."""
-    names = []
-    for r in report.get("results", []):
-        if r.get("pass"):
-            continue
-        name = r["tensor"] + (f"@r{r['rank']}" if r.get("rank", -1) >= 0 else "")
-        if r.get("step", -1) >= 0:
-            name += f"/s{r['step']}" + ("f" if r.get("pass_kind") == "forward" else "b")
-        names.append(name + (" (missing)" if r.get("missing") else ""))
-    return names
+    return [_result_name(r) + (" (missing)" if r.get("missing") else "")
+            for r in report.get("results", []) if not r.get("pass")]
 
 
 def summary(report, limit=300):

@@ -426,6 +426,22 @@ def run_dpa(m, dpa, fx, q, k, v, dout, cu):
     return {"o": o3.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}, TE_LOG.take(), backend_chosen(m)
 
 
+def run_cp_rank(m, fx, rank, cp_group, cp_global_ranks, cu, spy=None):
+    """One CP rank of TE's DotProductAttention: set_context_parallel_group(cp_group (or [a2a group, p2p group]),
+    cp_global_ranks, a CUDA stream, the fixture's comm type), THD forward and backward on the rank's shard with the
+    global cu_seqlens. (outputs as float32 numpy in the rank-local layout, TE log summary, backend, spied calls)."""
+    torch = m.torch
+    dpa = make_dpa(m, fx)
+    dpa.set_context_parallel_group(cp_group, cp_global_ranks, torch.cuda.Stream(), fx.comm)
+    x = fx.rank_inputs(rank, "torch", "cuda")
+    if spy is not None:
+        spy.take()
+    out, log, backend = run_dpa(m, dpa, fx, x["q"], x["k"], x["v"], x["dout"], cu)
+    torch.cuda.current_stream().synchronize()
+    calls = spy.take() if spy is not None else None
+    return {n: out[n].float().cpu().numpy() for n in TENSORS}, debug_summary(log), backend, calls
+
+
 class _TeAdapter(Adapter):
     thread_ranks = False
 
@@ -497,19 +513,10 @@ class TeContextParallel(_TeAdapter):
         return "not a CP fixture (cp_size 1): the adapter te runs it" if fx.cp_size < 2 else None
 
     def _rank(self, rank, ranks, fx, cu, spy):
-        torch = self.m.torch
         lists = cp_group_ranks(fx.comm, fx.cp_size, rank, fx.case.get("a2a_size"))
         groups = [ranks.new_group(r) if len(lists) > 1 else ranks.group() for r in lists]
-        dpa = make_dpa(self.m, fx)
-        dpa.set_context_parallel_group(groups if len(groups) > 1 else groups[0], list(range(fx.cp_size)),
-                                       torch.cuda.Stream(), fx.comm)
-        x = fx.rank_inputs(rank, "torch", "cuda")
-        if spy is not None:
-            spy.take()
-        out, log, backend = run_dpa(self.m, dpa, fx, x["q"], x["k"], x["v"], x["dout"], cu)
-        torch.cuda.current_stream().synchronize()
-        calls = spy.take() if spy is not None else None
-        return {n: out[n].float().cpu().numpy() for n in TENSORS}, debug_summary(log), backend, calls
+        return run_cp_rank(self.m, fx, rank, groups if len(groups) > 1 else groups[0], list(range(fx.cp_size)),
+                           cu, spy)
 
     def _run_ranks(self, fx, cu, spy):
         from cpgold.thread_ranks import ThreadRanks
@@ -566,12 +573,7 @@ class TeContextParallelProcess(_TeAdapter):
 
     def run_rank(self, fx, rank, groups):
         from .rank_adapter import RankResult
-        torch = self.m.torch
-        dpa = make_dpa(self.m, fx)
-        dpa.set_context_parallel_group(groups.cp_group, list(groups.cp_global_ranks), torch.cuda.Stream(), fx.comm)
-        x = fx.rank_inputs(rank, "torch", "cuda")
-        out, log, backend = run_dpa(self.m, dpa, fx, x["q"], x["k"], x["v"], x["dout"], self.cu(fx))
-        torch.cuda.current_stream().synchronize()
-        return RankResult({n: out[n].float().cpu().numpy() for n in TENSORS}, backend=backend,
-                          log=debug_summary(log),
+        outputs, log, backend, _ = run_cp_rank(self.m, fx, rank, groups.cp_group, list(groups.cp_global_ranks),
+                                               self.cu(fx))
+        return RankResult(outputs, backend=backend, log=log,
                           notes={"arguments": te_arguments(fx), "lse_from": "none: TE's CP API returns no LSE"})
