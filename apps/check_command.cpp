@@ -1,7 +1,5 @@
 // `cpgold check`: candidate files against a golden fixture (exit 0 pass, 1 fail, 2 unusable input);
 // `--identical A B` compares two candidates bit for bit; `--self GOLDEN` checks an independent CPU path.
-#include <cmath>
-#include <cstdlib>
 #include <algorithm>
 #include <cstdio>
 #include <iostream>
@@ -25,7 +23,7 @@ struct CheckArgs {
   std::string empty_row_lse = "neg-inf";
   std::string pad_rows = "zero";
   bool no_diagnosis = false;
-  std::string diagnosis_budget = "30";
+  double diagnosis_budget = 30;
 };
 
 int run_check(const CheckArgs& args) {
@@ -48,13 +46,9 @@ int run_check(const CheckArgs& args) {
   fx::CheckOptions options;
   fx::set_conventions(options, args.empty_row_lse, "--empty-row-lse", args.pad_rows, "--pad-rows");
   options.diagnose = !args.no_diagnosis;
-  {
-    char* end = nullptr;
-    const double budget = std::strtod(args.diagnosis_budget.c_str(), &end);
-    if (args.diagnosis_budget.empty() || *end != '\0' || !std::isfinite(budget) || budget < 0 || budget > 86400)
-      fail_input("--diagnosis-budget", "expected seconds from 0 to 86400, got \"", args.diagnosis_budget, "\"");
-    options.diagnosis_budget_seconds = budget;
-  }
+  if (!(args.diagnosis_budget >= 0 && args.diagnosis_budget <= 86400))  // NaN too
+    fail_input("--diagnosis-budget", "expected seconds from 0 to 86400, got ", args.diagnosis_budget);
+  options.diagnosis_budget_seconds = args.diagnosis_budget;
   if (!args.tensors.empty()) options.tensors = fx::parse_tensor_list(args.tensors, "--tensors");
   options.allow_same_file = args.allow_same_file;
   if (!args.ranks.empty()) options.ranks = fx::parse_rank_list(args.ranks, "--ranks");
@@ -93,7 +87,8 @@ const RegisterCommand registered("check", [](CLI::App& app) -> std::function<int
                 "skip the diagnosis of a failed check (what kind of CP bug the failures fit; docs/diagnosis.md)");
   sub->add_option("--diagnosis-budget", args->diagnosis_budget,
                   "seconds the diagnosis's replay of modelled CP mistakes may start new simulations (default 30; 0: "
-                  "no replay); mistakes left out are named in the report");
+                  "no replay); mistakes left out are named in the report")
+      ->check(CLI::Number);
   // With --format json, main prints every error as one JSON object ({"error": ...}) on stdout as well.
   return [=] { return run_check(*args); };
 });
