@@ -174,6 +174,26 @@ def test_a_rank_that_raises_stops_every_rank(core, fixture_dir, tmp_path, rank, 
     assert "The run was stopped" in (out / "summary.md").read_text()
 
 
+def test_resume_after_a_stopped_run_runs_the_rest_once(core, fixture_dir, tmp_path):
+    out = tmp_path / "resume"
+    rc, text, _ = launch(2, ["torch_allgather", fixture_dir, "--out", out, "--set", "fail_rank=1",
+                             "--timeout", 30, "--grace", 2], timeout=60)
+    assert rc != 0 and "stopped at small/a2a_w2_window.h5" in text
+    rc, text, _ = launch(2, ["torch_allgather", fixture_dir, "--out", out, "--resume", "--timeout", 30], timeout=90)
+    assert "resuming: 2 fixture(s) already recorded" in text, text
+    assert "a2a_w2_window" not in text.split("resuming")[1], text   # the stopped fixture is not run again
+    with open(out / "summary.json") as f:
+        summary = json.load(f)
+    statuses = {e["fixture"][:-3]: e["status"] for e in summary["fixtures"]}
+    assert statuses == {"a2a_p2p_w4_causal_window": "skipped", "a2a_w2_window": "error",
+                        "all_gather_w2_cross": "pass", "p2p_w2_causal_nan": "pass"}
+    assert len(summary["fixtures"]) == 4 and summary["stopped"] is None
+    lines = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
+    assert [x["fixture"][:-3] for x in lines] == ["a2a_p2p_w4_causal_window", "a2a_w2_window", "all_gather_w2_cross",
+                                                  "p2p_w2_causal_nan"]
+    assert rc == 1   # the recorded error still counts
+
+
 def test_nccl_without_nvls_off_is_refused(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "NCCL_NVLS_ENABLE"}
     env["PYTHONPATH"] = os.pathsep.join([PYTHON_DIR, os.environ.get("PYTHONPATH", "")])

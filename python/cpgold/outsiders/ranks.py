@@ -18,7 +18,8 @@ A rank that raises writes its status; a watchdog thread in every process stops a
 fixture --grace seconds after a peer failed (waiting on a peer that will never come), or --timeout seconds after the
 fixture began. Every rank then stops naming the failing rank(s); rank 0 first records the fixture as an error (the
 fixtures done so far stay recorded). When every rank raised (or refused) on a fixture, nobody waits on a peer: the
-fixture is recorded as an error (or refused) and the run goes on. Exit: 0 every fixture that ran passed (skipped and refused ones aside), 1 one
+fixture is recorded as an error (or refused) and the run goes on. `--resume` starts again after a stopped run: the
+fixtures results.jsonl already records are kept and skipped, the rest run. Exit: 0 every fixture that ran passed (skipped and refused ones aside), 1 one
 failed or errored, 2 bad usage or environment, 3 no fixture had cp_size = the world size; when a rank fails the run
 stops: 1 on the rank that raised, 75 (CONTEXT_LOST) on a rank whose CUDA context was lost (a device-side assert), 4
 on the ranks stopped because of it.
@@ -65,6 +66,9 @@ def parse_args(argv):
     ap.add_argument("--diagnosis-budget", type=float, default=30.0,
                     help="seconds the diagnosis of a failure may spend on its replay (default 30)")
     ap.add_argument("--title", help="title of the tables (default: adapter, world size and options)")
+    ap.add_argument("--resume", action="store_true",
+                    help="go on after a stopped run: the fixtures DIR/results.jsonl records are kept and not run again "
+                         "(the fixture that stopped the run stays recorded as its error)")
     return ap.parse_args(argv)
 
 
@@ -281,6 +285,24 @@ def progress_line(i, total, e):
     return line
 
 
+def recorded(out):
+    """The entries DIR/results.jsonl holds, by (suite, fixture) (the last line of a fixture wins); {} without one.
+    A line cut short by a crash is left out (that fixture runs again)."""
+    found = {}
+    try:
+        with open(os.path.join(out, "results.jsonl")) as f:
+            for line in f:
+                try:
+                    e = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(e, dict) and "suite" in e and "fixture" in e and "status" in e:
+                    found[(e["suite"], e["fixture"])] = e
+    except FileNotFoundError:
+        pass
+    return found
+
+
 # ------------------------------------------------------------------ one process
 class Harness:
     def __init__(self, args, adapter, dist, torch, rank, world, local_rank, device, items):
@@ -390,7 +412,8 @@ class Harness:
             os.makedirs(self.statuses.folder, exist_ok=True)
             for name in os.listdir(self.statuses.folder):
                 os.remove(os.path.join(self.statuses.folder, name))
-            open(os.path.join(self.args.out, "results.jsonl"), "w").close()
+            if not self.args.resume:
+                open(os.path.join(self.args.out, "results.jsonl"), "w").close()
         dist.barrier(group=self.ctl)
         self.watchdog.start()
 
@@ -495,7 +518,14 @@ class Harness:
                      ", ".join(f"{k} {v}" for k, v in versions.items()))
         t0 = time.time()
         total = len(self.items)
+        done = recorded(self.args.out) if self.args.resume else {}
+        if self.rank == 0 and self.args.resume:
+            self.entries = [e for e in done.values()]
+            self.say(f"{PROG}: resuming: {len(done)} fixture(s) already recorded in "
+                     f"{os.path.join(self.args.out, 'results.jsonl')} are not run again")
         for n, (suite, path) in enumerate(self.items):
+            if (suite, os.path.basename(path)) in done:
+                continue
             entry = self.run_fixture(n, suite, path)
             if entry is not None:
                 self.record(entry)

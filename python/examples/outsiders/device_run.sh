@@ -3,21 +3,32 @@
 # cpgold fixtures on a GPU machine (docs/outsiders.md): run from the repository root with $OUT set. Long phases run
 # in the background (`bg PHASE...`) and `poll` reports them, so one call stays inside a call's time limit.
 #   receive N  copy the transfer part(s) in $PARTS (a carried folder) to /tmp/outsiders/parts (call once per part)
-#   install    cpgold's CLI built without CUDA (gen and check are all the checks need), the outsiders installed
-#              from the parts (install.sh), the fixtures generated: quick, edge, te, golden (the committed set),
-#              random (RANDOM_COUNT, seed RANDOM_SEED), te_shapes (TE's CP-test shapes), fills (quick's cases with pad
-#              fill zero, nan and inf)
+#   install    prep and outsiders (below): cpgold's CLI built without CUDA (gen and check are all the checks
+#              need), the fixtures generated: quick, edge, te, golden (the committed set), random (RANDOM_COUNT, seed
+#              RANDOM_SEED), te_shapes (TE's CP-test shapes), fills (quick's cases with pad fill zero, nan and inf);
+#              the outsiders installed from the parts (install.sh)
 #   direct     FA3 and FA4 on every folder, default and deterministic backward (`python3 -m cpgold.outsiders`)
 #   te         TE non-CP: backend fused, flash with FA3, flash with FA4 (deterministic with NVTE_ALLOW_...=0 too)
 #   te_cp      TE CP on W thread ranks with the flash backend, FA3 and FA4 (fused: TE_CP_FUSED=1)
 #   te_ranks   TE CP one process per GPU over NCCL (torchrun, `python3 -m cpgold.outsiders.ranks`, NCCL_NVLS_ENABLE=0):
-#              W = 2 and 4 (RANKS_W) over quick, edge and te (fixtures of another cp_size are recorded as skipped),
+#              W = 2 and 4 (RANKS_W) over the folders (fixtures of another cp_size are recorded as skipped),
 #              first the harness's torch all-gather reference, then TE backend fused and flash (FA3; RANKS_FLASH="fa3
 #              fa4" for both); summaries in $OUT/te_ranks/<tag>/ (docs/outsiders-nccl.md)
 #   bench      FA3, FA4 and varlen_attn (bench_flash.py) and cuDNN's THD graph (bench_cudnn_thd.py) on the same
 #              padded batches, d 64, 128, 192/128, 256
 #   fa3-build  FlashAttention-3's wheel built from sources (fa3_sources.sh's tar in $PARTS): build_fa3.sh
 #   waitfor    wait until the run named WAIT_TAG has finished
+#   prep       the CLI, the fixtures, cpgold's CUDA targets CUDA_TARGETS (background) and FA3 from FA3_SOURCES
+#              (background; default .p0/fa3-src.tar.gz): no parts needed, so it runs while they arrive
+#   outsiders  the outsiders installed from the parts (install.sh); install = prep + outsiders
+#   ranks      one harness run (RANKS_TAG, RANKS_ENV, RANKS_WORLD, RANKS_GPUS; the adapter's arguments follow),
+#              restarted with --resume after a failing rank stopped it
+#   te_bench   TE's CP speed (bench_te_cp.py) per W, backend and --seq-scale, then cpgold's bench_cp_nccl
+#   shrink     cpgold shrink with TE's CP on thread ranks as COMMAND from failing fixtures (SHRINK_START)
+#   fa3-check  the FA3 wheel built by prep installed apart and run over quick, edge and golden
+#   multi      a 4-GPU machine's run: every harness run (W = 2 on GPU pairs, W = 4), TE CP on thread ranks, shrink,
+#              fa3-check and the deterministic FA3/FA4 sweeps side by side until MULTI_DEADLINE seconds, then
+#              te_bench alone
 #   bg PHASE.. the phases one after another in the background; poll: their progress, results copied to $OUT
 # Environment: RANDOM_COUNT (120), RANDOM_SEED (26), FOLDERS (which fixture folders a phase runs; default all),
 # DIRECT_IMPLS (fa3 fa4), TE_BACKENDS (fused fa3 fa4), NONDETERMINISTIC=0 / DETERMINISTIC=0 (skip that backward).
@@ -37,21 +48,7 @@ run() {  # run TAG ENV ADAPTER ARGS...: one adapter over the folders, summary an
       --table $R/$tag.md --title "$tag" $(folders) > $R/$tag.log 2>&1; echo "$tag rc=$?" >> $R/done.txt )
   tail -1 $R/$tag.log
 }
-case $PHASE in
-receive)
-  cp ${PARTS:-.parts}/* $W/parts/ && ls -la $W/parts | tail -n +2 | awk '{print $5, $9}' ;;
-install)
-  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-  rm -rf $W/src && mkdir -p $W/src && cp -r . $W/src/   # a copy: the call's own tree may change under a build
-  ( cmake -S $W/src -B $B -DCMAKE_BUILD_TYPE=Release -DCPGOLD_ENABLE_CUDA=OFF \
-      ${CPGOLD_PREFIX:+-DCMAKE_PREFIX_PATH=$PWD/$CPGOLD_PREFIX} > $L/configure.log 2>&1 \
-      && cmake --build $B -j$(nproc) --target cpgold > $L/build.log 2>&1; echo $? > $L/build.rc ) &
-  bash $HERE/install.sh $W/parts $W/prefix 2>&1 | tail -8
-  if ls ${WHL:-.whl}/*.whl > /dev/null 2>&1; then   # other wheels carried (the cuDNN frontend for the benchmark)
-    python3 -m pip install -q --no-deps --no-index --no-compile --target $W/prefix/extra ${WHL:-.whl}/*.whl
-  fi
-  wait; [ "$(cat $L/build.rc)" = 0 ] || { tail -30 $L/configure.log $L/build.log; exit 1; }
-  stamp "cpgold built"
+make_fixtures() {  # quick, edge, te, golden, random, fills, te_shapes (see the header)
   mkdir -p $FX/golden && cp fixtures/golden/*.h5 $FX/golden/
   for S in quick edge te; do $B/bin/cpgold gen --force --suite $S -o $FX/$S > $L/gen_$S.log 2>&1 || tail -3 $L/gen_$S.log; done
   $B/bin/cpgold gen --force --suite random --count ${RANDOM_COUNT:-120} --seed ${RANDOM_SEED:-26} -o $FX/random \
@@ -73,7 +70,61 @@ PY
     $B/bin/cpgold gen --force --case "$json" -o $FX/te_shapes/$name.h5 > $L/gen_shape.log 2>&1 || tail -2 $L/gen_shape.log
   done
   for d in $(folders); do echo "$(basename $d): $(ls $d/*.h5 | wc -l) fixtures"; done
-  stamp "install done" ;;
+}
+ranks() {  # ranks TAG ENV W ADAPTER ARGS...: the harness under torchrun on W GPUs (RANKS_GPUS) over the folders,
+           # restarted with --resume after a run a failing rank stopped (a device-side assert), so every fixture runs
+  local tag=$1 env=$2 w=$3; shift 3
+  local gpus=$(nvidia-smi --query-gpu=name --format=csv,noheader | wc -l)
+  if [ "$w" -gt "$gpus" ]; then echo "$tag: W=$w needs $w GPUs, this machine has $gpus: not run"; return; fi
+  rm -rf $R/ranks/$tag && mkdir -p $R/ranks/$tag $OUT/te_ranks/$tag
+  local resume= attempt
+  for attempt in 1 2 3 4 5 6 7 8 9 10; do
+    ( source $W/prefix/env.sh $env
+      export NCCL_NVLS_ENABLE=0 CUDA_VISIBLE_DEVICES=${RANKS_GPUS:-$(seq -s, 0 $((w - 1)))}
+      timeout ${RUN_TIMEOUT:-3000} python3 -m torch.distributed.run --standalone --nproc-per-node $w \
+        -m cpgold.outsiders.ranks "$@" $(folders) --out $R/ranks/$tag --cpgold $B/bin/cpgold $resume \
+        --timeout ${RANKS_TIMEOUT:-300} --diagnosis-budget ${RANKS_DIAGNOSIS:-5} --title "$tag" \
+        >> $R/ranks/$tag/run.log 2>&1
+      echo "$tag rc=$? (attempt $attempt)" >> $R/done.txt )
+    [ -f $R/ranks/$tag/.ranks/stopped ] && [ ! -f $W/stop_multi ] || break
+    resume=--resume
+  done
+  cp $R/ranks/$tag/summary.* $R/ranks/$tag/results.jsonl $R/ranks/$tag/run.log $OUT/te_ranks/$tag/ 2>/dev/null
+  grep "^== \|stopped at" $R/ranks/$tag/run.log | tail -3
+}
+case $PHASE in
+receive)
+  cp ${PARTS:-.parts}/* $W/parts/ && ls -la $W/parts | tail -n +2 | awk '{print $5, $9}' ;;
+prep)      # no parts needed: the CLI, cpgold's CUDA benchmark (CUDA_TARGETS), the fixtures, FA3 from sources
+  nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader
+  nvidia-smi topo -m 2>/dev/null | head -6
+  rm -rf $W/src && mkdir -p $W/src && cp -r . $W/src/   # a copy: the call's own tree may change under a build
+  if [ -n "${CUDA_TARGETS:-}" ]; then   # cpgold's own CP over NCCL for te_bench (a CUDA build, in the background)
+    ( cmake -S $W/src -B $W/cbuild -DCMAKE_BUILD_TYPE=Release \
+        ${CPGOLD_PREFIX:+-DCMAKE_PREFIX_PATH=$PWD/$CPGOLD_PREFIX} > $L/cconfigure.log 2>&1 \
+        && nice -n 5 cmake --build $W/cbuild -j$(( $(nproc) / 2 )) --target $CUDA_TARGETS > $L/cbuild.log 2>&1
+      echo $? > $L/cbuild.rc ) &
+  fi
+  if [ -f ${FA3_SOURCES:-.p0/fa3-src.tar.gz} ]; then   # FlashAttention-3 built from sources (build_fa3.sh), niced
+    cp ${FA3_SOURCES:-.p0/fa3-src.tar.gz} $W/fa3-src.tar.gz
+    ( nice -n 19 bash $HERE/build_fa3.sh $W/fa3-src.tar.gz $W/fa3-wheel > $L/fa3-build.log 2>&1
+      echo $? > $L/fa3-build.rc ) &
+  fi
+  ( cmake -S $W/src -B $B -DCMAKE_BUILD_TYPE=Release -DCPGOLD_ENABLE_CUDA=OFF \
+      ${CPGOLD_PREFIX:+-DCMAKE_PREFIX_PATH=$PWD/$CPGOLD_PREFIX} > $L/configure.log 2>&1 \
+      && cmake --build $B -j$(nproc) --target cpgold > $L/build.log 2>&1; echo $? > $L/build.rc )
+  [ "$(cat $L/build.rc)" = 0 ] || { tail -30 $L/configure.log $L/build.log; exit 1; }
+  stamp "cpgold built"
+  make_fixtures
+  stamp "prep done (the CUDA build and FA3's build go on in the background)" ;;
+outsiders) # the outsiders from the parts (install.sh)
+  bash $HERE/install.sh $W/parts $W/prefix 2>&1 | tail -8
+  if ls ${WHL:-.whl}/*.whl > /dev/null 2>&1; then   # other wheels carried (the cuDNN frontend for the benchmark)
+    python3 -m pip install -q --no-deps --no-index --no-compile --target $W/prefix/extra ${WHL:-.whl}/*.whl
+  fi
+  stamp "outsiders installed" ;;
+install)   # prep and outsiders in one
+  bash $0 prep && bash $0 outsiders ;;
 direct)   # each fixture batch in a child process: a crash of the library loses only the fixture it was running
   for fa in ${DIRECT_IMPLS:-fa3 fa4}; do
     [ "${NONDETERMINISTIC:-1}" = 1 ] && run ${fa}_direct $fa $fa --isolate
@@ -89,25 +140,100 @@ te_cp)
   [ -n "${TE_CP_FUSED:-}" ] && run te_cp_fused none te_cp --backend fused --set timeout=30
   for fa in fa3 fa4; do run te_cp_${fa} $fa te_cp --backend flash --set timeout=30; done; stamp te_cp ;;
 te_ranks)   # one process per GPU: the rank files, results.jsonl, summary.json and summary.md of each run
-  gpus=$(nvidia-smi --query-gpu=name --format=csv,noheader | wc -l)
-  ranks() {  # ranks TAG ENV W ADAPTER ARGS...: the harness under torchrun on W GPUs over quick, edge and te
-    local tag=$1 env=$2 w=$3; shift 3
-    if [ "$w" -gt "$gpus" ]; then echo "$tag: W=$w needs $w GPUs, this machine has $gpus: not run"; return; fi
-    rm -rf $R/ranks/$tag && mkdir -p $R/ranks/$tag $OUT/te_ranks/$tag
-    ( source $W/prefix/env.sh $env
-      export NCCL_NVLS_ENABLE=0
-      timeout ${RUN_TIMEOUT:-3000} python3 -m torch.distributed.run --standalone --nproc-per-node $w \
-        -m cpgold.outsiders.ranks "$@" $FX/quick $FX/edge $FX/te --out $R/ranks/$tag --cpgold $B/bin/cpgold \
-        --timeout ${RANKS_TIMEOUT:-300} --title "$tag" > $R/ranks/$tag/run.log 2>&1
-      echo "$tag rc=$?" >> $R/done.txt )
-    cp $R/ranks/$tag/summary.* $R/ranks/$tag/results.jsonl $R/ranks/$tag/run.log $OUT/te_ranks/$tag/ 2>/dev/null
-    grep "^== \|stopped at" $R/ranks/$tag/run.log | tail -2
-  }
   for w in ${RANKS_W:-2 4}; do
     ranks torch_allgather_w$w none $w torch_allgather
     ranks te_ranks_fused_w$w none $w te_cp --backend fused
     for fa in ${RANKS_FLASH:-fa3}; do ranks te_ranks_${fa}_w$w $fa $w te_cp --backend flash; done
   done; stamp te_ranks ;;
+ranks)      # one run of the harness: RANKS_TAG RANKS_ENV RANKS_WORLD, then the adapter's arguments (multi uses it)
+  shift; ranks $RANKS_TAG $RANKS_ENV $RANKS_WORLD "$@" ;;
+te_bench)   # TE's CP speed (bench/gpu/bench_te_cp.py) per W and backend, then cpgold's bench_cp_nccl, alone
+  gpus=$(nvidia-smi --query-gpu=name --format=csv,noheader | wc -l)
+  mkdir -p $R/bench $OUT/bench
+  for w in ${BENCH_W:-2 4}; do
+    [ "$w" -gt "$gpus" ] && { echo "te_bench: W=$w needs $w GPUs"; continue; }
+    comms=p2p,a2a,all_gather; [ "$w" -ge 4 ] && comms=$comms,a2a+p2p
+    for be in ${BENCH_BACKENDS:-fused fa3}; do
+      tag=te_${be}_w${w}
+      ( source $W/prefix/env.sh $([ $be = fused ] && echo none || echo $be)
+        export NCCL_NVLS_ENABLE=0 CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((w - 1)))
+        timeout ${BENCH_TIMEOUT:-300} python3 -m torch.distributed.run --standalone --nproc-per-node $w \
+          bench/gpu/bench_te_cp.py --backend $([ $be = fused ] && echo fused || echo flash) --comms $comms \
+          --seq-scale ${BENCH_SCALES:-1,4} --reps ${BENCH_REPS:-10} --json $R/bench/$tag.json > $R/bench/$tag.log 2>&1
+        echo "$tag rc=$?" >> $R/done.txt )
+      grep "^scale\|^bench_te_cp: [0-9]\|Error" $R/bench/$tag.log | cut -c1-300 | tail -30
+    done
+  done
+  if [ -x $W/cbuild/bin/bench_cp_nccl ]; then
+    for scale in $(echo ${BENCH_SCALES:-1,4} | tr , ' '); do
+      timeout 400 $W/cbuild/bin/bench_cp_nccl --seq-scale $scale --reps ${BENCH_REPS:-10} \
+        --comms p2p,a2a,all_gather,a2a+p2p > $R/bench/cpgold_s$scale.log 2>&1
+      echo "cpgold_s$scale rc=$?" >> $R/done.txt; grep "^|\|physical\|device" $R/bench/cpgold_s$scale.log | head -60
+    done
+  else
+    echo "te_bench: no $W/cbuild/bin/bench_cp_nccl ($(cat $L/cbuild.rc 2>/dev/null || echo 'not built'))"
+  fi
+  cp $R/bench/* $OUT/bench/ 2>/dev/null; stamp te_bench ;;
+shrink)     # cpgold shrink with TE's CP on thread ranks (fused) as COMMAND, from failing fixtures (SHRINK_START)
+  mkdir -p $R/shrink
+  for item in ${SHRINK_START:-A_p2p=edge/padding_between_all_w2 A_all_gather=edge/window_two_sided_w2 \
+      B_a2ap2p=random/random_s26_00016_a2ap2p_w4_bf16 C_p2p_gqa=random/random_s26_00069_p2p_w4_bf16}; do
+    [ -f $W/stop_multi ] && break
+    name=${item%%=*}; fx=$FX/${item#*=}.h5
+    ( source $W/prefix/env.sh none
+      t0=$(date +%s)
+      timeout ${SHRINK_TIMEOUT:-420} $B/bin/cpgold shrink $fx --tensors o,dq,dk,dv --run-timeout 120 \
+        --max-runs ${SHRINK_RUNS:-40} --budget ${SHRINK_BUDGET:-360} --format json --work-dir $R/shrink/$name.work \
+        --run "python3 -m cpgold.outsiders te_cp {fixture} --write-candidate {candidate} --backend fused --set timeout=30" \
+        > $R/shrink/$name.json 2> $R/shrink/$name.log
+      echo "shrink_$name rc=$? $(( $(date +%s) - t0 )) s" >> $R/done.txt )
+    grep "shrink_$name" $R/done.txt; tail -2 $R/shrink/$name.log | cut -c1-300
+  done; stamp shrink ;;
+multi)      # this machine's whole run, GPUs shared: the harness under NCCL (torch reference, TE fused, FA3, FA4),
+            # W = 2 on two pairs of GPUs and W = 4 on all four; TE CP on thread ranks for the one-GPU agreement; shrink;
+            # until MULTI_DEADLINE seconds, then te_bench alone on the machine
+  t0=$(date +%s)
+  export FOLDERS=${FOLDERS:-quick edge te te_shapes random fills}
+  while [ ! -f $W/prefix/env.sh ]; do sleep 5; done
+  job() { local name=$1; shift; ( "$@" > $L/job_$name.log 2>&1; echo "job $name rc=$?" >> $R/done.txt ) & }
+  seq2() { for x in "$@"; do [ -f $W/stop_multi ] || eval "$x" || true; done; }   # stops at the deadline
+  rm -f $W/stop_multi
+  job pair01 seq2 "RANKS_GPUS=0,1 RANKS_TAG=te_ranks_fused_w2 RANKS_ENV=none RANKS_WORLD=2 bash $0 ranks te_cp --backend fused" \
+    "RANKS_GPUS=0,1 RANKS_TAG=torch_allgather_w2 RANKS_ENV=none RANKS_WORLD=2 bash $0 ranks torch_allgather" \
+    "RANKS_GPUS=0,1,2,3 RANKS_TAG=te_ranks_fused_w4 RANKS_ENV=none RANKS_WORLD=4 bash $0 ranks te_cp --backend fused" \
+    "RANKS_GPUS=0,1,2,3 RANKS_TAG=torch_allgather_w4 RANKS_ENV=none RANKS_WORLD=4 bash $0 ranks torch_allgather"
+  job pair23 seq2 "RANKS_GPUS=2,3 RANKS_TAG=te_ranks_fa3_w2 RANKS_ENV=fa3 RANKS_WORLD=2 bash $0 ranks te_cp --backend flash" \
+    "RANKS_GPUS=0,1,2,3 RANKS_TAG=te_ranks_fa3_w4 RANKS_ENV=fa3 RANKS_WORLD=4 bash $0 ranks te_cp --backend flash"
+  job fa4 seq2 "RANKS_GPUS=1,0 RANKS_TAG=te_ranks_fa4_w2 RANKS_ENV=fa4 RANKS_WORLD=2 bash $0 ranks te_cp --backend flash" \
+    "RANKS_GPUS=3,2,1,0 RANKS_TAG=te_ranks_fa4_w4 RANKS_ENV=fa4 RANKS_WORLD=4 bash $0 ranks te_cp --backend flash"
+  job thread seq2 "CUDA_VISIBLE_DEVICES=3 bash -c 'source $0 __lib; run te_cp_fused_threads none te_cp --backend fused --set timeout=30'" \
+    "CUDA_VISIBLE_DEVICES=2 bash -c 'source $0 __lib; run te_cp_fa3_threads fa3 te_cp --backend flash --set timeout=30'"
+  job shrink env CUDA_VISIBLE_DEVICES=1 bash $0 shrink
+  job fa3src env CUDA_VISIBLE_DEVICES=0 bash $0 fa3-check
+  job det seq2 "CUDA_VISIBLE_DEVICES=2 bash -c 'source $0 __lib; run fa3_direct_det fa3 fa3 --deterministic --isolate'" \
+    "CUDA_VISIBLE_DEVICES=3 bash -c 'source $0 __lib; run fa4_direct_det fa4 fa4 --deterministic --isolate'"
+  deadline=$(( t0 + ${MULTI_DEADLINE:-540} ))
+  while [ $(date +%s) -lt $deadline ] && [ -n "$(jobs -rp)" ]; do sleep 5; done
+  if [ -n "$(jobs -rp)" ]; then
+    echo "multi: deadline reached after $(( $(date +%s) - t0 )) s; stopping: $(jobs -r | tr '\n' ' ')"
+    touch $W/stop_multi
+    pkill -TERM -f "cpgold.outsiders" ; pkill -TERM -f "cpgold shrink"; sleep 5
+    pkill -KILL -f "cpgold.outsiders" ; pkill -KILL -f "cpgold shrink"; wait
+  fi
+  stamp "multi: correctness part done"
+  while [ -f $W/src/CMakeLists.txt ] && [ -n "${CUDA_TARGETS:-}" ] && [ ! -f $L/cbuild.rc ]; do sleep 5; done
+  bash $0 te_bench; stamp multi ;;
+fa3-check) # the FA3 wheel prep built from sources: installed apart and run directly over FA3_CHECK_FOLDERS
+  while [ ! -f $L/fa3-build.rc ]; do sleep 10; done
+  tail -3 $L/fa3-build.log
+  [ "$(cat $L/fa3-build.rc)" = 0 ] || { echo "fa3-check: the build failed"; exit 1; }
+  python3 -m pip install -q --no-deps --no-index --no-compile --target $W/prefix/fa3src $W/fa3-wheel/flash_attn_3-*.whl
+  ( export PYTHONPATH=$W/prefix/fa3src:$CPGOLD_PYTHONPATH FOLDERS="${FA3_CHECK_FOLDERS:-quick edge golden}"
+    timeout 900 python3 -m cpgold.outsiders fa3 $(folders) --isolate --cpgold $B/bin/cpgold \
+      --summary $R/fa3_source_build.json --table $R/fa3_source_build.md --title "fa3 built here from sources" \
+      > $R/fa3_source_build.log 2>&1; echo "fa3_source_build rc=$?" >> $R/done.txt )
+  tail -1 $R/fa3_source_build.log ;;
+__lib) ;;   # sourced for its functions
 bench)
   ( source $W/prefix/env.sh all
     nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
@@ -127,7 +253,9 @@ bg)
   echo "started in the background: $*" ;;
 poll)
   tail -5 $L/bg.log 2>/dev/null; cat $R/done.txt 2>/dev/null
-  for f in $(ls -t $R/*.log 2>/dev/null | head -1); do echo "-- $f: $(grep -c . $f) lines"; tail -3 $f | cut -c1-240; done
-  (cd $R && tar -czf $OUT/results.tar.gz *.json *.md *.log 2>/dev/null); ls -la $OUT/results.tar.gz ;;
+  for f in $(ls -t $R/*.log $L/job_*.log 2>/dev/null | head -3); do echo "-- $f: $(grep -c . $f) lines"; tail -2 $f | cut -c1-240; done
+  for d in $R/ranks/*/; do [ -f $d/run.log ] && echo "-- $(basename $d): $(grep -c '^\[' $d/run.log) fixtures; $(tail -1 $d/run.log | cut -c1-200)"; done 2>/dev/null
+  (cd $R && tar -czf $OUT/results.tar.gz --exclude='*.h5' --exclude='*.work' --exclude='.ranks' *.json *.md *.log \
+     done.txt ranks bench shrink 2>/dev/null); ls -la $OUT/results.tar.gz ;;
 *) echo "device_run: unknown phase $PHASE"; exit 2 ;;
 esac
