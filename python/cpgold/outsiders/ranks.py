@@ -303,6 +303,21 @@ def recorded(out):
     return found
 
 
+def died_in(out, done):
+    """The fixture DIR/current names when results.jsonl has no entry for it: the processes ended while running it
+    without a status (killed or aborted, e.g. by torch's NCCL watchdog after a device-side assert): its error entry."""
+    try:
+        with open(os.path.join(out, "current")) as f:
+            cur = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(cur, dict) or (cur.get("suite"), cur.get("fixture")) in done:
+        return None
+    return {"suite": cur.get("suite"), "fixture": cur.get("fixture"), "status": "error",
+            "reason": "the processes ended while running this fixture and left no status (killed or aborted, e.g. by "
+                      "torch's NCCL watchdog after a device-side assert); --resume went on after it"}
+
+
 # ------------------------------------------------------------------ one process
 class Harness:
     def __init__(self, args, adapter, dist, torch, rank, world, local_rank, device, items):
@@ -318,6 +333,7 @@ class Harness:
         self.stopping = threading.Lock()
         self.ctl = None
         self.groups = None
+        self.done, self.died = {}, None
         self.watchdog = Watchdog(self.statuses, rank, args.grace, args.timeout, self.stop)
 
     def say(self, text, err=False):
@@ -414,6 +430,9 @@ class Harness:
                 os.remove(os.path.join(self.statuses.folder, name))
             if not self.args.resume:
                 open(os.path.join(self.args.out, "results.jsonl"), "w").close()
+        # what a resumed run skips, read by every rank before any fixture starts (rank 0 rewrites DIR/current then)
+        self.done = recorded(self.args.out) if self.args.resume else {}
+        self.died = died_in(self.args.out, self.done) if self.args.resume else None
         dist.barrier(group=self.ctl)
         self.watchdog.start()
 
@@ -443,6 +462,9 @@ class Harness:
             if os.path.lexists(files[self.rank]):
                 os.remove(files[self.rank])
             self.watchdog.begin(n, label)
+            if self.rank == 0:   # a process killed outright (an abort, not an exception) leaves this behind
+                with open(os.path.join(self.args.out, "current"), "w") as f:
+                    json.dump({"suite": suite, "fixture": os.path.basename(path)}, f)
             t0 = time.time()
             mine = {"status": "ok"}
             try:
@@ -518,7 +540,12 @@ class Harness:
                      ", ".join(f"{k} {v}" for k, v in versions.items()))
         t0 = time.time()
         total = len(self.items)
-        done = recorded(self.args.out) if self.args.resume else {}
+        done, died = self.done, self.died
+        if died is not None:    # every rank skips it; rank 0 records it
+            done[(died["suite"], died["fixture"])] = died
+            if self.rank == 0:
+                with open(os.path.join(self.args.out, "results.jsonl"), "a") as f:
+                    f.write(json.dumps(died) + "\n")
         if self.rank == 0 and self.args.resume:
             self.entries = [e for e in done.values()]
             self.say(f"{PROG}: resuming: {len(done)} fixture(s) already recorded in "
@@ -534,6 +561,8 @@ class Harness:
                     self.say(f"    {line}")
         code = [0]
         if self.rank == 0:
+            if os.path.exists(os.path.join(self.args.out, "current")):
+                os.remove(os.path.join(self.args.out, "current"))
             counted = write_summary(self.args.out, self.entries, dict(self.header, seconds=round(time.time() - t0, 1)))
             ran = total - counted["skipped"]
             self.say(f"== {self.adapter.name} W={self.world}: {json.dumps(counted)} ({time.time() - t0:.1f} s); "

@@ -72,13 +72,15 @@ PY
   for d in $(folders); do echo "$(basename $d): $(ls $d/*.h5 | wc -l) fixtures"; done
 }
 ranks() {  # ranks TAG ENV W ADAPTER ARGS...: the harness under torchrun on W GPUs (RANKS_GPUS) over the folders,
-           # restarted with --resume after a run a failing rank stopped (a device-side assert), so every fixture runs
+           # restarted with --resume after a run a failing rank stopped or an abort ended (a device-side assert), so
+           # every fixture runs (RANKS_ATTEMPTS runs at most)
   local tag=$1 env=$2 w=$3; shift 3
   local gpus=$(nvidia-smi --query-gpu=name --format=csv,noheader | wc -l)
   if [ "$w" -gt "$gpus" ]; then echo "$tag: W=$w needs $w GPUs, this machine has $gpus: not run"; return; fi
-  rm -rf $R/ranks/$tag && mkdir -p $R/ranks/$tag $OUT/te_ranks/$tag
   local resume= attempt
-  for attempt in 1 2 3 4 5 6 7 8 9 10; do
+  if [ -n "${RANKS_RESUME:-}" ]; then resume=--resume; else rm -rf $R/ranks/$tag; fi   # RANKS_RESUME: go on
+  mkdir -p $R/ranks/$tag $OUT/te_ranks/$tag
+  for attempt in $(seq 1 ${RANKS_ATTEMPTS:-20}); do
     ( source $W/prefix/env.sh $env
       export NCCL_NVLS_ENABLE=0 CUDA_VISIBLE_DEVICES=${RANKS_GPUS:-$(seq -s, 0 $((w - 1)))}
       timeout ${RUN_TIMEOUT:-3000} python3 -m torch.distributed.run --standalone --nproc-per-node $w \
@@ -86,7 +88,9 @@ ranks() {  # ranks TAG ENV W ADAPTER ARGS...: the harness under torchrun on W GP
         --timeout ${RANKS_TIMEOUT:-300} --diagnosis-budget ${RANKS_DIAGNOSIS:-5} --title "$tag" \
         >> $R/ranks/$tag/run.log 2>&1
       echo "$tag rc=$? (attempt $attempt)" >> $R/done.txt )
-    [ -f $R/ranks/$tag/.ranks/stopped ] && [ ! -f $W/stop_multi ] || break
+    # again after a run a failing rank stopped, or one that died inside a fixture (DIR/current left behind)
+    [ -f $R/ranks/$tag/.ranks/stopped ] || [ -f $R/ranks/$tag/current ] || break
+    [ ! -f $W/stop_multi ] || break
     resume=--resume
   done
   cp $R/ranks/$tag/summary.* $R/ranks/$tag/results.jsonl $R/ranks/$tag/run.log $OUT/te_ranks/$tag/ 2>/dev/null
@@ -100,8 +104,8 @@ prep)      # no parts needed: the CLI, cpgold's CUDA benchmark (CUDA_TARGETS), t
   nvidia-smi topo -m 2>/dev/null | head -6
   rm -rf $W/src && mkdir -p $W/src && cp -r . $W/src/   # a copy: the call's own tree may change under a build
   if [ -n "${CUDA_TARGETS:-}" ]; then   # cpgold's own CP over NCCL for te_bench (a CUDA build, in the background)
-    ( cmake -S $W/src -B $W/cbuild -DCMAKE_BUILD_TYPE=Release \
-        ${CPGOLD_PREFIX:+-DCMAKE_PREFIX_PATH=$PWD/$CPGOLD_PREFIX} > $L/cconfigure.log 2>&1 \
+    ( for try in 1 2; do rm -rf $W/cbuild; cmake -S $W/src -B $W/cbuild -DCMAKE_BUILD_TYPE=Release \
+        ${CPGOLD_PREFIX:+-DCMAKE_PREFIX_PATH=$PWD/$CPGOLD_PREFIX} > $L/cconfigure.log 2>&1 && break; sleep 20; done \
         && nice -n 5 cmake --build $W/cbuild -j$(( $(nproc) / 2 )) --target $CUDA_TARGETS > $L/cbuild.log 2>&1
       echo $? > $L/cbuild.rc ) &
   fi
@@ -196,22 +200,23 @@ multi)      # this machine's whole run, GPUs shared: the harness under NCCL (tor
   export FOLDERS=${FOLDERS:-quick edge te te_shapes random fills}
   while [ ! -f $W/prefix/env.sh ]; do sleep 5; done
   job() { local name=$1; shift; ( "$@" > $L/job_$name.log 2>&1; echo "job $name rc=$?" >> $R/done.txt ) & }
-  seq2() { for x in "$@"; do [ -f $W/stop_multi ] || eval "$x" || true; done; }   # stops at the deadline
+  seq2() {  # TAG|COMMAND items one after another; stops at the deadline; MULTI_SKIP: tags left out
+    for x in "$@"; do [ -f $W/stop_multi ] || [[ " ${MULTI_SKIP:-} " == *" ${x%%|*} "* ]] || eval "${x#*|}" || true; done; }
   rm -f $W/stop_multi
-  job pair01 seq2 "RANKS_GPUS=0,1 RANKS_TAG=te_ranks_fused_w2 RANKS_ENV=none RANKS_WORLD=2 bash $0 ranks te_cp --backend fused" \
-    "RANKS_GPUS=0,1 RANKS_TAG=torch_allgather_w2 RANKS_ENV=none RANKS_WORLD=2 bash $0 ranks torch_allgather" \
-    "RANKS_GPUS=0,1,2,3 RANKS_TAG=te_ranks_fused_w4 RANKS_ENV=none RANKS_WORLD=4 bash $0 ranks te_cp --backend fused" \
-    "RANKS_GPUS=0,1,2,3 RANKS_TAG=torch_allgather_w4 RANKS_ENV=none RANKS_WORLD=4 bash $0 ranks torch_allgather"
-  job pair23 seq2 "RANKS_GPUS=2,3 RANKS_TAG=te_ranks_fa3_w2 RANKS_ENV=fa3 RANKS_WORLD=2 bash $0 ranks te_cp --backend flash" \
-    "RANKS_GPUS=0,1,2,3 RANKS_TAG=te_ranks_fa3_w4 RANKS_ENV=fa3 RANKS_WORLD=4 bash $0 ranks te_cp --backend flash"
-  job fa4 seq2 "RANKS_GPUS=1,0 RANKS_TAG=te_ranks_fa4_w2 RANKS_ENV=fa4 RANKS_WORLD=2 bash $0 ranks te_cp --backend flash" \
-    "RANKS_GPUS=3,2,1,0 RANKS_TAG=te_ranks_fa4_w4 RANKS_ENV=fa4 RANKS_WORLD=4 bash $0 ranks te_cp --backend flash"
-  job thread seq2 "CUDA_VISIBLE_DEVICES=3 bash -c 'source $0 __lib; run te_cp_fused_threads none te_cp --backend fused --set timeout=30'" \
-    "CUDA_VISIBLE_DEVICES=2 bash -c 'source $0 __lib; run te_cp_fa3_threads fa3 te_cp --backend flash --set timeout=30'"
-  job shrink env CUDA_VISIBLE_DEVICES=1 bash $0 shrink
-  job fa3src env CUDA_VISIBLE_DEVICES=0 bash $0 fa3-check
-  job det seq2 "CUDA_VISIBLE_DEVICES=2 bash -c 'source $0 __lib; run fa3_direct_det fa3 fa3 --deterministic --isolate'" \
-    "CUDA_VISIBLE_DEVICES=3 bash -c 'source $0 __lib; run fa4_direct_det fa4 fa4 --deterministic --isolate'"
+  job pair01 seq2 "ranks_fused_w2|RANKS_GPUS=0,1 RANKS_TAG=te_ranks_fused_w2 RANKS_ENV=none RANKS_WORLD=2 bash $0 ranks te_cp --backend fused" \
+    "ref_w2|RANKS_GPUS=0,1 RANKS_TAG=torch_allgather_w2 RANKS_ENV=none RANKS_WORLD=2 bash $0 ranks torch_allgather" \
+    "ranks_fused_w4|RANKS_GPUS=0,1,2,3 RANKS_TAG=te_ranks_fused_w4 RANKS_ENV=none RANKS_WORLD=4 bash $0 ranks te_cp --backend fused" \
+    "ref_w4|RANKS_GPUS=0,1,2,3 RANKS_TAG=torch_allgather_w4 RANKS_ENV=none RANKS_WORLD=4 bash $0 ranks torch_allgather"
+  job pair23 seq2 "ranks_fa3_w2|RANKS_GPUS=2,3 RANKS_TAG=te_ranks_fa3_w2 RANKS_ENV=fa3 RANKS_WORLD=2 bash $0 ranks te_cp --backend flash" \
+    "ranks_fa3_w4|RANKS_GPUS=0,1,2,3 RANKS_TAG=te_ranks_fa3_w4 RANKS_ENV=fa3 RANKS_WORLD=4 bash $0 ranks te_cp --backend flash"
+  job fa4 seq2 "ranks_fa4_w2|RANKS_GPUS=1,0 RANKS_TAG=te_ranks_fa4_w2 RANKS_ENV=fa4 RANKS_WORLD=2 bash $0 ranks te_cp --backend flash" \
+    "ranks_fa4_w4|RANKS_GPUS=3,2,1,0 RANKS_TAG=te_ranks_fa4_w4 RANKS_ENV=fa4 RANKS_WORLD=4 bash $0 ranks te_cp --backend flash"
+  job thread seq2 "threads_fused|CUDA_VISIBLE_DEVICES=3 bash -c 'source $0 __lib; run te_cp_fused_threads none te_cp --backend fused --set timeout=30'" \
+    "threads_fa3|CUDA_VISIBLE_DEVICES=2 bash -c 'source $0 __lib; run te_cp_fa3_threads fa3 te_cp --backend flash --set timeout=30'"
+  job shrink seq2 "shrink|CUDA_VISIBLE_DEVICES=1 bash $0 shrink"
+  job fa3src seq2 "fa3src|CUDA_VISIBLE_DEVICES=0 bash $0 fa3-check"
+  job det seq2 "det_fa3|CUDA_VISIBLE_DEVICES=2 bash -c 'source $0 __lib; run fa3_direct_det fa3 fa3 --deterministic --isolate'" \
+    "det_fa4|CUDA_VISIBLE_DEVICES=3 bash -c 'source $0 __lib; run fa4_direct_det fa4 fa4 --deterministic --isolate'"
   deadline=$(( t0 + ${MULTI_DEADLINE:-540} ))
   while [ $(date +%s) -lt $deadline ] && [ -n "$(jobs -rp)" ]; do sleep 5; done
   if [ -n "$(jobs -rp)" ]; then
