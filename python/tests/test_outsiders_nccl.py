@@ -194,6 +194,23 @@ def test_resume_after_a_stopped_run_runs_the_rest_once(core, fixture_dir, tmp_pa
     assert rc == 1   # the recorded error still counts
 
 
+def test_resume_records_the_fixture_the_processes_died_in(core, fixture_dir, tmp_path):
+    """A run killed outright (an abort leaves no status) leaves DIR/current: --resume records that fixture as an error,
+    with its case, and runs the others."""
+    out = tmp_path / "died"
+    out.mkdir()
+    (out / "results.jsonl").write_text("")
+    (out / "current").write_text(json.dumps({"suite": "small", "fixture": "all_gather_w2_cross.h5"}))
+    rc, text, _ = launch(2, ["torch_allgather", fixture_dir, "--out", out, "--resume", "--timeout", 30], timeout=90)
+    e = entries(out)
+    assert e["all_gather_w2_cross"]["status"] == "error", text
+    assert "ended while running this fixture" in e["all_gather_w2_cross"]["reason"]
+    assert e["all_gather_w2_cross"]["comm"] == "all_gather" and e["all_gather_w2_cross"]["cp_size"] == 2
+    assert e["p2p_w2_causal_nan"]["status"] == "pass" and e["a2a_w2_window"]["status"] == "pass"
+    assert not (out / "current").exists()   # a run that ends normally leaves none
+    assert rc == 1
+
+
 def test_nccl_without_nvls_off_is_refused(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "NCCL_NVLS_ENABLE"}
     env["PYTHONPATH"] = os.pathsep.join([PYTHON_DIR, os.environ.get("PYTHONPATH", "")])

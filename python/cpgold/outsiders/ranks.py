@@ -543,6 +543,10 @@ class Harness:
         done, died = self.done, self.died
         if died is not None:    # every rank skips it; rank 0 records it
             done[(died["suite"], died["fixture"])] = died
+            path = next((p for s, p in self.items if (s, os.path.basename(p)) == (died["suite"], died["fixture"])),
+                        None)
+            if self.rank == 0 and path is not None:
+                died.update({k: v for k, v in self.describe(died["suite"], path).items() if k not in died})
             if self.rank == 0:
                 with open(os.path.join(self.args.out, "results.jsonl"), "a") as f:
                     f.write(json.dumps(died) + "\n")
