@@ -26,6 +26,7 @@
 #   te_bench   TE's CP speed (bench_te_cp.py) per W, backend and --seq-scale, then cpgold's bench_cp_nccl
 #   shrink     cpgold shrink with TE's CP on thread ranks as COMMAND from failing fixtures (SHRINK_START)
 #   fa3-check  the FA3 wheel built by prep installed apart and run over quick, edge and golden
+#   fa4-repro  FA-3 (TE's causal window (-1, 0) in FlashAttention-4) with torch and flash-attn-4 alone
 #   multi      a 4-GPU machine's run: every harness run (W = 2 on GPU pairs, W = 4), TE CP on thread ranks, shrink,
 #              fa3-check and the deterministic FA3/FA4 sweeps side by side until MULTI_DEADLINE seconds, then
 #              te_bench alone
@@ -180,13 +181,14 @@ te_bench)   # TE's CP speed (bench/gpu/bench_te_cp.py) per W and backend, then c
   cp $R/bench/* $OUT/bench/ 2>/dev/null; stamp te_bench ;;
 shrink)     # cpgold shrink with TE's CP on thread ranks (fused) as COMMAND, from failing fixtures (SHRINK_START)
   mkdir -p $R/shrink
-  for item in ${SHRINK_START:-A_p2p=edge/padding_between_all_w2 A_all_gather=edge/window_two_sided_w2 \
+  for item in ${SHRINK_START:-A_all_gather=edge/window_two_sided_w2 D256_gqa=edge/d256_p2p_w2_gqa \
       B_a2ap2p=random/random_s26_00016_a2ap2p_w4_bf16 C_p2p_gqa=random/random_s26_00069_p2p_w4_bf16}; do
     [ -f $W/stop_multi ] && break
     name=${item%%=*}; fx=$FX/${item#*=}.h5
     ( source $W/prefix/env.sh none
       t0=$(date +%s)
       timeout ${SHRINK_TIMEOUT:-420} $B/bin/cpgold shrink $fx --tensors o,dq,dk,dv --run-timeout 120 \
+        --dims ${SHRINK_DIMS:-32,64,96,128,192,256} \
         --max-runs ${SHRINK_RUNS:-40} --budget ${SHRINK_BUDGET:-360} --format json --work-dir $R/shrink/$name.work \
         --run "python3 -m cpgold.outsiders te_cp {fixture} --write-candidate {candidate} --backend fused --set timeout=30" \
         > $R/shrink/$name.json 2> $R/shrink/$name.log
@@ -214,7 +216,7 @@ multi)      # this machine's whole run, GPUs shared: the harness under NCCL (tor
   job thread seq2 "threads_fused|CUDA_VISIBLE_DEVICES=3 bash -c 'source $0 __lib; run te_cp_fused_threads none te_cp --backend fused --set timeout=30'" \
     "threads_fa3|CUDA_VISIBLE_DEVICES=2 bash -c 'source $0 __lib; run te_cp_fa3_threads fa3 te_cp --backend flash --set timeout=30'"
   job shrink seq2 "shrink|CUDA_VISIBLE_DEVICES=1 bash $0 shrink"
-  job fa3src seq2 "fa3src|CUDA_VISIBLE_DEVICES=0 bash $0 fa3-check"
+  job fa3src seq2 "fa4repro|CUDA_VISIBLE_DEVICES=0 bash $0 fa4-repro" "fa3src|CUDA_VISIBLE_DEVICES=0 bash $0 fa3-check"
   job det seq2 "det_fa3|CUDA_VISIBLE_DEVICES=2 bash -c 'source $0 __lib; run fa3_direct_det fa3 fa3 --deterministic --isolate'" \
     "det_fa4|CUDA_VISIBLE_DEVICES=3 bash -c 'source $0 __lib; run fa4_direct_det fa4 fa4 --deterministic --isolate'"
   deadline=$(( t0 + ${MULTI_DEADLINE:-540} ))
@@ -238,6 +240,9 @@ fa3-check) # the FA3 wheel prep built from sources: installed apart and run dire
       --summary $R/fa3_source_build.json --table $R/fa3_source_build.md --title "fa3 built here from sources" \
       > $R/fa3_source_build.log 2>&1; echo "fa3_source_build rc=$?" >> $R/done.txt )
   tail -1 $R/fa3_source_build.log ;;
+fa4-repro) # FA-3 with torch and flash-attn-4 alone (fa4_window_repro.py)
+  ( source $W/prefix/env.sh fa4; python3 $HERE/fa4_window_repro.py 2>&1 | grep -v -i warn | tee $R/fa4_window_repro.log
+    echo "fa4_repro rc=${PIPESTATUS[0]}" >> $R/done.txt ) ;;
 __lib) ;;   # sourced for its functions
 bench)
   ( source $W/prefix/env.sh all
