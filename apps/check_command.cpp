@@ -7,7 +7,7 @@
 
 #include "apps/command_registry.hpp"
 #include "apps/json_output.hpp"
-#include "fixtures/check.hpp"
+#include "check/check.hpp"
 #include "reference/input_error.hpp"
 
 namespace cpgold::app {

@@ -16,10 +16,10 @@
 #include <unistd.h>
 
 #include "apps/command_registry.hpp"
-#include "fixtures/check.hpp"
-#include "fixtures/fixture_writer.hpp"
-#include "fixtures/golden_run.hpp"
-#include "fixtures/suites.hpp"
+#include "check/check.hpp"
+#include "fixtures/golden/fixture_writer.hpp"
+#include "fixtures/golden/golden_run.hpp"
+#include "fixtures/golden/suites.hpp"
 #include "reference/attention.hpp"
 #include "reference/input_error.hpp"
 #include "sim/case_inputs.hpp"

@@ -8,7 +8,7 @@
 #include "apps/command_registry.hpp"
 #include "apps/json_output.hpp"
 #include "apps/machine_resources.hpp"
-#include "fixtures/output_file.hpp"
+#include "fixtures/storage/output_file.hpp"
 #include "sim/explain.hpp"
 #include "sim/explain_summary.hpp"
 #include "sim/explain_te.hpp"

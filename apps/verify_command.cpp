@@ -26,11 +26,11 @@
 #include "apps/command_registry.hpp"
 #include "apps/json_output.hpp"
 #include "apps/rank_launch_options.hpp"
-#include "fixtures/output_file.hpp"
+#include "fixtures/storage/output_file.hpp"
 #include "reference/input_error.hpp"
 
 #if CPGOLD_HAVE_CUDA
-#include "fixtures/check.hpp"
+#include "check/check.hpp"
 #include "gpu/kernels/attention.hpp"
 #include "gpu/verify/fixture_verify.hpp"
 #endif

@@ -1,7 +1,7 @@
 #pragma once
 // Modelled CP mistakes: each is one small change of the Plan (the calls of some tiles) or of how the executor runs it
 // (the rows each rank holds, the merge rule), so that the simulator can replay a case under the mistake and a failed
-// check can be compared with what that mistake gives (fixtures/replay.hpp; docs/diagnosis.md, "Replay").
+// check can be compared with what that mistake gives (check/diagnosis/replay.hpp; docs/diagnosis.md, "Replay").
 // The catalogue:
 //   layout   contiguous_chunks   rank r holds chunks 2r and 2r+1 of every sequence; the steps still assume r, 2W-1-r
 //            chunks_swapped      rank r holds chunk 2W-1-r where chunk r belongs and the other way round

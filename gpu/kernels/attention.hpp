@@ -37,7 +37,7 @@ struct AttentionShape {
   int dim_qk = 0, dim_v = 0;
 };
 
-// The capability table: bf16/fp16; (d_qk, d_v) in fixtures/gpu_table.hpp (32/32, 64/64, 96/96, 128/128, 128/64,
+// The capability table: bf16/fp16; (d_qk, d_v) in sim/gpu_table.hpp (32/32, 64/64, 96/96, 128/128, 128/64,
 // 192/128, 256/256); h_q = g * h_kv.
 Outcome check_capability(const AttentionShape& shape);
 

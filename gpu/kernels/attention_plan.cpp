@@ -7,7 +7,7 @@
 #include <string>
 #include <utility>
 
-#include "fixtures/gpu_table.hpp"
+#include "sim/gpu_table.hpp"
 #include "gpu/kernels/attention_plan_impl.hpp"
 
 namespace cpgold::gpu {
@@ -26,10 +26,10 @@ Outcome check_capability(const AttentionShape& shape) {
   if (shape.dtype != DType::bf16 && shape.dtype != DType::fp16)
     return {Status::unsupported, "dtype " + std::string(dtype_name(shape.dtype)) +
                                      " is outside the GPU capability table (bf16, fp16)"};
-  if (!fx::head_dims_in_gpu_table(shape.dim_qk, shape.dim_v))
+  if (!sim::head_dims_in_gpu_table(shape.dim_qk, shape.dim_v))
     return {Status::unsupported, "head dims d_qk=" + std::to_string(shape.dim_qk) + ", d_v=" +
                                      std::to_string(shape.dim_v) + " are outside the GPU capability table (" +
-                                     fx::kGpuHeadDimText + ")"};
+                                     sim::kGpuHeadDimText + ")"};
   if (shape.heads_q <= 0 || shape.heads_kv <= 0 || shape.heads_q % shape.heads_kv != 0)
     return {Status::invalid_argument, "heads: h_q=" + std::to_string(shape.heads_q) + " is not a multiple of h_kv=" +
                                           std::to_string(shape.heads_kv)};

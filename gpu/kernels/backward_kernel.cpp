@@ -1,5 +1,5 @@
 // Which backward kernel serves a call: the sm_90a wgmma backward on devices of compute capability 9.0 for the head
-// dims of the capability table (fixtures/gpu_table.hpp), the mma.sync backward elsewhere; an explicit request or
+// dims of the capability table (sim/gpu_table.hpp), the mma.sync backward elsewhere; an explicit request or
 // CPGOLD_BACKWARD_KERNEL picks one.
 #include <string>
 

@@ -6,7 +6,7 @@
 #include <atomic>
 #include <string>
 
-#include "fixtures/gpu_table.hpp"
+#include "sim/gpu_table.hpp"
 #include "gpu/kernels/attention.hpp"
 #include "gpu/kernels/attention_launch.hpp"
 #include "gpu/kernels/env_request.hpp"
@@ -23,7 +23,7 @@ bool wgmma_forward_serves(const AttentionShape& shape) {
 #if CPGOLD_HAVE_SM90_FORWARD
   // Every pair of the capability table has a configuration (gpu/kernels/attention_sm90_launch.cuh).
   return (shape.dtype == DType::bf16 || shape.dtype == DType::fp16) &&
-         fx::head_dims_in_gpu_table(shape.dim_qk, shape.dim_v);
+         sim::head_dims_in_gpu_table(shape.dim_qk, shape.dim_v);
 #else
   (void)shape;
   return false;

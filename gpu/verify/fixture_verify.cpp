@@ -3,9 +3,9 @@
 #include <set>
 #include <stdexcept>
 
-#include "fixtures/fixture_reader.hpp"
-#include "fixtures/fixture_schema.hpp"
-#include "fixtures/hdf5_file.hpp"
+#include "fixtures/schema/fixture_reader.hpp"
+#include "fixtures/schema/fixture_schema.hpp"
+#include "fixtures/storage/hdf5_file.hpp"
 #include "gpu/kernels/host_attention.hpp"
 #include "reference/attention_call.hpp"
 #include "reference/input_error.hpp"

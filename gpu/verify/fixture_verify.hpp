@@ -6,7 +6,7 @@
 
 #include "gpu/cp/cp_executor.hpp"
 
-#include "fixtures/check.hpp"
+#include "check/check.hpp"
 #include "gpu/kernels/attention.hpp"
 
 namespace cpgold::gpu {

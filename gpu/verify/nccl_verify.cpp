@@ -9,8 +9,8 @@
 #include <mutex>
 #include <sstream>
 
-#include "fixtures/fixture_reader.hpp"
-#include "fixtures/hdf5_file.hpp"
+#include "fixtures/schema/fixture_reader.hpp"
+#include "fixtures/storage/hdf5_file.hpp"
 #include "gpu/comm/case_agreement.hpp"
 #include "gpu/comm/nccl_communicator.hpp"
 #include "gpu/verify/rank_check.hpp"

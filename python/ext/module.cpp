@@ -16,17 +16,17 @@
 #include <variant>
 #include <vector>
 
-#include "fixtures/check.hpp"
-#include "fixtures/fixture_reader.hpp"
-#include "fixtures/fixture_schema.hpp"
-#include "fixtures/fixture_writer.hpp"
-#include "fixtures/generate_admission.hpp"
-#include "fixtures/golden_run.hpp"
-#include "fixtures/hdf5_file.hpp"
-#include "fixtures/inputs_digest.hpp"
-#include "fixtures/output_file.hpp"
-#include "fixtures/shrink.hpp"
-#include "fixtures/suites.hpp"
+#include "check/check.hpp"
+#include "fixtures/schema/fixture_reader.hpp"
+#include "fixtures/schema/fixture_schema.hpp"
+#include "fixtures/golden/fixture_writer.hpp"
+#include "fixtures/golden/generate_admission.hpp"
+#include "fixtures/golden/golden_run.hpp"
+#include "fixtures/storage/hdf5_file.hpp"
+#include "fixtures/schema/inputs_digest.hpp"
+#include "fixtures/storage/output_file.hpp"
+#include "check/shrink.hpp"
+#include "fixtures/golden/suites.hpp"
 #include "reference/input_error.hpp"
 #include "sim/case_spec.hpp"
 #include "sim/explain.hpp"
@@ -436,7 +436,7 @@ PYBIND11_MODULE(_core, m) {
       },
       py::arg("golden"), py::arg("tensors"), py::arg("empty_row_lse"), py::arg("diagnose") = true);
 
-  // The search of `cpgold shrink` (fixtures/shrink.hpp) over a Python runner: runner(case_json, run) returns
+  // The search of `cpgold shrink` (check/shrink.hpp) over a Python runner: runner(case_json, run) returns
   // (status "fails" | "passes" | "no_candidate", diagnosis kinds, detail); progress(dict) after every run.
   m.def(
       "shrink",

@@ -18,10 +18,10 @@
 #include <thread>
 #include <vector>
 
-#include "fixtures/check.hpp"
-#include "fixtures/fixture_writer.hpp"
-#include "fixtures/golden_run.hpp"
-#include "fixtures/suites.hpp"
+#include "check/check.hpp"
+#include "fixtures/golden/fixture_writer.hpp"
+#include "fixtures/golden/golden_run.hpp"
+#include "fixtures/golden/suites.hpp"
 #include "gpu/comm/communicator.hpp"
 #include "gpu/comm/local_communicator.hpp"
 #include "gpu/cp/cp_executor.hpp"

@@ -263,8 +263,8 @@ TEST_CASE("nccl faults: a rank given another case stops every rank before any co
 
 // --- per-rank checks on the rank that ran, one combined table on rank 0 (CPU: the CP peer stands in for a rank) --
 
-#include "fixtures/fixture_writer.hpp"
-#include "fixtures/golden_run.hpp"
+#include "fixtures/golden/fixture_writer.hpp"
+#include "fixtures/golden/golden_run.hpp"
 #include "gpu/verify/rank_check.hpp"
 #include "sim/case_inputs.hpp"
 #include "sim/case_spec.hpp"
