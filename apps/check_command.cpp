@@ -7,7 +7,8 @@
 
 #include "apps/command_registry.hpp"
 #include "apps/json_output.hpp"
-#include "check/check.hpp"
+#include "check/engine.hpp"
+#include "check/identical.hpp"
 #include "reference/input_error.hpp"
 
 namespace cpgold::app {

@@ -16,7 +16,7 @@
 #include <unistd.h>
 
 #include "apps/command_registry.hpp"
-#include "check/check.hpp"
+#include "check/engine.hpp"
 #include "fixtures/golden/fixture_writer.hpp"
 #include "fixtures/golden/golden_run.hpp"
 #include "fixtures/golden/suites.hpp"

@@ -23,7 +23,7 @@
 
 #include "apps/command_registry.hpp"
 #include "apps/json_output.hpp"
-#include "check/check.hpp"
+#include "check/engine.hpp"
 #include "fixtures/schema/fixture_reader.hpp"
 #include "fixtures/golden/fixture_writer.hpp"
 #include "fixtures/golden/golden_run.hpp"

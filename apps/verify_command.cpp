@@ -30,7 +30,7 @@
 #include "reference/input_error.hpp"
 
 #if CPGOLD_HAVE_CUDA
-#include "check/check.hpp"
+#include "check/engine.hpp"
 #include "gpu/kernels/attention.hpp"
 #include "gpu/verify/fixture_verify.hpp"
 #endif

@@ -7,8 +7,8 @@
 #include <numeric>
 #include <sstream>
 
-#include "check/check.hpp"
-#include "fixtures/storage/hdf5_file.hpp"
+#include "check/identical.hpp"
+#include "fixtures/storage/hdf5_reader.hpp"
 #include "reference/input_error.hpp"
 #include "sim/case_spec.hpp"
 

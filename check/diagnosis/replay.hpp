@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "fixtures/schema/fixture_reader.hpp"
-#include "fixtures/schema/tolerance.hpp"
+#include "check/budget_rule.hpp"
 #include "sim/case_inputs.hpp"
 #include "sim/mistakes.hpp"
 

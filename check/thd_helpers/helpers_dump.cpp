@@ -9,7 +9,7 @@
 #include <limits>
 #include <set>
 
-#include "fixtures/storage/hdf5_file.hpp"
+#include "fixtures/storage/hdf5_reader.hpp"
 #include "reference/input_error.hpp"
 
 namespace cpgold::fx {

@@ -5,7 +5,8 @@
 
 #include "fixtures/schema/fixture_reader.hpp"
 #include "fixtures/schema/fixture_schema.hpp"
-#include "fixtures/storage/hdf5_file.hpp"
+#include "fixtures/storage/hdf5_reader.hpp"
+#include "fixtures/storage/hdf5_writer.hpp"
 #include "gpu/kernels/host_attention.hpp"
 #include "reference/attention_call.hpp"
 #include "reference/input_error.hpp"

@@ -6,7 +6,8 @@
 
 #include "gpu/cp/cp_executor.hpp"
 
-#include "check/check.hpp"
+#include "check/engine.hpp"
+#include "fixtures/storage/hdf5_writer.hpp"
 #include "gpu/kernels/attention.hpp"
 
 namespace cpgold::gpu {

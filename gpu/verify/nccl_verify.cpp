@@ -10,7 +10,7 @@
 #include <sstream>
 
 #include "fixtures/schema/fixture_reader.hpp"
-#include "fixtures/storage/hdf5_file.hpp"
+#include "fixtures/storage/hdf5_reader.hpp"
 #include "gpu/comm/case_agreement.hpp"
 #include "gpu/comm/nccl_communicator.hpp"
 #include "gpu/verify/rank_check.hpp"

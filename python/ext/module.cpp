@@ -16,13 +16,13 @@
 #include <variant>
 #include <vector>
 
-#include "check/check.hpp"
+#include "check/engine.hpp"
 #include "fixtures/schema/fixture_reader.hpp"
 #include "fixtures/schema/fixture_schema.hpp"
 #include "fixtures/golden/fixture_writer.hpp"
 #include "fixtures/golden/generate_admission.hpp"
 #include "fixtures/golden/golden_run.hpp"
-#include "fixtures/storage/hdf5_file.hpp"
+#include "fixtures/storage/hdf5_reader.hpp"
 #include "fixtures/schema/inputs_digest.hpp"
 #include "fixtures/storage/output_file.hpp"
 #include "check/shrink.hpp"

@@ -15,7 +15,7 @@
 #include <string>
 #include <vector>
 
-#include "fixtures/schema/tolerance.hpp"
+#include "check/budget_rule.hpp"
 #include "gpu/kernels/attention.hpp"
 #include "gpu/kernels/host_attention.hpp"
 #include "reference/attention.hpp"

@@ -18,7 +18,7 @@
 #include <thread>
 #include <vector>
 
-#include "check/check.hpp"
+#include "check/engine.hpp"
 #include "fixtures/golden/fixture_writer.hpp"
 #include "fixtures/golden/golden_run.hpp"
 #include "fixtures/golden/suites.hpp"

@@ -11,7 +11,7 @@
 
 #include "fixtures/golden/fixture_writer.hpp"
 #include "fixtures/golden/golden_run.hpp"
-#include "fixtures/storage/hdf5_file.hpp"
+#include "fixtures/storage/hdf5_writer.hpp"
 #include "fixtures/golden/suites.hpp"
 #include "tests/fixtures/flash2_emulation.hpp"
 

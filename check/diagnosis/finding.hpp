@@ -19,18 +19,12 @@
 // Findings come most specific first; a less specific finding is kept only when it explains rows that the ones before
 // it do not. Before them, cause first, the replayed mistakes (check/diagnosis/replay.hpp) whose simulation the outputs match:
 // a mistake's finding never hides the symptoms it causes (a NaN leak of the pad rows that wrong counts read).
-#include <cstdint>
 #include <optional>
 #include <string>
 #include <string_view>
-#include <utility>
 #include <vector>
 
 #include <nlohmann/json.hpp>
-
-#include "fixtures/schema/fixture_reader.hpp"
-#include "fixtures/storage/hdf5_file.hpp"
-#include "fixtures/schema/tolerance.hpp"
 
 namespace cpgold::fx {
 
@@ -62,34 +56,6 @@ struct Diagnosis {
   std::string evidence;          // one sentence: which rows, which chunk matched which, which scale ...
   nlohmann::ordered_json where;  // {"results": ["o@r1", ...], "ranks": [...], "sequences": [...], "rows": n, ...}
 };
-
-struct CheckReport;  // check/check.hpp
-
-// One candidate tensor as the check read it (values stay owned by the caller).
-struct DiagnosisCandidate {
-  int rank = -1;  // -1: global
-  int step = -1;  // -1: not a step partial
-  int pass = 0;   // step partials: 0 forward, 1 backward
-  Quantity quantity = Quantity::o;
-  const Values<float>* values = nullptr;
-  std::vector<int64_t> dims;   // as stored; LSE [h, t] or [t, h]
-  bool lse_row_major = false;  // LSE given as [t, h]
-};
-
-struct DiagnosisInput {
-  const h5::Reader* golden = nullptr;   // the golden file, open
-  const FixtureFile* fixture = nullptr;
-  std::vector<DiagnosisCandidate> candidates;
-  EmptyRowLse empty_row_lse = EmptyRowLse::neg_inf;
-  PadRows pad_rows = PadRows::zero;  // unwritten: pad and tail rows of O/dQ/dK/dV are not evidence
-  double replay_budget_seconds = 30;  // replay of modelled mistakes: no new mistake past this; 0: no replay
-};
-
-// The findings on a failed report, most specific first; empty for a report that passes or that failed only because
-// it compared nothing. The inputs the candidates state (report.inputs, against report.inputs_sha256) decide
-// inputs_mismatch by digest; a check whose results all pass but whose candidate states other inputs is diagnosed so. The recomputations read the fixture's inputs; when one cannot be read they are skipped and the
-// report says so (where["not_tested"]), the check's verdict and exit code stay those of the comparison.
-std::vector<Diagnosis> diagnose(const DiagnosisInput& input, const CheckReport& report);
 
 // "diagnosis: <kind>: <evidence>" lines.
 std::string render_diagnosis_text(const std::vector<Diagnosis>& findings);

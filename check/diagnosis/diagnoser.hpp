@@ -1,7 +1,8 @@
 #pragma once
-// The diagnosis engine shared by check/diagnosis/diagnosis.cpp (the structural tests, the merge test, the replay and the
-// selection of findings) and check/diagnosis/diagnosis_recompute.cpp (the recomputations: scale, mask edge, KV heads, LSE
-// forms, gradient factors, other inputs). Internal to the fixtures library: docs/diagnosis.md describes the tests.
+// The diagnosis's working state, shared by the files of check/diagnosis/: the failing results as subjects with their
+// rows mapped to global rows and classified, the findings before selection, and the recomputation of attention under
+// a hypothesis (perturbed_attention.cpp). One file per kind of bug holds its test. Internal to the check library:
+// docs/diagnosis.md describes the tests.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -17,8 +18,8 @@
 #include <utility>
 #include <vector>
 
-#include "check/check.hpp"
-#include "check/diagnosis/diagnosis.hpp"
+#include "check/report.hpp"
+#include "check/diagnosis/diagnose.hpp"
 #include "sim/partition.hpp"
 
 namespace cpgold::fx::diagnosis_detail {
