@@ -22,9 +22,9 @@
 #include "fixtures/golden/suites.hpp"
 #include "reference/attention.hpp"
 #include "reference/input_error.hpp"
-#include "sim/case_inputs.hpp"
-#include "sim/case_spec.hpp"
-#include "sim/executor.hpp"
+#include "sim/case/case_inputs.hpp"
+#include "sim/case/case_spec.hpp"
+#include "sim/program/executor.hpp"
 
 #if CPGOLD_HAVE_CUDA
 #include "gpu/verify/fixture_verify.hpp"

@@ -9,11 +9,11 @@
 #include "apps/json_output.hpp"
 #include "apps/machine_resources.hpp"
 #include "fixtures/storage/output_file.hpp"
-#include "sim/explain.hpp"
-#include "sim/explain_summary.hpp"
-#include "sim/explain_te.hpp"
-#include "sim/plan.hpp"
-#include "sim/te_replay.hpp"
+#include "sim/explain/explain.hpp"
+#include "sim/explain/explain_summary.hpp"
+#include "sim/explain/explain_te.hpp"
+#include "sim/plan/plan.hpp"
+#include "sim/te/te_replay.hpp"
 
 namespace cpgold::app {
 namespace {

@@ -28,8 +28,8 @@
 #include "fixtures/golden/suites.hpp"
 #include "reference/input_error.hpp"
 #include "reference/progress.hpp"
-#include "sim/case_spec.hpp"
-#include "sim/plan.hpp"
+#include "sim/case/case_spec.hpp"
+#include "sim/plan/plan.hpp"
 
 namespace cpgold::app {
 namespace {

@@ -1,4 +1,4 @@
-// `cpgold verify FIXTURE... [--dump FILE] [--deterministic]`: runs the GPU non-CP path (gpu/kernels/attention.hpp) on
+// `cpgold verify FIXTURE... [--dump FILE] [--deterministic]`: runs the GPU non-CP path (gpu/kernels/attention/attention.hpp) on
 // each fixture's inputs and checks O, LSE, dQ, dK, dV with the engine of `cpgold check`, printing the same table.
 // A fixture outside the GPU capability table is reported UNSUPPORTED with the reason, never passed.
 // Exit codes: 0 every fixture passed; 1 a fixture failed or was unsupported; 2 unusable input or no GPU.
@@ -31,7 +31,7 @@
 
 #if CPGOLD_HAVE_CUDA
 #include "check/engine.hpp"
-#include "gpu/kernels/attention.hpp"
+#include "gpu/kernels/attention/attention.hpp"
 #include "gpu/verify/fixture_verify.hpp"
 #endif
 #if CPGOLD_HAVE_NCCL

@@ -20,8 +20,8 @@
 #include "reference/sha256.hpp"
 #include "reference/attention.hpp"
 #include "reference/input_error.hpp"
-#include "sim/case_spec.hpp"
-#include "sim/executor.hpp"
+#include "sim/case/case_spec.hpp"
+#include "sim/program/executor.hpp"
 
 namespace cpgold::fx {
 

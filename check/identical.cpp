@@ -10,7 +10,7 @@
 #include "check/identical.hpp"
 #include "fixtures/storage/hdf5_reader.hpp"
 #include "reference/input_error.hpp"
-#include "sim/case_spec.hpp"
+#include "sim/case/case_spec.hpp"
 
 namespace cpgold::fx {
 

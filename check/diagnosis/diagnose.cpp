@@ -14,7 +14,7 @@
 #include "reference/mask.hpp"
 
 #include "check/diagnosis/replay.hpp"
-#include "sim/case_spec.hpp"
+#include "sim/case/case_spec.hpp"
 
 namespace cpgold::fx {
 

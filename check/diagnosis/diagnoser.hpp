@@ -20,7 +20,7 @@
 
 #include "check/report.hpp"
 #include "check/diagnosis/diagnose.hpp"
-#include "sim/partition.hpp"
+#include "sim/plan/partition.hpp"
 
 namespace cpgold::fx::diagnosis_detail {
 

@@ -7,8 +7,8 @@
 #include <limits>
 #include <set>
 
-#include "sim/executor.hpp"
-#include "sim/plan.hpp"
+#include "sim/program/executor.hpp"
+#include "sim/plan/plan.hpp"
 
 namespace cpgold::fx {
 

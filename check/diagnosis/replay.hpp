@@ -1,6 +1,6 @@
 #pragma once
 // Replay of modelled CP mistakes for a failed check (docs/diagnosis.md, "Replay"): the CPU simulator runs the case
-// under each mistake of sim/mistakes.hpp (the same Plan and program as every executor, with one thing changed) and the
+// under each mistake of sim/program/mistakes.hpp (the same Plan and program as every executor, with one thing changed) and the
 // candidate's results, global or per rank, as a test holds them in memory, are compared with what the mistake gives.
 // A mistake matches when every compared element is within the diagnosis tolerance of its simulation. Cost: one
 // float64 forward per mistake (a backward too only for a mistake whose forward matches) of a sub-case: the failing
@@ -14,8 +14,8 @@
 
 #include "fixtures/schema/fixture_reader.hpp"
 #include "check/budget_rule.hpp"
-#include "sim/case_inputs.hpp"
-#include "sim/mistakes.hpp"
+#include "sim/case/case_inputs.hpp"
+#include "sim/program/mistakes.hpp"
 
 namespace cpgold::fx {
 

@@ -8,12 +8,12 @@
 #include "reference/input_error.hpp"
 #include "reference/tensor.hpp"
 #include "reference/thd_layout.hpp"
-#include "sim/grad_correction.hpp"
-#include "sim/lse_halves.hpp"
-#include "sim/out_correction.hpp"
-#include "sim/partition.hpp"
-#include "sim/reorder.hpp"
-#include "sim/step_rows.hpp"
+#include "sim/thd_helpers/grad_correction.hpp"
+#include "sim/thd_helpers/lse_halves.hpp"
+#include "sim/thd_helpers/out_correction.hpp"
+#include "sim/plan/partition.hpp"
+#include "sim/thd_helpers/reorder.hpp"
+#include "sim/plan/step_rows.hpp"
 
 namespace cpgold::fx {
 

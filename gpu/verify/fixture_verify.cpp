@@ -7,10 +7,10 @@
 #include "fixtures/schema/fixture_schema.hpp"
 #include "fixtures/storage/hdf5_reader.hpp"
 #include "fixtures/storage/hdf5_writer.hpp"
-#include "gpu/kernels/host_attention.hpp"
+#include "gpu/kernels/attention/host_attention.hpp"
 #include "reference/attention_call.hpp"
 #include "reference/input_error.hpp"
-#include "sim/case_spec.hpp"
+#include "sim/case/case_spec.hpp"
 
 namespace cpgold::gpu {
 namespace {

@@ -8,7 +8,7 @@
 
 #include "check/engine.hpp"
 #include "fixtures/storage/hdf5_writer.hpp"
-#include "gpu/kernels/attention.hpp"
+#include "gpu/kernels/attention/attention.hpp"
 
 namespace cpgold::gpu {
 

@@ -15,7 +15,7 @@
 #include "gpu/comm/nccl_communicator.hpp"
 #include "gpu/verify/rank_check.hpp"
 #include "reference/input_error.hpp"
-#include "sim/case_spec.hpp"
+#include "sim/case/case_spec.hpp"
 
 namespace cpgold::gpu {
 namespace {

@@ -28,10 +28,10 @@
 #include "check/shrink.hpp"
 #include "fixtures/golden/suites.hpp"
 #include "reference/input_error.hpp"
-#include "sim/case_spec.hpp"
-#include "sim/explain.hpp"
-#include "sim/explain_summary.hpp"
-#include "sim/plan.hpp"
+#include "sim/case/case_spec.hpp"
+#include "sim/explain/explain.hpp"
+#include "sim/explain/explain_summary.hpp"
+#include "sim/plan/plan.hpp"
 
 namespace py = pybind11;
 using namespace cpgold;

@@ -16,8 +16,8 @@
 #include <vector>
 
 #include "check/budget_rule.hpp"
-#include "gpu/kernels/attention.hpp"
-#include "gpu/kernels/host_attention.hpp"
+#include "gpu/kernels/attention/attention.hpp"
+#include "gpu/kernels/attention/host_attention.hpp"
 #include "reference/attention.hpp"
 #include "reference/attention_call.hpp"
 #include "reference/thd_layout.hpp"

@@ -26,8 +26,8 @@
 #include "gpu/comm/local_communicator.hpp"
 #include "gpu/cp/cp_executor.hpp"
 #include "gpu/verify/fixture_verify.hpp"
-#include "sim/case_inputs.hpp"
-#include "sim/cp_program.hpp"
+#include "sim/case/case_inputs.hpp"
+#include "sim/program/cp_program.hpp"
 
 using namespace cpgold;
 namespace fs = std::filesystem;

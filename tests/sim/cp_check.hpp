@@ -8,9 +8,9 @@
 
 #include "reference/attention.hpp"
 #include "reference/splitmix64.hpp"
-#include "sim/case_inputs.hpp"
-#include "sim/coverage.hpp"
-#include "sim/executor.hpp"
+#include "sim/case/case_inputs.hpp"
+#include "sim/plan/coverage.hpp"
+#include "sim/program/executor.hpp"
 
 namespace cpgold::sim::testing {
 

@@ -4,8 +4,8 @@
 #include <cmath>
 
 #include "reference/input_error.hpp"
-#include "sim/case_inputs.hpp"
-#include "sim/case_spec.hpp"
+#include "sim/case/case_inputs.hpp"
+#include "sim/case/case_spec.hpp"
 
 using namespace cpgold;
 using namespace cpgold::sim;

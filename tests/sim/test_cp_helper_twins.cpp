@@ -9,11 +9,11 @@
 
 #include "reference/input_error.hpp"
 #include "reference/lse_merge.hpp"
-#include "sim/grad_correction.hpp"
-#include "sim/lse_halves.hpp"
-#include "sim/out_correction.hpp"
-#include "sim/reorder.hpp"
-#include "sim/step_rows.hpp"
+#include "sim/thd_helpers/grad_correction.hpp"
+#include "sim/thd_helpers/lse_halves.hpp"
+#include "sim/thd_helpers/out_correction.hpp"
+#include "sim/thd_helpers/reorder.hpp"
+#include "sim/plan/step_rows.hpp"
 
 using namespace cpgold;
 using namespace cpgold::sim;

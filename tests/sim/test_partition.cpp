@@ -2,9 +2,9 @@
 #include <doctest/doctest.h>
 
 #include "reference/input_error.hpp"
-#include "sim/case_spec.hpp"
-#include "sim/partition.hpp"
-#include "sim/reorder.hpp"
+#include "sim/case/case_spec.hpp"
+#include "sim/plan/partition.hpp"
+#include "sim/thd_helpers/reorder.hpp"
 
 using namespace cpgold;
 using namespace cpgold::sim;

@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "sim/plan.hpp"
+#include "sim/plan/plan.hpp"
 
 using namespace cpgold;
 using namespace cpgold::sim;
