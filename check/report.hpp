@@ -11,7 +11,7 @@
 
 #include "check/budget_rule.hpp"
 #include "check/candidates.hpp"
-#include "check/diagnosis/finding.hpp"
+#include "check/finding.hpp"
 
 namespace cpgold::fx {
 

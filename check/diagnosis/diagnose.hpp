@@ -1,6 +1,6 @@
 #pragma once
 // The diagnosis of a failed check: what it reads (the candidates as the check read them, the golden, the fixture's
-// inputs) and its entry point. The kinds and the findings are check/diagnosis/finding.hpp.
+// inputs) and its entry point. The kinds and the findings are check/finding.hpp.
 #include <cstdint>
 #include <vector>
 

@@ -1,4 +1,4 @@
-#include "check/diagnosis/finding.hpp"
+#include "check/finding.hpp"
 
 namespace cpgold::fx {
 
