@@ -1,6 +1,6 @@
 #pragma once
 // `cpgold check` as a library: candidate files (fixtures/SCHEMA.md, "Candidate files") against a golden fixture.
-// Exact classes first, then the budget rule of docs/design.md for every float tensor, global, per rank and per step
+// Exact classes first, then the budget rule of docs/numerics.md for every float tensor, global, per rank and per step
 // when both sides carry traces. Reports name the worst element and the first divergence in layout order with rank,
 // step, sequence, row within the sequence, head and dim, candidate / oracle / peer values and the case JSON.
 #include <map>

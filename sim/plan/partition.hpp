@@ -1,8 +1,8 @@
 #pragma once
-// Dual-chunk ("zigzag") CP partition (docs cp-semantics.md §2): every sequence's padded range splits into 2W chunks
-// of C_b = PL_b / (2W) rows; rank r holds chunk r followed by chunk 2W-1-r, sequences in batch order. The rank-local
-// tensor has cuP[B]/W rows (plus tail/W tail rows for p2p layouts with tail rows) and sequence b starts at local
-// offset cuP[b]/W. Per-rank actual counts are always the exact clamp formula n_b(c) = clamp(L_b - c*C_b, 0, C_b).
+// Dual-chunk ("zigzag") CP partition (docs/cp-layout.md, "Partition"): every sequence's padded range splits into 2W
+// chunks of C_b = PL_b / (2W) rows; rank r holds chunk r followed by chunk 2W-1-r, sequences in batch order. The
+// rank-local tensor has cuP[B]/W rows (plus tail/W tail rows for p2p layouts with tail rows) and sequence b starts at
+// local offset cuP[b]/W. Per-rank actual counts are always the exact clamp formula n_b(c) = clamp(L_b - c*C_b, 0, C_b).
 #include <cstdint>
 #include <string>
 #include <vector>

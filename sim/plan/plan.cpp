@@ -128,7 +128,7 @@ Tile ring_tile(const Ring& ring, int p, int j, int o, int step) {
   const bool select_by_visibility = windowed || (ring.causal && !same_geometry);
   bool q_first = true, q_second = true, kv_first = true, kv_second = true;
   if (ring.causal && !select_by_visibility) {
-    // TransformerEngine's sections (cp-semantics.md §3.2).
+    // TransformerEngine's sections (docs/cp-layout.md, "p2p (ring)").
     if (o == p) {
       t.section = StepSection::diagonal;
     } else if (o < p) {
@@ -167,7 +167,7 @@ Tile ring_tile(const Ring& ring, int p, int j, int o, int step) {
   t.kv_chunks[0] = kv_first ? o : (kv_second ? 2 * P - 1 - o : -1);
   t.kv_chunks[1] = kv_first && kv_second ? 2 * P - 1 - o : -1;
 
-  // What TransformerEngine passes (cp-semantics.md §3.2 table).
+  // What TransformerEngine passes (docs/cp-layout.md, "p2p (ring)" table).
   StepMetadata& te = t.te;
   te.cu_seqlens_q = qs.cu_seqlens_on_rank(p, q_first, q_second);
   te.cu_seqlens_kv = ks.cu_seqlens_on_rank(o, kv_first, kv_second);
@@ -291,7 +291,7 @@ void make_a2a(const CaseSpec& spec, const ThdLayout& l, Plan& plan) {
   (void)spec;
 }
 
-// TE's per-step window after the all-gather (get_kv_seq_info_after_all_gather, cp-semantics.md §5 step 5).
+// TE's per-step window after the all-gather (get_kv_seq_info_after_all_gather, docs/cp-layout.md, "all_gather").
 Window all_gather_te_window(int c, int W, int32_t msq, int32_t msk, Window w, bool causal, int32_t* se_out) {
   if (w.left < 0 && w.right < 0 && causal) w = {-1, 0};
   const int64_t end_c = static_cast<int64_t>(c + 1) * msk, full = static_cast<int64_t>(2 * W) * msk;

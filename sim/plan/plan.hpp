@@ -28,7 +28,7 @@ enum class StepSpace {
   sequence_order,  // a2a: all sequences in global order, h / W heads; all_gather KV: all heads
 };
 
-// What TransformerEngine passes to the attention call of this step (cp-semantics.md §3-§6).
+// What TransformerEngine passes to the attention call of this step (docs/cp-layout.md, "p2p (ring)" to "a2a+p2p").
 struct StepMetadata {
   std::vector<int32_t> cu_seqlens_q;           // [B+1] actual per-step counts (exact clamp formula)
   std::vector<int32_t> cu_seqlens_kv;          // [B+1]

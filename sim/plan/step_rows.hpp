@@ -1,7 +1,7 @@
 #pragma once
-// Rows of a CP step tensor against the rank-local rows (cp-semantics.md §7): a full step has the rank-local rows
-// themselves; a half step (read_half layout) has cu_s = cu/2 rows per sequence, half 0 = chunk r (local row
-// x + cu_s[s]), half 1 = chunk 2W-1-r (local row x + cu_s[s+1]). Every THD helper kernel and its CPU twin index
+// Rows of a CP step tensor against the rank-local rows (docs/cp-layout.md, "Helper kernels"): a full step has the
+// rank-local rows themselves; a half step (read_half layout) has cu_s = cu/2 rows per sequence, half 0 = chunk r (local
+// row x + cu_s[s]), half 1 = chunk 2W-1-r (local row x + cu_s[s+1]). Every THD helper kernel and its CPU twin index
 // through this one map; the LSE tensors additionally use the column of the row inside its sequence (unpacked layout).
 #include <cstdint>
 #include <string>

@@ -2,7 +2,7 @@
 // The visible-pairs audit of a TransformerEngine replay (sim/te/te_replay.hpp). For every replayed call, the (query,
 // key) pairs the backend's kernel computes from the call's arguments (sim/te/te_kernel_mask.hpp), with every row of
 // the call's tensors mapped to its sequence and global position, are compared with the true mask of the case
-// (global positions, the case's normalised mask and window, design.md): over one pass and one head group, every
+// (global positions, the case's normalised mask and window, docs/numerics.md): over one pass and one head group, every
 // visible pair of valid tokens must be computed exactly once and nothing else. Each difference is attributed to a
 // call: a pair that is not visible (or involves a pad row, a row of another sequence or a row holding no token) to
 // the call that computes it; a visible pair computed twice to the call that is not the one whose shards hold it; a

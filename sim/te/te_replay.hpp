@@ -1,6 +1,6 @@
 #pragma once
 // A literal replay of TransformerEngine's THD context-parallel attention (TE 2.20, main at d0067d0, the commit
-// cp-semantics.md cites): for a case, the arguments TE's own code computes for every attention call of every rank,
+// docs/cp-layout.md names): for a case, the arguments TE's own code computes for every attention call of every rank,
 // step and pass, for each of its two attention backends on Hopper (cuDNN FusedAttention and FlashAttention-3),
 // with TE's normalisations and, where TE stops, its assert or gating message instead of a call. Pure metadata: it
 // reproduces TE's arithmetic (get_cu_seqlens_on_cp_rank, the section choice, the halving of offsets and

@@ -1,8 +1,8 @@
 #pragma once
-// thd_grad_correction (cp-semantics.md §7 item 5): accumulates a step's partial gradient into the rank's gradient,
-// per half: "none" leaves it, "copy" overwrites it, "add" adds in the gradient dtype (dtype(g + g_i)).
-// (first, second) = (op, none) and (none, op) take a half-size grad_i (half 0 resp. half 1 of every sequence);
-// (add, copy) and (copy, add) a full-size grad_i whose row goes to `first` in the first half of its sequence.
+// thd_grad_correction (docs/cp-layout.md, "Helper kernels" item 5): accumulates a step's partial gradient into the
+// rank's gradient, per half: "none" leaves it, "copy" overwrites it, "add" adds in the gradient dtype (dtype(g + g_i)).
+// (first, second) = (op, none) and (none, op) take a half-size grad_i (half 0 resp. half 1 of every sequence); (add,
+// copy) and (copy, add) a full-size grad_i whose row goes to `first` in the first half of its sequence.
 #include <string_view>
 
 #include "reference/dtype.hpp"

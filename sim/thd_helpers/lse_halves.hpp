@@ -1,8 +1,8 @@
 #pragma once
-// Softmax statistics of P2P upper-triangle steps (cp-semantics.md §7 items 2-3): a step whose queries are the
-// second half (chunk 2W-1-r) of every sequence produces a half-size LSE; thd_second_half_lse_correction merges it
-// into the rank's full LSE and thd_read_second_half_lse extracts the second-half rows for the backward.
-// Layouts: packed [h, S] (column = rank-local row) or unpacked [B, h, S] (column = row within its sequence).
+// Softmax statistics of P2P upper-triangle steps (docs/cp-layout.md, "Helper kernels" items 2-3): a step whose queries
+// are the second half (chunk 2W-1-r) of every sequence produces a half-size LSE; thd_second_half_lse_correction merges
+// it into the rank's full LSE and thd_read_second_half_lse extracts the second-half rows for the backward. Layouts:
+// packed [h, S] (column = rank-local row) or unpacked [B, h, S] (column = row within its sequence).
 #include <cstdint>
 #include <string>
 #include <vector>

@@ -1,8 +1,8 @@
 #pragma once
-// thd_out_correction (cp-semantics.md §7 item 4): adds a step's partial output, weighted by exp(lse_i - lse), into
-// the rank's output, in the output dtype as TransformerEngine does: per element
-// out = dtype(out + (v == 0 ? 0 : dtype(v * w))) with w = float(exp(double(lse_i - lse))) per (row, head).
-// The zero guard keeps pad rows exactly 0 and ignores garbage LSE there.
+// thd_out_correction (docs/cp-layout.md, "Helper kernels" item 4): adds a step's partial output, weighted by exp(lse_i
+// - lse), into the rank's output, in the output dtype as TransformerEngine does: per element out = dtype(out + (v == 0
+// ? 0 : dtype(v * w))) with w = float(exp(double(lse_i - lse))) per (row, head). The zero guard keeps pad rows exactly
+// 0 and ignores garbage LSE there.
 #include <vector>
 
 #include "reference/dtype.hpp"

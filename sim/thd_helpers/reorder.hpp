@@ -1,5 +1,6 @@
 #pragma once
-// Row reorders of THD tensors between the layouts of the partition (cp-semantics.md §7), on any row type.
+// Row reorders of THD tensors between the layouts of the partition (docs/cp-layout.md, "Helper kernels"), on any row
+// type.
 #include <cstddef>  // size_t, used by reference/tensor.hpp
 #include <algorithm>
 

@@ -1,5 +1,6 @@
-// CPU twins of the THD CP helper kernels (cp-semantics.md §7) on the vectors of §2.4 and §8, with coded values:
-// element (row, head, x) holds a number that names the row it came from, so every check says where a value landed.
+// CPU twins of the THD CP helper kernels (docs/cp-layout.md, "Helper kernels") on the vectors of its "Worked example"
+// and "TE test configurations", with coded values: element (row, head, x) holds a number that names the row it came
+// from, so every check says where a value landed.
 #include <doctest/doctest.h>
 
 #include <cmath>

@@ -1,4 +1,5 @@
-// Golden vectors of cp-semantics.md §2.4 and §8 (partitioned indices, exact counts, reorders on coded values).
+// Golden vectors of docs/cp-layout.md, "Worked example" and "TE test configurations" (partitioned indices, exact
+// counts, reorders on coded values).
 #include <doctest/doctest.h>
 
 #include "reference/input_error.hpp"

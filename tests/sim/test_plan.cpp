@@ -1,4 +1,4 @@
-// The worked example of cp-semantics.md §2.4 as per-step metadata of the Plan, and plan structure checks.
+// The worked example of docs/cp-layout.md as per-step metadata of the Plan, and plan structure checks.
 #include <doctest/doctest.h>
 
 #include "reference/input_error.hpp"

@@ -1,7 +1,7 @@
 // The literal TransformerEngine replay (sim/te/te_replay.hpp) against arguments worked out by hand from TE 2.20's source:
-// the layout where TE's p2p calls differ from cpgold's corrected plan (padded_q != padded_kv), cp-semantics.md §2.4's
-// worked example, TE's normalisations (a padding mask with window (-1, 0) is full attention; a2a+p2p with a group of
-// one falls back) and its refusals with their source lines.
+// the layout where TE's p2p calls differ from cpgold's corrected plan (padded_q != padded_kv), docs/cp-layout.md's
+// "Worked example" worked example, TE's normalisations (a padding mask with window (-1, 0) is full attention; a2a+p2p
+// with a group of one falls back) and its refusals with their source lines.
 #include <doctest/doctest.h>
 
 #include <string>

@@ -1,6 +1,6 @@
 #pragma once
 // Varlen attention on the GPU over an AttentionCall (reference/attention_call.hpp): forward (O, LSE) and backward
-// (dQ, dK, dV), bf16/fp16 storage with float32 accumulation, for the capability table of docs/design.md.
+// (dQ, dK, dV), bf16/fp16 storage with float32 accumulation, for the capability table of docs/numerics.md.
 // Shapes: q [q_rows, h_q, d_qk], k [kv_rows, h_kv, d_qk], v [kv_rows, h_kv, d_v], o/dout [q_rows, h_q, d_v],
 // lse [h_q, q_rows] float32; rows are contiguous (row stride h * d); h_q = g * h_kv, query head h reads kv head h/g.
 // Contract (the kernels themselves, no clearing by the caller): rows outside the call's Q segments get O = 0,

@@ -1,5 +1,5 @@
 #pragma once
-// Visible ranges under the position masks (docs/design.md): key position kp is visible to query position qp iff
+// Visible ranges under the position masks (docs/numerics.md): key position kp is visible to query position qp iff
 // qp + delta - wl <= kp <= qp + delta + wr (a -1 side unbounded); keys past a segment's count are never visible.
 // One definition for the mma.sync kernels (attention_kernels.cuh) and the wgmma ones (sm90/).
 #include <cstdint>

@@ -286,9 +286,9 @@ __device__ __forceinline__ void acc_to_smem(T* smem, int ld, const float (&acc)[
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// Masks from global positions (docs/design.md; the visible ranges in gpu/kernels/attention/mask_ranges.cuh): key position kp
-// visible to query position qp iff qp + delta - wl <= kp <= qp + delta + wr (a -1 side unbounded); keys past a
-// segment's count are never visible.
+// Masks from global positions (docs/numerics.md; the visible ranges in gpu/kernels/attention/mask_ranges.cuh): key
+// position kp visible to query position qp iff qp + delta - wl <= kp <= qp + delta + wr (a -1 side unbounded); keys
+// past a segment's count are never visible.
 
 // Sets masked scores of a warp's 16 x (8*NT) tile to -inf. Row r of the warp has position qp0 + r; column c has
 // key index key0 + c within the segment (position kv_pos + index) and is invalid at or past kv_count.

@@ -1,11 +1,11 @@
 #pragma once
-// THD CP helper kernels (cp-semantics.md §7): partitioned indices, sequence-order <-> rank-order reorders, read
-// half, copy of valid tokens, second-half LSE correction and read, out correction, grad correction. Each has a CPU
-// twin in sim/ (partition, reorder, step_rows, lse_halves, out_correction, grad_correction) and is bit-exact
-// against it. Row copies use 16-byte vectors, so a row (or, for the out correction, one head) must be a multiple
-// of 16 bytes and every tensor 16-byte aligned; otherwise the call returns invalid_argument naming field and value.
-// Shapes are checked on the host from the host copy of the offsets; launches are asynchronous on `stream`
-// (a cudaStream_t, nullptr = default stream).
+// THD CP helper kernels (docs/cp-layout.md, "Helper kernels"): partitioned indices, sequence-order <-> rank-order
+// reorders, read half, copy of valid tokens, second-half LSE correction and read, out correction, grad correction. Each
+// has a CPU twin in sim/ (partition, reorder, step_rows, lse_halves, out_correction, grad_correction) and is bit-exact
+// against it. Row copies use 16-byte vectors, so a row (or, for the out correction, one head) must be a multiple of 16
+// bytes and every tensor 16-byte aligned; otherwise the call returns invalid_argument naming field and value. Shapes
+// are checked on the host from the host copy of the offsets; launches are asynchronous on `stream` (a cudaStream_t,
+// nullptr = default stream).
 #include <cstdint>
 #include <vector>
 
