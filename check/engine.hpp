@@ -30,7 +30,7 @@ struct CheckOptions {
   // The golden file given again as a candidate is unusable input (exit 2: swapped or repeated arguments) unless this
   // asks for it: then its stored simulator outputs (/peer) are checked against its own oracle (--allow-same-file).
   bool allow_same_file = false;
-  bool diagnose = true;  // on a failed check, name the kind of bug (check/diagnosis/diagnosis.hpp; --no-diagnosis)
+  bool diagnose = true;  // on a failed check, name the kind of bug (check/diagnosis/diagnose.hpp; --no-diagnosis)
   // The diagnosis's replay of modelled mistakes starts no new mistake past this many seconds (--diagnosis-budget);
   // 0: no replay.
   double diagnosis_budget_seconds = 30;
