@@ -10,7 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "reference/input_error.hpp"
-#include "sim/case_spec.hpp"
+#include "sim/case/case_spec.hpp"
 
 namespace cpgold::app {
 

@@ -7,7 +7,9 @@
 
 #include "apps/command_registry.hpp"
 #include "apps/json_output.hpp"
-#include "fixtures/check.hpp"
+#include "check/check_request.hpp"
+#include "check/engine.hpp"
+#include "check/identical.hpp"
 #include "reference/input_error.hpp"
 
 namespace cpgold::app {
@@ -17,13 +19,8 @@ struct CheckArgs {
   std::vector<std::string> files;
   bool identical = false, self = false;
   std::string format = "text";
-  std::string tensors;
-  std::string ranks;
-  bool allow_same_file = false;
-  std::string empty_row_lse = "neg-inf";
-  std::string pad_rows = "zero";
+  fx::CheckRequest request;  // the options of the check itself, bound below
   bool no_diagnosis = false;
-  double diagnosis_budget = 30;
 };
 
 int run_check(const CheckArgs& args) {
@@ -43,15 +40,9 @@ int run_check(const CheckArgs& args) {
     }
     return report.pass() ? kExitPass : kExitFail;
   }
-  fx::CheckOptions options;
-  fx::set_conventions(options, args.empty_row_lse, "--empty-row-lse", args.pad_rows, "--pad-rows");
-  options.diagnose = !args.no_diagnosis;
-  if (!(args.diagnosis_budget >= 0 && args.diagnosis_budget <= 86400))  // NaN too
-    fail_input("--diagnosis-budget", "expected seconds from 0 to 86400, got ", args.diagnosis_budget);
-  options.diagnosis_budget_seconds = args.diagnosis_budget;
-  if (!args.tensors.empty()) options.tensors = fx::parse_tensor_list(args.tensors, "--tensors");
-  options.allow_same_file = args.allow_same_file;
-  if (!args.ranks.empty()) options.ranks = fx::parse_rank_list(args.ranks, "--ranks");
+  fx::CheckRequest request = args.request;
+  request.diagnose = !args.no_diagnosis;
+  const fx::CheckOptions options = fx::check_options(request, fx::kCommandLineFields);
   fx::CheckReport report;
   if (args.self) {
     if (args.files.size() != 1) fail_input("--self", "expects exactly one golden file, got ", args.files.size());
@@ -72,20 +63,20 @@ const RegisterCommand registered("check", [](CLI::App& app) -> std::function<int
   sub->add_flag("--identical", args->identical, "compare two candidate files bit for bit");
   sub->add_flag("--self", args->self, "check an independent CPU path (peer, scale on K, other tile size)");
   sub->add_option("--format", args->format, "text or json");
-  sub->add_option("--empty-row-lse", args->empty_row_lse,
+  sub->add_option("--empty-row-lse", args->request.empty_row_lse,
                   "LSE of a valid row without visible keys: neg-inf (the contract, default) or pos-inf "
                   "(FlashAttention-2's convention, accepted knowingly)");
-  sub->add_option("--pad-rows", args->pad_rows,
+  sub->add_option("--pad-rows", args->request.pad_rows,
                   "pad and tail rows of o/dq/dk/dv: zero (the contract, default: exactly 0) or unwritten (not compared, "
                   "their non-zero and non-finite counts reported: FlashAttention-3/4 with seqused_q/k never write them)");
-  sub->add_option("--tensors", args->tensors, "comma-separated subset of o,lse,dq,dk,dv (e.g. o,lse for forward only)");
-  sub->add_option("--ranks", args->ranks,
+  sub->add_option("--tensors", args->request.tensors, "comma-separated subset of o,lse,dq,dk,dv (e.g. o,lse for forward only)");
+  sub->add_option("--ranks", args->request.ranks,
                   "comma-separated ranks whose per-rank outputs are checked (default: every rank of the fixture)");
-  sub->add_flag("--allow-same-file", args->allow_same_file,
+  sub->add_flag("--allow-same-file", args->request.allow_same_file,
                 "accept the golden file as a candidate: checks its stored simulator outputs (/peer), on purpose");
   sub->add_flag("--no-diagnosis", args->no_diagnosis,
                 "skip the diagnosis of a failed check (what kind of CP bug the failures fit; docs/diagnosis.md)");
-  sub->add_option("--diagnosis-budget", args->diagnosis_budget,
+  sub->add_option("--diagnosis-budget", args->request.diagnosis_budget,
                   "seconds the diagnosis's replay of modelled CP mistakes may start new simulations (default 30; 0: "
                   "no replay); mistakes left out are named in the report")
       ->check(CLI::Number);

@@ -16,15 +16,15 @@
 #include <unistd.h>
 
 #include "apps/command_registry.hpp"
-#include "fixtures/check.hpp"
-#include "fixtures/fixture_writer.hpp"
-#include "fixtures/golden_run.hpp"
-#include "fixtures/suites.hpp"
+#include "check/engine.hpp"
+#include "fixtures/golden/fixture_writer.hpp"
+#include "fixtures/golden/golden_run.hpp"
+#include "fixtures/golden/suites.hpp"
 #include "reference/attention.hpp"
 #include "reference/input_error.hpp"
-#include "sim/case_inputs.hpp"
-#include "sim/case_spec.hpp"
-#include "sim/executor.hpp"
+#include "sim/case/case_inputs.hpp"
+#include "sim/case/case_spec.hpp"
+#include "sim/program/executor.hpp"
 
 #if CPGOLD_HAVE_CUDA
 #include "gpu/verify/fixture_verify.hpp"

@@ -8,12 +8,13 @@
 #include "apps/command_registry.hpp"
 #include "apps/json_output.hpp"
 #include "apps/machine_resources.hpp"
-#include "fixtures/output_file.hpp"
-#include "sim/explain.hpp"
-#include "sim/explain_summary.hpp"
-#include "sim/explain_te.hpp"
-#include "sim/plan.hpp"
-#include "sim/te_replay.hpp"
+#include "fixtures/storage/output_file.hpp"
+#include "sim/explain/explain.hpp"
+#include "sim/explain/explain_request.hpp"
+#include "sim/explain/explain_summary.hpp"
+#include "sim/explain/explain_te.hpp"
+#include "sim/plan/plan.hpp"
+#include "sim/te/te_replay.hpp"
 
 namespace cpgold::app {
 namespace {
@@ -65,11 +66,13 @@ RegisterCommand reg{"explain", [](CLI::App& app) {
     // A full plan grows with W x W x sequences: large layouts get the summary, computed from the partition alone
     // (--te-audit needs every tile, as --full does).
     const bool full = options->full || options->te_audit;
-    if (options->summary || (!full && sim::plan_units(spec) > sim::kSummaryPlanUnits)) {
-      const sim::LayoutSummary summary = sim::summarize_layout(spec);
-      if (!options->svg.empty()) fx::write_text_file(options->svg, sim::summary_svg(spec, summary), options->force);
-      if (options->format == "json") std::cout << json_text(sim::summary_json(spec, summary));
-      else std::cout << sim::summary_text(spec, summary);
+    const sim::ExplainRequest request{spec, options->summary, full, options->te || options->te_audit};
+    if (sim::explains_summary(request)) {
+      const sim::Explanation summary = sim::explain(request);
+      if (!options->svg.empty())
+        fx::write_text_file(options->svg, sim::summary_svg(spec, *summary.summary), options->force);
+      if (options->format == "json") std::cout << json_text(sim::explanation_json(request, summary));
+      else std::cout << sim::explanation_text(request, summary);
       return kExitPass;
     }
     const MachineResources machine = machine_resources(".");
@@ -78,7 +81,8 @@ RegisterCommand reg{"explain", [](CLI::App& app) {
                  sim::full_explain_bytes(spec) / 1e9, " GB (", sim::plan_units(spec), " units of W x W x sequences) but ",
                  double(machine.memory_available) / 1e9, " GB are available (", machine.memory_source,
                  "); use the summary (drop ", options->full ? "--full" : "--te-audit", ")");
-    const sim::Plan plan = sim::make_plan(spec);
+    const sim::Explanation explanation = sim::explain(request);
+    const sim::Plan& plan = *explanation.plan;
     std::unique_ptr<sim::TeAuditReport> te;
     if (options->te_audit)
       te = std::make_unique<sim::TeAuditReport>(sim::te_audit_report(spec, plan, sim::te_user_arguments(case_object),
@@ -86,11 +90,11 @@ RegisterCommand reg{"explain", [](CLI::App& app) {
     if (!options->svg.empty())
       fx::write_text_file(options->svg, sim::explain_svg(spec, plan, te.get()), options->force);
     if (options->format == "json") {
-      nlohmann::ordered_json j = sim::explain_json(spec, plan);
+      nlohmann::ordered_json j = sim::explanation_json(request, explanation);
       if (te) j["te_audit"] = sim::te_audit_json(*te);
       std::cout << json_text(j);
     } else {
-      std::cout << sim::explain_text(spec, plan, options->te || options->te_audit);
+      std::cout << sim::explanation_text(request, explanation);
       if (te) std::cout << sim::te_audit_text(*te);
     }
     return te && !te->exact() ? kExitFail : kExitPass;

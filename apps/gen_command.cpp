@@ -20,16 +20,17 @@
 #include "apps/case_options.hpp"
 #include "apps/command_registry.hpp"
 #include "apps/machine_resources.hpp"
-#include "fixtures/fixture_schema.hpp"
-#include "fixtures/fixture_writer.hpp"
-#include "fixtures/generate_admission.hpp"
-#include "fixtures/golden_manifest.hpp"
-#include "fixtures/output_file.hpp"
-#include "fixtures/suites.hpp"
+#include "fixtures/schema/fixture_schema.hpp"
+#include "fixtures/golden/fixture_writer.hpp"
+#include "fixtures/golden/gen_job.hpp"
+#include "fixtures/golden/generate_admission.hpp"
+#include "fixtures/golden/golden_manifest.hpp"
+#include "fixtures/storage/output_file.hpp"
+#include "fixtures/golden/suites.hpp"
 #include "reference/input_error.hpp"
 #include "reference/progress.hpp"
-#include "sim/case_spec.hpp"
-#include "sim/plan.hpp"
+#include "sim/case/case_spec.hpp"
+#include "sim/plan/plan.hpp"
 
 namespace cpgold::app {
 namespace {
@@ -127,13 +128,6 @@ class ComputeProgress final : public ProgressSink {
   PhaseProgress& phase_;
 };
 
-struct Job {
-  std::string name, path;
-  sim::CaseSpec spec;
-  bool cpu_only = false;
-  bool trace = false;  // the suite asks for step partials (golden)
-};
-
 struct Done {
   std::string name, status;
   bool cpu_only = false;
@@ -159,8 +153,23 @@ std::vector<fx::SuiteCase> random_suite(CaseFlags& flags, int count) {
   return fx::random_cases(count, value);
 }
 
-int run_gen(CaseFlags flags, const std::string& suite, const std::string& output, bool force, bool trace,
-            const std::vector<std::string>& only, bool manifest, int count, bool yes) {
+// What `cpgold gen` is asked for, as its options bind it.
+struct GenArgs {
+  CaseFlags flags;         // --case and the case flags
+  std::string suite;       // --suite
+  std::string output;      // -o
+  bool force = false, trace = false, manifest = false, yes = false;
+  std::vector<std::string> only;  // --only
+  int count = 0;           // --count (--suite random)
+};
+
+int run_gen(GenArgs args) {
+  CaseFlags& flags = args.flags;
+  const std::string& suite = args.suite;
+  const std::string& output = args.output;
+  const bool force = args.force, trace = args.trace, manifest = args.manifest, yes = args.yes;
+  const std::vector<std::string>& only = args.only;
+  const int count = args.count;
   std::vector<fx::SuiteCase> random;
   if (suite == "random") random = random_suite(flags, count);
   else if (count != 0) fail_input("--count", "only with --suite random");
@@ -170,13 +179,14 @@ int run_gen(CaseFlags flags, const std::string& suite, const std::string& output
   if (manifest && (suite.empty() || !only.empty()))
     fail_input("--manifest", "needs --suite and the whole suite (no --only)");
   if (output.empty()) fail_input("-o", "an output path is required (a file for a case, a folder for a suite)");
-  std::vector<Job> jobs;
+  // Each job's case is validated once (sim::parse_case) and its cost, Plan and memory computed once (admit_gen_jobs).
+  std::vector<fx::GenJob> jobs;
   if (!suite.empty()) {
     // The suite's cases first: an unknown suite is refused before the folder is created.
     const std::vector<fx::SuiteCase> cases = suite == "random" ? random : fx::suite_cases(suite);
     for (const fx::SuiteCase& c : cases) {
       if (!only.empty() && std::find(only.begin(), only.end(), c.name) == only.end()) continue;
-      jobs.push_back({c.name, (fs::path(output) / (c.name + ".h5")).string(), c.spec, c.cpu_only, c.trace});
+      jobs.push_back({c.name, (fs::path(output) / (c.name + ".h5")).string(), c.spec, trace || c.trace, c.cpu_only});
     }
     for (const std::string& name : only)
       if (std::none_of(cases.begin(), cases.end(), [&](const fx::SuiteCase& c) { return c.name == name; }))
@@ -190,23 +200,19 @@ int run_gen(CaseFlags flags, const std::string& suite, const std::string& output
     if (!fs::is_directory(output)) fail_input("-o", "cannot create output folder '", output, "'", ec ? " (" + ec.message() + ")" : "");
   } else {
     const sim::CaseSpec spec = case_from_flags(flags);
-    jobs.push_back({fs::path(output).stem().string(), output, spec, !fx::inside_gpu_table(spec)});
+    jobs.push_back({fs::path(output).stem().string(), output, spec, trace, !fx::inside_gpu_table(spec)});
   }
   // Refuse before any work: a missing or unwritable folder, a destination that exists (without --force) or is not a
   // regular file (with --force); the manifest's destination by the same rules.
-  for (const Job& job : jobs) fx::check_destination(job.path, force);
+  for (const fx::GenJob& job : jobs) fx::check_destination(job.path, force);
   const std::string manifest_path = (fs::path(output) / fx::kManifestName).string();
   if (manifest) fx::check_destination(manifest_path, force);
 
   // Refuse before any work when the estimates exceed what the machine has, with a margin (unless --yes):
-  // fx::admit_generate, which cpgold.generate in Python goes through too.
+  // fx::admit_gen_jobs, which cpgold.generate in Python goes through too.
   const std::string folder = fs::absolute(fs::path(jobs.front().path)).parent_path().string();
-  std::vector<fx::AdmissionJob> admission_jobs;
-  for (const Job& job : jobs) admission_jobs.push_back({job.name, job.path, job.spec, trace || job.trace});
-  const fx::Admission admission = fx::admit_generate(admission_jobs, folder, yes, "--yes");
-  const std::vector<double>& disk_bounds = admission.disk_bounds;
-  const std::vector<fx::GenerateMemory>& memories = admission.memories;
-  auto out_of_memory = [&](const Job& job, double needed) {
+  (void)fx::admit_gen_jobs(jobs, folder, yes, "--yes");
+  auto out_of_memory = [&](const fx::GenJob& job, double needed) {
     const ThdLayout layout = sim::layout(job.spec);
     fail_input(job.name, "out of memory: total_tokens_q = ", layout.q.total_rows, ", total_tokens_kv = ",
                layout.kv.total_rows, ", heads_q = ", job.spec.heads_q, ", dim_qk = ", job.spec.dim_qk,
@@ -216,21 +222,21 @@ int run_gen(CaseFlags flags, const std::string& suite, const std::string& output
 
   const bool terminal = ::isatty(STDERR_FILENO) != 0;
   double total_estimate = 0;
-  for (const Job& job : jobs) total_estimate += sim::case_cost(job.spec, trace || job.trace).seconds;
+  for (const fx::GenJob& job : jobs) total_estimate += job.cost.seconds;
   double correction = 1.0;  // measured / estimated, refined after every case
   double estimated_done = 0;
   const auto start = std::chrono::steady_clock::now();
   std::vector<Done> done;
   for (size_t i = 0; i < jobs.size(); ++i) {
-    const Job& job = jobs[i];
-    const bool job_trace = trace || job.trace;
-    const sim::CaseCost cost = sim::case_cost(job.spec, job_trace);
+    fx::GenJob& job = jobs[i];
+    const bool job_trace = job.trace;
+    const sim::CaseCost& cost = job.cost;
     const double estimate = cost.seconds;
     const double eta = (total_estimate - estimated_done) * correction;
     if (estimate * correction > 2.0 || !terminal)
       std::fprintf(stderr, "[%zu/%zu] %s: at most %s on disk, about %s of memory (peak: %s), %s (ETA %s)\n", i + 1,
-                   jobs.size(), job.name.c_str(), human_bytes(disk_bounds[i]).c_str(),
-                   human_bytes(memories[i].peak()).c_str(), memories[i].peak_phase().c_str(),
+                   jobs.size(), job.name.c_str(), human_bytes(job.disk_bound).c_str(),
+                   human_bytes(job.memory.peak()).c_str(), job.memory.peak_phase().c_str(),
                    seconds_text(estimate * correction).c_str(), seconds_text(eta).c_str());
     const auto t0 = std::chrono::steady_clock::now();
     const std::string label = "[" + std::to_string(i + 1) + "/" + std::to_string(jobs.size()) + "] " + job.name;
@@ -241,9 +247,9 @@ int run_gen(CaseFlags flags, const std::string& suite, const std::string& output
     options.progress = &progress;
     fx::GoldenRun run = [&] {
       try {
-        return fx::generate(job.spec, options);
+        return fx::generate(job, options);
       } catch (const std::bad_alloc&) {  // with --yes, or when the estimate was too low
-        out_of_memory(job, memories[i].peak());
+        out_of_memory(job, job.memory.peak());
       }
     }();
     compute_phase.finish();
@@ -287,7 +293,7 @@ int run_gen(CaseFlags flags, const std::string& suite, const std::string& output
         std::printf("case %s %s\n", c.name.c_str(), c.json.c_str());
   if (manifest) {
     std::vector<fx::FixtureDigest> digests;
-    for (const Job& job : jobs) digests.push_back(fx::digest_fixture(job.path));
+    for (const fx::GenJob& job : jobs) digests.push_back(fx::digest_fixture(job.path));
     std::printf("manifest: %s\n", fx::write_manifest(output, suite, digests, force).c_str());
   }
   return kExitPass;
@@ -295,28 +301,20 @@ int run_gen(CaseFlags flags, const std::string& suite, const std::string& output
 
 const RegisterCommand registered("gen", [](CLI::App& app) -> std::function<int()> {
   auto* sub = app.add_subcommand("gen", "generate golden fixtures (HDF5) for a case or a suite");
-  auto flags = std::make_shared<CaseFlags>();
-  auto suite = std::make_shared<std::string>();
-  auto output = std::make_shared<std::string>();
-  auto force = std::make_shared<bool>(false);
-  auto trace = std::make_shared<bool>(false);
-  auto only = std::make_shared<std::vector<std::string>>();
-  auto manifest = std::make_shared<bool>(false);
-  auto count = std::make_shared<int>(0);
-  auto yes = std::make_shared<bool>(false);
-  add_case_flags(*sub, flags);
-  sub->add_option("--suite", *suite, "suite name: quick, edge, te, full, golden, random (with --count and --seed)");
-  sub->add_option("--count", *count, "with --suite random: number of cases, 1..10000 (with --seed S: the same cases every time; the bound: gen "
+  auto args = std::make_shared<GenArgs>();
+  add_case_flags(*sub, std::shared_ptr<CaseFlags>(args, &args->flags));
+  sub->add_option("--suite", args->suite, "suite name: quick, edge, te, full, golden, random (with --count and --seed)");
+  sub->add_option("--count", args->count, "with --suite random: number of cases, 1..10000 (with --seed S: the same cases every time; the bound: gen "
                   "builds the whole list and checks every case's estimates before it writes the first fixture, and "
                   "10000 fixtures take hours; use several seeds for more)");
-  sub->add_option("-o,--output", *output, "output file (a case) or folder (a suite)");
-  sub->add_flag("--force", *force, "replace existing fixtures");
-  sub->add_flag("--trace", *trace, "also store the per-step partials of the forward and backward");
-  sub->add_option("--only", *only, "with --suite: generate only these case names")->delimiter(',');
-  sub->add_flag("--manifest", *manifest,
+  sub->add_option("-o,--output", args->output, "output file (a case) or folder (a suite)");
+  sub->add_flag("--force", args->force, "replace existing fixtures");
+  sub->add_flag("--trace", args->trace, "also store the per-step partials of the forward and backward");
+  sub->add_option("--only", args->only, "with --suite: generate only these case names")->delimiter(',');
+  sub->add_flag("--manifest", args->manifest,
                 "with --suite: also write MANIFEST.json (case JSON and SHA-256 of every dataset) into the folder");
-  sub->add_flag("--yes", *yes, "go ahead although the memory or disk estimate exceeds what is available");
-  return [=] { return run_gen(*flags, *suite, *output, *force, *trace, *only, *manifest, *count, *yes); };
+  sub->add_flag("--yes", args->yes, "go ahead although the memory or disk estimate exceeds what is available");
+  return [=] { return run_gen(*args); };
 });
 
 }  // namespace

@@ -5,7 +5,7 @@
 
 #include "apps/command_registry.hpp"
 #include "apps/json_output.hpp"
-#include "fixtures/thd_helpers_check.hpp"
+#include "check/thd_helpers/helpers_check.hpp"
 #include "reference/input_error.hpp"
 
 namespace cpgold::app {

@@ -4,9 +4,9 @@
 #include <iostream>
 
 #include "apps/command_registry.hpp"
-#include "fixtures/fixture_reader.hpp"
-#include "fixtures/fixture_schema.hpp"
-#include "fixtures/inputs_digest.hpp"
+#include "fixtures/schema/fixture_reader.hpp"
+#include "fixtures/schema/fixture_schema.hpp"
+#include "fixtures/schema/inputs_digest.hpp"
 
 namespace cpgold::app {
 namespace {

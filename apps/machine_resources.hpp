@@ -1,6 +1,6 @@
 #pragma once
-// The machine's memory and disk as the commands see them (fixtures/machine_resources.hpp).
-#include "fixtures/machine_resources.hpp"
+// The machine's memory and disk as the commands see them (fixtures/storage/machine_resources.hpp).
+#include "fixtures/storage/machine_resources.hpp"
 
 namespace cpgold::app {
 using fx::machine_resources;

@@ -23,11 +23,11 @@
 
 #include "apps/command_registry.hpp"
 #include "apps/json_output.hpp"
-#include "fixtures/check.hpp"
-#include "fixtures/fixture_reader.hpp"
-#include "fixtures/fixture_writer.hpp"
-#include "fixtures/golden_run.hpp"
-#include "fixtures/shrink.hpp"
+#include "check/engine.hpp"
+#include "fixtures/schema/fixture_reader.hpp"
+#include "fixtures/golden/fixture_writer.hpp"
+#include "fixtures/golden/golden_run.hpp"
+#include "check/shrink.hpp"
 #include "reference/input_error.hpp"
 
 namespace cpgold::app {

@@ -1,4 +1,4 @@
-// `cpgold verify FIXTURE... [--dump FILE] [--deterministic]`: runs the GPU non-CP path (gpu/kernels/attention.hpp) on
+// `cpgold verify FIXTURE... [--dump FILE] [--deterministic]`: runs the GPU non-CP path (gpu/kernels/attention/attention.hpp) on
 // each fixture's inputs and checks O, LSE, dQ, dK, dV with the engine of `cpgold check`, printing the same table.
 // A fixture outside the GPU capability table is reported UNSUPPORTED with the reason, never passed.
 // Exit codes: 0 every fixture passed; 1 a fixture failed or was unsupported; 2 unusable input or no GPU.
@@ -26,12 +26,12 @@
 #include "apps/command_registry.hpp"
 #include "apps/json_output.hpp"
 #include "apps/rank_launch_options.hpp"
-#include "fixtures/output_file.hpp"
+#include "fixtures/storage/output_file.hpp"
 #include "reference/input_error.hpp"
 
 #if CPGOLD_HAVE_CUDA
-#include "fixtures/check.hpp"
-#include "gpu/kernels/attention.hpp"
+#include "check/engine.hpp"
+#include "gpu/kernels/attention/attention.hpp"
 #include "gpu/verify/fixture_verify.hpp"
 #endif
 #if CPGOLD_HAVE_NCCL

@@ -1,6 +1,6 @@
 // Self-checking program for the Hopper (sm_90a) wgmma attention backward (gpu/kernels/sm90/attention_backward_sm90.cuh):
 // unit tests of the operand forms the backward adds, the backward on varlen THD batches against a float64 CPU
-// reference, and timing against the mma.sync backward (gpu/kernels/attention_kernels.cuh) in the same run. Built and run by
+// reference, and timing against the mma.sync backward (gpu/kernels/mma_sync/attention_kernels.cuh) in the same run. Built and run by
 // bench/hopper_backward.sh (nvcc directly, -gencode=arch=compute_90a,code=sm_90a); docs/hopper-kernels.md, "Backward".
 //
 // Stages (each result line reads "RESULT|stage|name|PASS or FAIL|detail"; the summary table comes last):
@@ -22,8 +22,8 @@
 #include "gpu/kernels/sm90/attention_backward_sm90.cuh"
 #include "bench/hopper_harness.hpp"
 #include "bench/hopper_unit_gemm.cuh"
-#if __has_include("gpu/kernels/attention_kernels.cuh")
-#include "gpu/kernels/attention_kernels.cuh"
+#if __has_include("gpu/kernels/mma_sync/attention_kernels.cuh")
+#include "gpu/kernels/mma_sync/attention_kernels.cuh"
 #define HF_HAVE_MMA_SYNC_FORWARD 1
 #endif
 
@@ -412,7 +412,7 @@ BwdVariant sm90_variant(const std::string& name) {
 }
 
 #ifdef HF_HAVE_MMA_SYNC_FORWARD
-// The mma.sync backward (gpu/kernels/attention_kernels.cuh) launched as gpu/kernels/attention_launch.cuh does (64-row tiles).
+// The mma.sync backward (gpu/kernels/mma_sync/attention_kernels.cuh) launched as gpu/kernels/mma_sync/attention_launch.cuh does (64-row tiles).
 template <class T, int D, bool ATOMIC>
 BwdVariant mma_sync_variant_bwd(const std::string& name) {
   BwdVariant v;
@@ -462,7 +462,7 @@ BwdVariant mma_sync_variant_bwd(const std::string& name) {
 std::vector<BwdVariant> all_bwd_variants() {
   std::vector<BwdVariant> v;
   using sm90::DqSplit;
-  // The configurations attention_backward runs (gpu/kernels/attention_sm90_backward_launch.cuh): atomic mode d 128
+  // The configurations attention_backward runs (gpu/kernels/sm90/attention_sm90_backward_launch.cuh): atomic mode d 128
   // with the dQ columns split, the overlapped softmax and dQ by TMA reduce-add; d 64 with the keys split and TMA.
   v.push_back(sm90_variant<bf16, 128, true, DqSplit::columns, true, true>("sm90-bwd-atomic"));
   v.push_back(sm90_variant<bf16, 128, false>("sm90-bwd-deterministic"));
@@ -483,7 +483,7 @@ std::vector<BwdVariant> all_bwd_variants() {
   v.push_back(mma_sync_variant_bwd<bf16, 128, false>("mma-sync-bwd-deterministic"));
   v.push_back(mma_sync_variant_bwd<bf16, 64, true>("mma-sync-bwd-atomic-d64"));
 #else
-  record("setup", "mma-sync-bwd", false, "gpu/kernels/attention_kernels.cuh not found: no baseline to time against");
+  record("setup", "mma-sync-bwd", false, "gpu/kernels/mma_sync/attention_kernels.cuh not found: no baseline to time against");
 #endif
   return v;
 }

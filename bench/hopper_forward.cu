@@ -1,6 +1,6 @@
 // Self-checking program for the Hopper (sm_90a) wgmma attention forward (gpu/kernels/sm90/): unit tests of its
 // building blocks, the forward kernel variants against a float64 CPU reference on varlen THD batches, and timing
-// against the mma.sync forward kernel (gpu/kernels/attention_kernels.cuh) in the same run. Built and run by
+// against the mma.sync forward kernel (gpu/kernels/mma_sync/attention_kernels.cuh) in the same run. Built and run by
 // bench/hopper_forward.sh (nvcc directly, -gencode=arch=compute_90a,code=sm_90a); docs/hopper-kernels.md.
 //
 // Stages (each result line reads "RESULT|stage|name|PASS or FAIL|detail"; the summary table comes last):
@@ -21,8 +21,8 @@
 #include "gpu/kernels/sm90/attention_forward_sm90.cuh"
 #include "bench/hopper_harness.hpp"
 #include "bench/hopper_unit_gemm.cuh"
-#if __has_include("gpu/kernels/attention_kernels.cuh")
-#include "gpu/kernels/attention_kernels.cuh"
+#if __has_include("gpu/kernels/mma_sync/attention_kernels.cuh")
+#include "gpu/kernels/mma_sync/attention_kernels.cuh"
 #define HF_HAVE_MMA_SYNC_FORWARD 1
 #endif
 
@@ -475,7 +475,7 @@ struct Variant {
   bool fp16;
   int block_m;
   bool tma = false;
-  bool mma_sync = false;  // the existing forward kernel (gpu/kernels/attention_kernels.cuh)
+  bool mma_sync = false;  // the existing forward kernel (gpu/kernels/mma_sync/attention_kernels.cuh)
   std::function<std::string(const AttentionParams&, sm90::ForwardTensorMaps&)> prepare;
   std::function<std::string(const AttentionParams&, const sm90::ForwardTensorMaps&, sm90::Watchdog)> launch;
   std::vector<std::string> depends;  // unit tests the variant relies on

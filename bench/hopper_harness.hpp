@@ -23,7 +23,7 @@
 #include <thread>
 #include <vector>
 
-#include "gpu/kernels/kernel_params.hpp"
+#include "gpu/kernels/attention/kernel_params.hpp"
 #include "gpu/kernels/sm90/ptx_sm90.cuh"
 
 namespace hf {

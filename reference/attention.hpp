@@ -1,7 +1,7 @@
 #pragma once
 // Exact CPU attention over an AttentionCall, forward (O, LSE) and backward (dQ, dK, dV), in two arithmetics:
 //  - the oracle: float64 throughout, on inputs as stored (bf16/fp16 values are exact in float64);
-//  - the peer: rounds where a flash kernel rounds and nowhere else (docs/design.md): float32 accumulation,
+//  - the peer: rounds where a flash kernel rounds and nowhere else (docs/numerics.md): float32 accumulation,
 //    inputs in the dtype, P rounded to the dtype before P.V and P^T.dO, dS rounded before dS.K and dS^T.Q,
 //    O/dQ/dK/dV rounded to the dtype, LSE float32.
 // Shapes: q [t_q, h_q, d_qk], k [t_kv, h_kv, d_qk], v [t_kv, h_kv, d_v], o/dout [t_q, h_q, d_v],

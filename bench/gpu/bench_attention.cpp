@@ -25,7 +25,7 @@
 
 #include "bench/gpu/bench_checks.hpp"
 #include "bench/gpu/varlen_lengths.hpp"
-#include "gpu/kernels/attention.hpp"
+#include "gpu/kernels/attention/attention.hpp"
 #include "reference/attention_call.hpp"
 #include "reference/thd_layout.hpp"
 

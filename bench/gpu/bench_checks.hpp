@@ -7,7 +7,7 @@
 #include <cstdlib>
 #include <string>
 
-#include "gpu/kernels/attention.hpp"
+#include "gpu/kernels/attention/attention.hpp"
 
 namespace cpgold::bench {
 

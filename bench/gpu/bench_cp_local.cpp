@@ -32,12 +32,12 @@
 #include "bench/gpu/bench_checks.hpp"
 #include "bench/gpu/varlen_lengths.hpp"
 #include "gpu/cp/cp_executor.hpp"
-#include "gpu/kernels/attention.hpp"
+#include "gpu/kernels/attention/attention.hpp"
 #include "reference/attention_call.hpp"
-#include "sim/case_inputs.hpp"
-#include "sim/case_spec.hpp"
-#include "sim/explain.hpp"
-#include "sim/plan.hpp"
+#include "sim/case/case_inputs.hpp"
+#include "sim/case/case_spec.hpp"
+#include "sim/explain/explain.hpp"
+#include "sim/plan/plan.hpp"
 
 using namespace cpgold;
 using cpgold::bench::check;

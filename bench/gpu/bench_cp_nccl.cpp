@@ -27,11 +27,11 @@
 #include "gpu/comm/nccl_communicator.hpp"
 #include "gpu/comm/nccl_ranks.hpp"
 #include "gpu/cp/cp_executor.hpp"
-#include "gpu/kernels/attention.hpp"
+#include "gpu/kernels/attention/attention.hpp"
 #include "reference/attention_call.hpp"
-#include "sim/case_inputs.hpp"
-#include "sim/case_spec.hpp"
-#include "sim/plan.hpp"
+#include "sim/case/case_inputs.hpp"
+#include "sim/case/case_spec.hpp"
+#include "sim/plan/plan.hpp"
 
 using namespace cpgold;
 using bench::varlen_lengths;

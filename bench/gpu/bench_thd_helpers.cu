@@ -1,4 +1,4 @@
-// GB/s of the THD CP helper kernels (gpu/kernels/thd_cp_helpers.hpp) against the device's copy bandwidth measured in
+// GB/s of the THD CP helper kernels (gpu/kernels/thd_helpers/thd_cp_helpers.hpp) against the device's copy bandwidth measured in
 // the same run (cudaMemcpy device-to-device, a plain 16-byte-vector copy kernel, and a write-only memset). Bytes =
 // bytes the helper's result needs read + written (rows it skips are not counted), >= 1 GiB per call. Median of --reps
 // timed calls after 3 warm-up calls, CUDA events.
@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "bench/gpu/bench_checks.hpp"
-#include "gpu/kernels/thd_cp_helpers.hpp"
+#include "gpu/kernels/thd_helpers/thd_cp_helpers.hpp"
 
 using namespace cpgold;
 using cpgold::bench::check;

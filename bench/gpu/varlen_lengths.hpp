@@ -7,7 +7,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "sim/case_spec.hpp"
+#include "sim/case/case_spec.hpp"
 
 namespace cpgold::bench {
 

@@ -12,9 +12,9 @@
 #include <string>
 
 #include "bench/bench_clock.hpp"
-#include "sim/explain.hpp"
-#include "sim/explain_summary.hpp"
-#include "sim/plan.hpp"
+#include "sim/explain/explain.hpp"
+#include "sim/explain/explain_summary.hpp"
+#include "sim/plan/plan.hpp"
 
 using namespace cpgold;
 using namespace cpgold::sim;

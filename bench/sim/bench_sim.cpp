@@ -11,8 +11,8 @@
 
 #include "bench/bench_clock.hpp"
 #include "reference/attention.hpp"
-#include "sim/case_inputs.hpp"
-#include "sim/executor.hpp"
+#include "sim/case/case_inputs.hpp"
+#include "sim/program/executor.hpp"
 
 using namespace cpgold;
 using namespace cpgold::sim;

@@ -1,7 +1,7 @@
 #!/usr/bin/python3
 """Checks cpgold fixtures against a float64 oracle recomputed here in numpy, independently of cpgold's C++ code.
 
-    /usr/bin/python3 docs/python/check_golden.py fixtures/golden            # every *.h5 of a folder (+ MANIFEST.json)
+    /usr/bin/python3 docs/python/check_golden.py fixtures/data/golden            # every *.h5 of a folder (+ MANIFEST.json)
     /usr/bin/python3 docs/python/check_golden.py a.h5 b.h5                  # single fixtures
 
 Needs h5py and numpy only (Debian: python3-h5py, python3-numpy). For every fixture it

@@ -3,13 +3,13 @@
 
 #include <sstream>
 
-#include "fixtures/sha256.hpp"
+#include "reference/sha256.hpp"
 #include "reference/input_error.hpp"
 
 namespace cpgold::gpu {
 
 void agree_on_case(RankChannel& channel, const std::string& description, const std::string& label, Seconds timeout) {
-  const std::string mine = fx::sha256_hex(description).substr(0, 16) + " " + label;
+  const std::string mine = sha256_hex(description).substr(0, 16) + " " + label;
   const std::vector<std::string> all = channel.all_gather(mine, "case agreement", timeout);
   bool same = true;
   for (const std::string& other : all) same = same && other.substr(0, 16) == all[0].substr(0, 16);

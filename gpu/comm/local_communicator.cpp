@@ -13,7 +13,7 @@
 #include <tuple>
 
 #include "gpu/comm/block_sum.hpp"
-#include "sim/rendezvous.hpp"
+#include "sim/program/rendezvous.hpp"
 
 namespace cpgold::gpu {
 namespace {

@@ -1,5 +1,5 @@
 // GPU CP executor: the single-GPU driver (W ranks on one device) and the one-rank driver over any communicator, both
-// running the per-rank CP program (sim/cp_program.hpp) over DeviceRankBackend (gpu/cp/device_rank_backend.hpp).
+// running the per-rank CP program (sim/program/cp_program.hpp) over DeviceRankBackend (gpu/cp/device_rank_backend.hpp).
 #include "gpu/cp/cp_executor.hpp"
 
 #include <cuda_runtime_api.h>
@@ -12,7 +12,7 @@
 
 #include "gpu/comm/local_communicator.hpp"
 #include "gpu/cp/device_rank_backend.hpp"
-#include "sim/cp_program.hpp"
+#include "sim/program/cp_program.hpp"
 
 namespace cpgold::gpu {
 

@@ -1,18 +1,18 @@
 #pragma once
-// GPU CP executor: the one CP orchestration (sim/cp_program.hpp) over a device backend, one backend per rank, each
+// GPU CP executor: the one CP orchestration (sim/program/cp_program.hpp) over a device backend, one backend per rank, each
 // exchanging through a Communicator (gpu/comm/communicator.hpp) on its own stream. With make_local_communicators all W
 // ranks run on one device (one host thread each); run_cp_rank runs one rank of the same backend over any
 // communicator (NCCL: one rank per GPU thread or process, gpu/verify/nccl_verify.hpp).
-// Numerics: attention partials in the case dtype with float32 LSE (the kernels of gpu/kernels/attention.hpp), merges
+// Numerics: attention partials in the case dtype with float32 LSE (the kernels of gpu/kernels/attention/attention.hpp), merges
 // and dQ/dK/dV/dKV accumulation in float32, outputs rounded once to the dtype, pad rows exactly zero (LSE -inf).
 #include <memory>
 
 #include "gpu/comm/communicator.hpp"
 #include "gpu/cp/cp_options.hpp"
-#include "gpu/kernels/attention.hpp"
-#include "sim/case_inputs.hpp"
-#include "sim/executor.hpp"
-#include "sim/plan.hpp"
+#include "gpu/kernels/attention/attention.hpp"
+#include "sim/case/case_inputs.hpp"
+#include "sim/program/executor.hpp"
+#include "sim/plan/plan.hpp"
 
 namespace cpgold::gpu {
 

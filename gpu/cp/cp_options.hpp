@@ -10,8 +10,8 @@
 #include <string>
 
 #include "gpu/cp/timeline.hpp"
-#include "gpu/kernels/attention.hpp"
-#include "sim/plan.hpp"
+#include "gpu/kernels/attention/attention.hpp"
+#include "sim/plan/plan.hpp"
 
 namespace cpgold::gpu {
 

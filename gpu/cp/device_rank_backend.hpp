@@ -1,5 +1,5 @@
 #pragma once
-// The device backend of the per-rank CP program (sim/cp_program.hpp, "Backend B"): one object per rank, on the
+// The device backend of the per-rank CP program (sim/program/cp_program.hpp, "Backend B"): one object per rank, on the
 // current device, exchanging through the rank's Communicator. It composes the rank's parts and hands each call of the
 // program to the part that does it, in the order the program makes them:
 //   RankStreams   (rank_streams.hpp)    the compute and accumulation streams, the communicator's, the events between
@@ -24,9 +24,9 @@
 #include "gpu/cp/rank_streams.hpp"
 #include "gpu/cp/rank_timing.hpp"
 #include "reference/tensor.hpp"
-#include "sim/cp_program.hpp"
-#include "sim/plan.hpp"
-#include "sim/trace.hpp"
+#include "sim/program/cp_program.hpp"
+#include "sim/plan/plan.hpp"
+#include "sim/program/trace.hpp"
 
 namespace cpgold::gpu {
 
@@ -56,7 +56,7 @@ class DeviceRankBackend {
   // Host float tensor holding dtype values -> the rank's input (device storage tensor).
   void upload_input(sim::Payload payload, const Tensor3<float>& x);
 
-  // The program's calls (sim/cp_program.hpp says what each does).
+  // The program's calls (sim/program/cp_program.hpp says what each does).
   const Tensor& input(sim::Payload payload) const;
   Tensor zeros(int64_t rows, int64_t heads, int64_t dim, sim::BufferKind kind);
   Lse lse_empty(int64_t heads, int64_t rows) { return rows_.lse_empty(heads, rows); }

@@ -1,6 +1,6 @@
 #pragma once
 // The tensors of one rank of the GPU CP executor: stream-ordered device allocations shared by every copy of a tensor,
-// the program's [rows, heads, dim] tensors and [heads, rows] LSEs over them (sim/cp_program.hpp's Tensor and Lse).
+// the program's [rows, heads, dim] tensors and [heads, rows] LSEs over them (sim/program/cp_program.hpp's Tensor and Lse).
 #include <cuda_runtime_api.h>
 
 #include <cstddef>
@@ -10,7 +10,7 @@
 #include <string>
 
 #include "gpu/cp/rank_streams.hpp"
-#include "gpu/kernels/cp_kernels.hpp"
+#include "gpu/kernels/cp/cp_kernels.hpp"
 #include "reference/dtype.hpp"
 
 namespace cpgold::gpu {

@@ -4,7 +4,7 @@
 #include <stdexcept>
 #include <string>
 
-#include "gpu/kernels/cp_kernels.hpp"
+#include "gpu/kernels/cp/cp_kernels.hpp"
 
 namespace cpgold::gpu {
 

@@ -1,5 +1,5 @@
 #pragma once
-// The attention calls of one rank's CP steps (gpu/kernels/attention.hpp): the AttentionPlan of every tile, built once
+// The attention calls of one rank's CP steps (gpu/kernels/attention/attention.hpp): the AttentionPlan of every tile, built once
 // per tile and variant (with the call's segments moved into the rank's tensors where a step reads a half in place);
 // forward and backward into fresh partials; the summing backward into the rank's float32 sums; rowsum(dO * O) once
 // per rank; and the checkers' self-test (CpGpuOptions::inject).
@@ -15,9 +15,9 @@
 #include "gpu/cp/rank_row_ops.hpp"
 #include "gpu/cp/rank_streams.hpp"
 #include "gpu/cp/rank_timing.hpp"
-#include "gpu/kernels/attention.hpp"
-#include "sim/cp_program.hpp"
-#include "sim/plan.hpp"
+#include "gpu/kernels/attention/attention.hpp"
+#include "sim/program/cp_program.hpp"
+#include "sim/plan/plan.hpp"
 
 namespace cpgold::gpu {
 

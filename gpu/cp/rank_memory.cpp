@@ -4,7 +4,7 @@
 
 #include <algorithm>
 
-#include "gpu/kernels/dtype_bits.hpp"
+#include "gpu/kernels/attention/dtype_bits.hpp"
 
 namespace cpgold::gpu {
 

@@ -1,8 +1,8 @@
 #pragma once
-// The row operations of one rank's CP program on the device (sim/cp_program.hpp): gathers and scatters of tensor and
+// The row operations of one rank's CP program on the device (sim/program/cp_program.hpp): gathers and scatters of tensor and
 // LSE rows between step, group and rank tensors; the float32 accumulation of backward partials (scatter_add, on the
 // accumulation stream with CpGpuOptions::accumulate_aside); the forward merge of the step partials; and the final
-// rounding of float32 accumulators to the dtype. Kernels: gpu/kernels/cp_kernels.hpp.
+// rounding of float32 accumulators to the dtype. Kernels: gpu/kernels/cp/cp_kernels.hpp.
 #include <cstdint>
 #include <vector>
 

@@ -3,13 +3,14 @@
 #include <set>
 #include <stdexcept>
 
-#include "fixtures/fixture_reader.hpp"
-#include "fixtures/fixture_schema.hpp"
-#include "fixtures/hdf5_file.hpp"
-#include "gpu/kernels/host_attention.hpp"
+#include "fixtures/schema/fixture_reader.hpp"
+#include "fixtures/schema/fixture_schema.hpp"
+#include "fixtures/storage/hdf5_reader.hpp"
+#include "fixtures/storage/hdf5_writer.hpp"
+#include "gpu/kernels/attention/host_attention.hpp"
 #include "reference/attention_call.hpp"
 #include "reference/input_error.hpp"
-#include "sim/case_spec.hpp"
+#include "sim/case/case_spec.hpp"
 
 namespace cpgold::gpu {
 namespace {

@@ -6,8 +6,9 @@
 
 #include "gpu/cp/cp_executor.hpp"
 
-#include "fixtures/check.hpp"
-#include "gpu/kernels/attention.hpp"
+#include "check/engine.hpp"
+#include "fixtures/storage/hdf5_writer.hpp"
+#include "gpu/kernels/attention/attention.hpp"
 
 namespace cpgold::gpu {
 

@@ -13,7 +13,7 @@
 #include "gpu/comm/case_agreement.hpp"
 #include "reference/input_error.hpp"
 #include "reference/thd_layout.hpp"
-#include "sim/partition.hpp"
+#include "sim/plan/partition.hpp"
 
 namespace cpgold::gpu {
 namespace {

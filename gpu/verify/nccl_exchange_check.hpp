@@ -2,7 +2,7 @@
 // Data movement of the multi-GPU CP paths, bit for bit: coded-value tensors pushed through every exchange the comm
 // types use, on the real NCCL communicators, and checked one way against the expected global row ids.
 // Each element is a 64-bit code of (origin rank, global row, head, dim); a receiver decodes what arrived and
-// compares it with what the partition (sim/partition.hpp) says must be there, so a wrong peer, a wrong block
+// compares it with what the partition (sim/plan/partition.hpp) says must be there, so a wrong peer, a wrong block
 // offset, a wrong head slice or a torn row names itself. The exchanges:
 //  - p2p:        the KV ring (W - 1 steps, send to r + 1, receive from r - 1) and the backward's KV + dKV ring
 //                (two buffers per grouped step);

@@ -9,13 +9,13 @@
 #include <mutex>
 #include <sstream>
 
-#include "fixtures/fixture_reader.hpp"
-#include "fixtures/hdf5_file.hpp"
+#include "fixtures/schema/fixture_reader.hpp"
+#include "fixtures/storage/hdf5_reader.hpp"
 #include "gpu/comm/case_agreement.hpp"
 #include "gpu/comm/nccl_communicator.hpp"
 #include "gpu/verify/rank_check.hpp"
 #include "reference/input_error.hpp"
-#include "sim/case_spec.hpp"
+#include "sim/case/case_spec.hpp"
 
 namespace cpgold::gpu {
 namespace {

@@ -9,12 +9,12 @@
 
 #include "gpu/comm/communicator.hpp"
 #include "gpu/comm/nccl_ranks.hpp"
-#include "gpu/kernels/attention.hpp"
+#include "gpu/kernels/attention/attention.hpp"
 #include "gpu/verify/fixture_verify.hpp"
 #include "gpu/verify/nccl_exchange_check.hpp"
-#include "sim/case_inputs.hpp"
-#include "sim/executor.hpp"
-#include "sim/plan.hpp"
+#include "sim/case/case_inputs.hpp"
+#include "sim/program/executor.hpp"
+#include "sim/plan/plan.hpp"
 
 namespace cpgold::gpu {
 

@@ -3,8 +3,8 @@
 
 #include <sstream>
 
-#include "fixtures/check.hpp"
-#include "fixtures/hdf5_file.hpp"
+#include "check/engine.hpp"
+#include "fixtures/storage/hdf5_writer.hpp"
 #include "gpu/verify/fixture_verify.hpp"
 
 namespace cpgold::gpu {

@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "sim/executor.hpp"
+#include "sim/program/executor.hpp"
 
 namespace cpgold::gpu {
 

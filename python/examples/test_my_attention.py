@@ -2,7 +2,7 @@
 files (the path for outputs that come from another process). docs/python/test_attention_example.py is the shorter
 form with the pytest plugin and in-process checks.
 
-    CPGOLD_FIXTURES=fixtures/golden python3 -m pytest python/examples/test_my_attention.py
+    CPGOLD_FIXTURES=fixtures/data/golden python3 -m pytest python/examples/test_my_attention.py
 
 Replace `my_attention` with a call of your kernel: it gets a cpgold.Fixture and returns global-layout outputs
 o [Tq, hq, dv], lse [hq, Tq], dq, dk, dv as numpy arrays or torch tensors, zero on pad rows (an LSE of another
@@ -27,7 +27,7 @@ def my_attention(fixture):
 
 
 def fixture_paths():
-    where = os.environ.get("CPGOLD_FIXTURES", os.path.join(HERE, "..", "..", "fixtures", "golden"))
+    where = os.environ.get("CPGOLD_FIXTURES", os.path.join(HERE, "..", "..", "fixtures", "data", "golden"))
     return sorted(glob.glob(os.path.join(where, "*.h5"))) if os.path.isdir(where) else [where]
 
 

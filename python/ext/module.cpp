@@ -16,22 +16,25 @@
 #include <variant>
 #include <vector>
 
-#include "fixtures/check.hpp"
-#include "fixtures/fixture_reader.hpp"
-#include "fixtures/fixture_schema.hpp"
-#include "fixtures/fixture_writer.hpp"
-#include "fixtures/generate_admission.hpp"
-#include "fixtures/golden_run.hpp"
-#include "fixtures/hdf5_file.hpp"
-#include "fixtures/inputs_digest.hpp"
-#include "fixtures/output_file.hpp"
-#include "fixtures/shrink.hpp"
-#include "fixtures/suites.hpp"
+#include "check/check_request.hpp"
+#include "check/engine.hpp"
+#include "fixtures/schema/fixture_reader.hpp"
+#include "fixtures/schema/fixture_schema.hpp"
+#include "fixtures/golden/fixture_writer.hpp"
+#include "fixtures/golden/gen_job.hpp"
+#include "fixtures/golden/generate_admission.hpp"
+#include "fixtures/golden/golden_run.hpp"
+#include "fixtures/storage/hdf5_reader.hpp"
+#include "fixtures/schema/inputs_digest.hpp"
+#include "fixtures/storage/output_file.hpp"
+#include "check/shrink.hpp"
+#include "fixtures/golden/suites.hpp"
 #include "reference/input_error.hpp"
-#include "sim/case_spec.hpp"
-#include "sim/explain.hpp"
-#include "sim/explain_summary.hpp"
-#include "sim/plan.hpp"
+#include "sim/case/case_spec.hpp"
+#include "sim/explain/explain.hpp"
+#include "sim/explain/explain_request.hpp"
+#include "sim/explain/explain_summary.hpp"
+#include "sim/plan/plan.hpp"
 
 namespace py = pybind11;
 using namespace cpgold;
@@ -88,16 +91,8 @@ sim::CaseSpec parse_case(const std::string& json_text) { return sim::parse_case_
 fx::CheckOptions check_options(const std::string& tensors, const std::string& empty_row_lse, const std::string& ranks,
                                bool allow_same_file, bool diagnose, const std::string& pad_rows = "zero",
                                double diagnosis_budget = 30) {
-  fx::CheckOptions options;
-  if (!tensors.empty()) options.tensors = fx::parse_tensor_list(tensors, "tensors");
-  fx::set_conventions(options, empty_row_lse, "empty_row_lse", pad_rows, "pad_rows");
-  if (!ranks.empty()) options.ranks = fx::parse_rank_list(ranks, "ranks");
-  options.allow_same_file = allow_same_file;
-  options.diagnose = diagnose;
-  if (!std::isfinite(diagnosis_budget) || diagnosis_budget < 0 || diagnosis_budget > 86400)
-    fail_input("diagnosis", "expected True, False or seconds from 0 to 86400 for the replay, got ", diagnosis_budget);
-  options.diagnosis_budget_seconds = diagnosis_budget;
-  return options;
+  return fx::check_options({tensors, ranks, empty_row_lse, pad_rows, allow_same_file, diagnose, diagnosis_budget},
+                           fx::kPythonFields);
 }
 
 // A C++ error raised while a signal was pending in Python (SIGINT during a write: cpgold's handler removed the file
@@ -236,13 +231,10 @@ PYBIND11_MODULE(_core, m) {
   m.def(
       "explain",
       [](const std::string& json_text, bool summary, bool te) {
-        const sim::CaseSpec spec = parse_case(json_text);
-        if (summary || sim::plan_units(spec) > sim::kSummaryPlanUnits) {
-          const sim::LayoutSummary s = sim::summarize_layout(spec);
-          return py::make_tuple(sim::summary_json(spec, s).dump(), sim::summary_text(spec, s));
-        }
-        const sim::Plan plan = sim::make_plan(spec);
-        return py::make_tuple(sim::explain_json(spec, plan).dump(), sim::explain_text(spec, plan, te));
+        const sim::ExplainRequest request{parse_case(json_text), summary, false, te};
+        const sim::Explanation explanation = sim::explain(request);
+        return py::make_tuple(sim::explanation_json(request, explanation).dump(),
+                              sim::explanation_text(request, explanation));
       },
       py::arg("case_json"), py::arg("summary") = false, py::arg("te") = false,
       "(JSON text, text) of `cpgold explain` (te: `explain --te`)");
@@ -250,17 +242,17 @@ PYBIND11_MODULE(_core, m) {
   m.def(
       "generate",
       [](const std::string& json_text, std::optional<std::string> path, bool trace, bool force, bool yes) -> py::object {
-        const sim::CaseSpec spec = parse_case(json_text);
+        std::vector<fx::GenJob> jobs{{"case", path.value_or(""), parse_case(json_text), trace}};
         if (path) fx::check_destination(*path, force);  // before any compute, as `cpgold gen`
         // The memory (with its margin) and disk estimates of `cpgold gen`, before any work.
         const std::string folder = path ? std::filesystem::absolute(*path).parent_path().string() : std::string(".");
-        (void)fx::admit_generate({{"case", path.value_or(""), spec, trace}}, folder, yes, "yes=True");
+        (void)fx::admit_gen_jobs(jobs, folder, yes, "yes=True");
         fx::GenerateOptions options;
         options.trace = trace;
         fx::GoldenRun run;
         {
           py::gil_scoped_release release;
-          run = fx::generate(spec, options);
+          run = fx::generate(jobs.front(), options);
         }
         if (PyErr_CheckSignals() != 0) throw py::error_already_set();  // Ctrl-C during the compute
         if (path) {
@@ -436,7 +428,7 @@ PYBIND11_MODULE(_core, m) {
       },
       py::arg("golden"), py::arg("tensors"), py::arg("empty_row_lse"), py::arg("diagnose") = true);
 
-  // The search of `cpgold shrink` (fixtures/shrink.hpp) over a Python runner: runner(case_json, run) returns
+  // The search of `cpgold shrink` (check/shrink.hpp) over a Python runner: runner(case_json, run) returns
   // (status "fails" | "passes" | "no_candidate", diagnosis kinds, detail); progress(dict) after every run.
   m.def(
       "shrink",

@@ -13,7 +13,7 @@ try:  # the installed package (pip install ./python), else the source tree's
 except ImportError:
     sys.path.insert(0, os.path.join(REPO, "python"))
 sys.path.insert(0, os.path.join(REPO, "python", "examples"))
-GOLDEN = os.path.join(REPO, "fixtures", "golden")
+GOLDEN = os.path.join(REPO, "fixtures", "data", "golden")
 
 pytest_plugins = ["pytester"]
 

@@ -3,7 +3,7 @@
 // (CTest reports it as skipped through SKIP_REGULAR_EXPRESSION).
 #include <cstdio>
 
-#include "gpu/kernels/attention.hpp"
+#include "gpu/kernels/attention/attention.hpp"
 
 namespace cpgold::gpu_test {
 

@@ -1,4 +1,4 @@
-// GPU attention kernels in-process against the CPU reference with the budget rule of docs/design.md:
+// GPU attention kernels in-process against the CPU reference with the budget rule of docs/numerics.md:
 // max|gpu - oracle| <= rtol * max|peer - oracle| + atol and the mean rule, plus the exact classes (pad rows of
 // O/dQ/dK/dV exactly zero, everything finite, the set of -inf LSE rows equal to the oracle's).
 // Pad and tail rows of q, k, v, dout hold NaN in every case, so a pad value reaching a valid output fails.
@@ -15,9 +15,9 @@
 #include <string>
 #include <vector>
 
-#include "fixtures/tolerance.hpp"
-#include "gpu/kernels/attention.hpp"
-#include "gpu/kernels/host_attention.hpp"
+#include "check/budget_rule.hpp"
+#include "gpu/kernels/attention/attention.hpp"
+#include "gpu/kernels/attention/host_attention.hpp"
 #include "reference/attention.hpp"
 #include "reference/attention_call.hpp"
 #include "reference/thd_layout.hpp"

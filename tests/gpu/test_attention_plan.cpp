@@ -3,8 +3,8 @@
 
 #include <vector>
 
-#include "gpu/kernels/attention.hpp"
-#include "gpu/kernels/attention_plan_impl.hpp"
+#include "gpu/kernels/attention/attention.hpp"
+#include "gpu/kernels/attention/attention_plan_impl.hpp"
 #include "reference/attention_call.hpp"
 #include "reference/thd_layout.hpp"
 

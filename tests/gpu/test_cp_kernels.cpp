@@ -1,4 +1,4 @@
-// The CP executors' data-movement and merge kernels (gpu/kernels/cp_kernels.hpp) on the device, against host loops
+// The CP executors' data-movement and merge kernels (gpu/kernels/cp/cp_kernels.hpp) on the device, against host loops
 // written from their contracts. Coded values (every 16-bit word holds its row, head and dim) so a misplaced word cannot
 // match by accident; row widths chosen to take every vector width of the row copies (2, 4, 8 and 16 bytes) and the wide
 // and narrow paths of the accumulation, conversion and merge kernels. Without a GPU: "SKIPPED: no CUDA device".
@@ -15,7 +15,7 @@
 #include <random>
 #include <vector>
 
-#include "gpu/kernels/cp_kernels.hpp"
+#include "gpu/kernels/cp/cp_kernels.hpp"
 #include "tests/gpu/require_device.hpp"
 
 using namespace cpgold::gpu;

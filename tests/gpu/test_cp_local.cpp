@@ -18,16 +18,16 @@
 #include <thread>
 #include <vector>
 
-#include "fixtures/check.hpp"
-#include "fixtures/fixture_writer.hpp"
-#include "fixtures/golden_run.hpp"
-#include "fixtures/suites.hpp"
+#include "check/engine.hpp"
+#include "fixtures/golden/fixture_writer.hpp"
+#include "fixtures/golden/golden_run.hpp"
+#include "fixtures/golden/suites.hpp"
 #include "gpu/comm/communicator.hpp"
 #include "gpu/comm/local_communicator.hpp"
 #include "gpu/cp/cp_executor.hpp"
 #include "gpu/verify/fixture_verify.hpp"
-#include "sim/case_inputs.hpp"
-#include "sim/cp_program.hpp"
+#include "sim/case/case_inputs.hpp"
+#include "sim/program/cp_program.hpp"
 
 using namespace cpgold;
 namespace fs = std::filesystem;

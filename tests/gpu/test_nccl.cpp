@@ -16,7 +16,7 @@
 #include "gpu/comm/case_agreement.hpp"
 #include "gpu/comm/nccl_ranks.hpp"
 #include "gpu/comm/rank_channel.hpp"
-#include "gpu/kernels/attention.hpp"
+#include "gpu/kernels/attention/attention.hpp"
 #include "gpu/verify/nccl_exchange_check.hpp"
 #include "reference/input_error.hpp"
 
@@ -263,12 +263,12 @@ TEST_CASE("nccl faults: a rank given another case stops every rank before any co
 
 // --- per-rank checks on the rank that ran, one combined table on rank 0 (CPU: the CP peer stands in for a rank) --
 
-#include "fixtures/fixture_writer.hpp"
-#include "fixtures/golden_run.hpp"
+#include "fixtures/golden/fixture_writer.hpp"
+#include "fixtures/golden/golden_run.hpp"
 #include "gpu/verify/rank_check.hpp"
-#include "sim/case_inputs.hpp"
-#include "sim/case_spec.hpp"
-#include "sim/plan.hpp"
+#include "sim/case/case_inputs.hpp"
+#include "sim/case/case_spec.hpp"
+#include "sim/plan/plan.hpp"
 
 TEST_CASE("rank check: each rank checks its own outputs, rank 0's table has every rank's rows and one verdict") {
   const auto folder = fresh_folder("rank-check");

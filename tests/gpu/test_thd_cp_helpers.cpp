@@ -1,4 +1,4 @@
-// THD CP helper kernels (gpu/kernels/thd_cp_helpers.hpp) on the device: bit-exact against their CPU twins in sim/ and,
+// THD CP helper kernels (gpu/kernels/thd_helpers/thd_cp_helpers.hpp) on the device: bit-exact against their CPU twins in sim/ and,
 // one way, against the expected global row ids. Coded values: every 32-bit word of a row tensor holds
 // (sequence + 1, row within the sequence, word within the row), i.e. sequence, row, head and dim of the element
 // (a word holds one float32 element or two 16-bit elements), so a misplaced row cannot match by accident.
@@ -14,13 +14,13 @@
 #include <string>
 #include <vector>
 
-#include "gpu/kernels/dtype_bits.hpp"
-#include "gpu/kernels/thd_cp_helpers.hpp"
-#include "sim/grad_correction.hpp"
-#include "sim/lse_halves.hpp"
-#include "sim/out_correction.hpp"
-#include "sim/partition.hpp"
-#include "sim/reorder.hpp"
+#include "gpu/kernels/attention/dtype_bits.hpp"
+#include "gpu/kernels/thd_helpers/thd_cp_helpers.hpp"
+#include "sim/thd_helpers/grad_correction.hpp"
+#include "sim/thd_helpers/lse_halves.hpp"
+#include "sim/thd_helpers/out_correction.hpp"
+#include "sim/plan/partition.hpp"
+#include "sim/thd_helpers/reorder.hpp"
 #include "tests/gpu/require_device.hpp"
 
 using namespace cpgold;

@@ -9,10 +9,10 @@
 #include <string>
 #include <vector>
 
-#include "fixtures/fixture_writer.hpp"
-#include "fixtures/golden_run.hpp"
-#include "fixtures/hdf5_file.hpp"
-#include "fixtures/suites.hpp"
+#include "fixtures/golden/fixture_writer.hpp"
+#include "fixtures/golden/golden_run.hpp"
+#include "fixtures/storage/hdf5_writer.hpp"
+#include "fixtures/golden/suites.hpp"
 #include "tests/fixtures/flash2_emulation.hpp"
 
 using namespace cpgold;

@@ -8,9 +8,9 @@
 
 #include "reference/attention.hpp"
 #include "reference/splitmix64.hpp"
-#include "sim/case_inputs.hpp"
-#include "sim/coverage.hpp"
-#include "sim/executor.hpp"
+#include "sim/case/case_inputs.hpp"
+#include "sim/plan/coverage.hpp"
+#include "sim/program/executor.hpp"
 
 namespace cpgold::sim::testing {
 
@@ -108,7 +108,7 @@ inline void check_case(const CaseSpec& spec, double tol = 1e-12) {
 // Small deterministic generator for test layouts (independent of std distributions).
 using TestRng = SplitMix64;
 
-// A random layout with the edge cases of docs verification.md mixed in: zero lengths, length 1, lengths below 2W,
+// A random layout with the edge cases of docs/verification.md mixed in: zero lengths, length 1, lengths below 2W,
 // lengths not divisible by 2W, a chunk r partly valid, extra padding between sequences.
 inline std::vector<int32_t> random_lengths(TestRng& rng, int W, int batch, int max_len) {
   std::vector<int32_t> out;

@@ -11,8 +11,8 @@
 
 #include <nlohmann/json.hpp>
 
-#include "sim/case_spec.hpp"
-#include "sim/te_audit.hpp"
+#include "sim/case/case_spec.hpp"
+#include "sim/te/te_audit.hpp"
 
 namespace cpgold::sim::testing {
 

@@ -4,8 +4,8 @@
 #include <cmath>
 
 #include "reference/input_error.hpp"
-#include "sim/case_inputs.hpp"
-#include "sim/case_spec.hpp"
+#include "sim/case/case_inputs.hpp"
+#include "sim/case/case_spec.hpp"
 
 using namespace cpgold;
 using namespace cpgold::sim;
@@ -87,9 +87,9 @@ TEST_CASE("bad case inputs name the field and the value") {
   expect_error(R"({"seqlens_q": [8], "cp_size": 4, "comm": "a2a", "heads_q": 8, "heads_kv": 2})", "heads_kv", "2");
   expect_error(R"({"seqlens_q": [8], "cp_size": 4, "comm": "a2a+p2p", "a2a_size": 3})", "a2a_size", "3");
   expect_error(R"({"seqlens_q": [8, 4], "seqlens_kv": [8, 3], "cp_size": 2, "mask": "causal"})", "seqlens_kv[1]", "3");
-  // Mask none with window (-1, 0) is causal (design.md: "(-1, 0) is causal"): the same rule. Accepting it let all_gather
-  // cut the keys at the chunk end, which is wrong when L_kv > L_q (bottom-right alignment), and the fixture's CP
-  // budgets grew to the size of the outputs.
+  // Mask none with window (-1, 0) is causal (docs/numerics.md: "(-1, 0) is causal"): the same rule. Accepting it let
+  // all_gather cut the keys at the chunk end, which is wrong when L_kv > L_q (bottom-right alignment), and the
+  // fixture's CP budgets grew to the size of the outputs.
   expect_error(R"({"seqlens_q": [6, 8], "seqlens_kv": [10, 8], "cp_size": 2, "window": [-1, 0], "comm": "all_gather"})",
                "seqlens_kv[0]", "10");
   expect_error(R"({"seqlens_q": [6, 8], "seqlens_kv": [6, 3], "cp_size": 2, "window": [-1, 0]})", "seqlens_kv[1]", "3");

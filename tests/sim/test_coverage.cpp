@@ -2,7 +2,7 @@
 #include <doctest/doctest.h>
 
 #include "cp_check.hpp"
-#include "sim/coverage.hpp"
+#include "sim/plan/coverage.hpp"
 
 using namespace cpgold;
 using namespace cpgold::sim;

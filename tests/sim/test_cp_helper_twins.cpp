@@ -1,5 +1,6 @@
-// CPU twins of the THD CP helper kernels (cp-semantics.md §7) on the vectors of §2.4 and §8, with coded values:
-// element (row, head, x) holds a number that names the row it came from, so every check says where a value landed.
+// CPU twins of the THD CP helper kernels (docs/cp-layout.md, "Helper kernels") on the vectors of its "Worked example"
+// and "TE test configurations", with coded values: element (row, head, x) holds a number that names the row it came
+// from, so every check says where a value landed.
 #include <doctest/doctest.h>
 
 #include <cmath>
@@ -9,11 +10,11 @@
 
 #include "reference/input_error.hpp"
 #include "reference/lse_merge.hpp"
-#include "sim/grad_correction.hpp"
-#include "sim/lse_halves.hpp"
-#include "sim/out_correction.hpp"
-#include "sim/reorder.hpp"
-#include "sim/step_rows.hpp"
+#include "sim/thd_helpers/grad_correction.hpp"
+#include "sim/thd_helpers/lse_halves.hpp"
+#include "sim/thd_helpers/out_correction.hpp"
+#include "sim/thd_helpers/reorder.hpp"
+#include "sim/plan/step_rows.hpp"
 
 using namespace cpgold;
 using namespace cpgold::sim;

@@ -4,10 +4,10 @@
 
 #include <chrono>
 
-#include "sim/case_spec.hpp"
-#include "sim/explain.hpp"
-#include "sim/explain_summary.hpp"
-#include "sim/plan.hpp"
+#include "sim/case/case_spec.hpp"
+#include "sim/explain/explain.hpp"
+#include "sim/explain/explain_summary.hpp"
+#include "sim/plan/plan.hpp"
 
 using namespace cpgold;
 using namespace cpgold::sim;

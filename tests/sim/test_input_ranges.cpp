@@ -5,7 +5,7 @@
 
 #include "apps/case_options.hpp"
 #include "reference/input_error.hpp"
-#include "sim/case_spec.hpp"
+#include "sim/case/case_spec.hpp"
 
 using namespace cpgold;
 using namespace cpgold::sim;

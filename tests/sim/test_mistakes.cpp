@@ -1,4 +1,4 @@
-// The catalogue of modelled CP mistakes (sim/mistakes.hpp): which mistakes a plan admits, that each is one change of
+// The catalogue of modelled CP mistakes (sim/program/mistakes.hpp): which mistakes a plan admits, that each is one change of
 // the Plan or of the run (rows held, merge rule) and moves the outputs, and that the run's variation plumbing leaves
 // the correct run bit for bit as it was. Whether a mistake reproduces an implementation that makes it is proved
 // against independent implementations (python/tests/test_replay.py).
@@ -10,11 +10,11 @@
 #include <string>
 #include <vector>
 
-#include "sim/case_inputs.hpp"
-#include "sim/case_spec.hpp"
-#include "sim/executor.hpp"
-#include "sim/mistakes.hpp"
-#include "sim/plan.hpp"
+#include "sim/case/case_inputs.hpp"
+#include "sim/case/case_spec.hpp"
+#include "sim/program/executor.hpp"
+#include "sim/program/mistakes.hpp"
+#include "sim/plan/plan.hpp"
 
 using namespace cpgold;
 using namespace cpgold::sim;

@@ -1,10 +1,11 @@
-// Golden vectors of cp-semantics.md §2.4 and §8 (partitioned indices, exact counts, reorders on coded values).
+// Golden vectors of docs/cp-layout.md, "Worked example" and "TE test configurations" (partitioned indices, exact
+// counts, reorders on coded values).
 #include <doctest/doctest.h>
 
 #include "reference/input_error.hpp"
-#include "sim/case_spec.hpp"
-#include "sim/partition.hpp"
-#include "sim/reorder.hpp"
+#include "sim/case/case_spec.hpp"
+#include "sim/plan/partition.hpp"
+#include "sim/thd_helpers/reorder.hpp"
 
 using namespace cpgold;
 using namespace cpgold::sim;

@@ -1,8 +1,8 @@
-// The worked example of cp-semantics.md §2.4 as per-step metadata of the Plan, and plan structure checks.
+// The worked example of docs/cp-layout.md as per-step metadata of the Plan, and plan structure checks.
 #include <doctest/doctest.h>
 
 #include "reference/input_error.hpp"
-#include "sim/plan.hpp"
+#include "sim/plan/plan.hpp"
 
 using namespace cpgold;
 using namespace cpgold::sim;
@@ -191,8 +191,8 @@ TEST_CASE("windowed p2p skips empty tiles") {
   CHECK(t.q_half == HalfSelect::first);
 }
 
-#include "sim/coverage.hpp"
-#include "sim/explain.hpp"
+#include "sim/plan/coverage.hpp"
+#include "sim/explain/explain.hpp"
 
 TEST_CASE("explain: stable JSON keys, work equals the allowed pairs, shortcut warnings") {
   const CaseSpec s = worked_example(CommType::p2p);

@@ -1,4 +1,4 @@
-// Per-step TransformerEngine metadata of the Plan against vectors written by hand from cp-semantics.md, for cases
+// Per-step TransformerEngine metadata of the Plan against vectors written by hand from docs/cp-layout.md, for cases
 // beyond the §2.4 worked example: p2p with W = 3 and W = 4 (causal and not, zero-length sequences, extra padding,
 // tail rows), the backward ring (§3.4), all_gather (§5) and a2a+p2p (§6). Every expected value below was computed
 // on paper from the spec's formulas (n_b(c) = clamp(L_b - c*C_b, 0, C_b), §2.3 counts, §3.2 table, §5 steps 3-5,
@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "sim/plan.hpp"
+#include "sim/plan/plan.hpp"
 
 using namespace cpgold;
 using namespace cpgold::sim;

@@ -9,7 +9,7 @@
 #include <thread>
 #include <vector>
 
-#include "sim/rendezvous.hpp"
+#include "sim/program/rendezvous.hpp"
 
 using namespace cpgold::sim;
 

@@ -1,11 +1,11 @@
-// The visible-pairs audit (sim/te_audit.hpp) on small layouts whose findings were worked out by hand: all_gather's
+// The visible-pairs audit (sim/te/te_audit.hpp) on small layouts whose findings were worked out by hand: all_gather's
 // non-causal window under each backend's alignment, the pad_between_seqs=False shortcut (a pad query row, rows never
 // computed), exact replays with zero-length, one-token and padded sequences on every comm type.
 #include <doctest/doctest.h>
 
 #include <string>
 
-#include "sim/te_audit.hpp"
+#include "sim/te/te_audit.hpp"
 
 using namespace cpgold;
 using namespace cpgold::sim;

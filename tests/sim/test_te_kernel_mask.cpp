@@ -1,11 +1,11 @@
-// The backends' mask rules (sim/te_kernel_mask.hpp) on single calls, against key sets worked out by hand from the
+// The backends' mask rules (sim/te/te_kernel_mask.hpp) on single calls, against key sets worked out by hand from the
 // documented semantics: cuDNN with top-left and bottom-right alignment, windows on either side, FlashAttention-3's
 // normalisation of the window and of causal, empty and one-row sequences, rows past the counts.
 #include <doctest/doctest.h>
 
 #include <vector>
 
-#include "sim/te_kernel_mask.hpp"
+#include "sim/te/te_kernel_mask.hpp"
 
 using namespace cpgold;
 using namespace cpgold::sim;

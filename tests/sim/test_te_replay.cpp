@@ -1,14 +1,14 @@
-// The literal TransformerEngine replay (sim/te_replay.hpp) against arguments worked out by hand from TE 2.20's source:
-// the layout where TE's p2p calls differ from cpgold's corrected plan (padded_q != padded_kv), cp-semantics.md §2.4's
-// worked example, TE's normalisations (a padding mask with window (-1, 0) is full attention; a2a+p2p with a group of
-// one falls back) and its refusals with their source lines.
+// The literal TransformerEngine replay (sim/te/te_replay.hpp) against arguments worked out by hand from TE 2.20's source:
+// the layout where TE's p2p calls differ from cpgold's corrected plan (padded_q != padded_kv), docs/cp-layout.md's
+// "Worked example" worked example, TE's normalisations (a padding mask with window (-1, 0) is full attention; a2a+p2p
+// with a group of one falls back) and its refusals with their source lines.
 #include <doctest/doctest.h>
 
 #include <string>
 #include <vector>
 
 #include "reference/input_error.hpp"
-#include "sim/te_audit.hpp"
+#include "sim/te/te_audit.hpp"
 
 using namespace cpgold;
 using namespace cpgold::sim;

@@ -1,6 +1,6 @@
 #pragma once
 // Varlen attention backward (dQ, dK, dV) for Hopper (sm_90a) with warpgroup MMA, on AttentionParams
-// (gpu/kernels/kernel_params.hpp): the contract of the mma.sync backward of gpu/kernels/attention_kernels.cuh (rows outside every
+// (gpu/kernels/attention/kernel_params.hpp): the contract of the mma.sync backward of gpu/kernels/mma_sync/attention_kernels.cuh (rows outside every
 // segment get dK = dV = 0, or +0 in the summing form; a row with LSE -inf has P = 0; NaN/Inf in pad rows never reach
 // arithmetic; GQA; windows; two Q and two KV segments per sequence; atomic or deterministic dQ; the summing form).
 //
@@ -28,7 +28,7 @@
 //   v2.2 (run B15) the wide configuration for 192/128 and 256/256 (BackwardWideSm90Config: 64 keys per CTA shared by
 //       both warpgroups, which split the dK/dV/dQ columns; P^T and dS^T through shared memory): 256/256 atomic
 //       2.2-2.4x the mma.sync backward, 192/128 1.25-1.28x. The same configuration at 128/128 lost 18-40% (run B16).
-//       The delta, summing add and dQ finish live in gpu/kernels/backward_rows.cuh, shared with the mma.sync backward.
+//       The delta, summing add and dQ finish live in gpu/kernels/attention/backward_rows.cuh, shared with the mma.sync backward.
 //
 // Conventions as in attention_forward_sm90.cuh: tid = thread index in its warpgroup, warp = tid / 32, lane = 4 g + c;
 // accumulator element 4 j + e of a 64 x N product is row 16 warp + g + 8 (e / 2), column 8 j + 2 c + e % 2.
@@ -44,9 +44,9 @@
 #include <string>
 #include <type_traits>
 
-#include "gpu/kernels/backward_rows.cuh"
-#include "gpu/kernels/kernel_params.hpp"
-#include "gpu/kernels/mask_ranges.cuh"
+#include "gpu/kernels/attention/backward_rows.cuh"
+#include "gpu/kernels/attention/kernel_params.hpp"
+#include "gpu/kernels/attention/mask_ranges.cuh"
 #include "gpu/kernels/sm90/attention_forward_sm90.cuh"
 #include "gpu/kernels/sm90/ptx_sm90.cuh"
 #include "gpu/kernels/sm90/wgmma_ops.cuh"

@@ -1,6 +1,6 @@
 #pragma once
 // Varlen attention forward (O, LSE) for Hopper (sm_90a) with warpgroup MMA, on AttentionParams
-// (gpu/kernels/kernel_params.hpp: THD rows, positions as segments, RowTile lists with pad tiles, windows, GQA).
+// (gpu/kernels/attention/kernel_params.hpp: THD rows, positions as segments, RowTile lists with pad tiles, windows, GQA).
 //
 // Version history (docs/hopper-kernels.md has the derivations and the measurements):
 //   v1  FlashAttention-3 structure without intra-warpgroup overlap. CTA = one producer warpgroup + kConsumers
@@ -37,8 +37,8 @@
 #include <string>
 #include <type_traits>
 
-#include "gpu/kernels/kernel_params.hpp"
-#include "gpu/kernels/mask_ranges.cuh"
+#include "gpu/kernels/attention/kernel_params.hpp"
+#include "gpu/kernels/attention/mask_ranges.cuh"
 #include "gpu/kernels/sm90/ptx_sm90.cuh"
 #include "gpu/kernels/sm90/wgmma_ops.cuh"
 

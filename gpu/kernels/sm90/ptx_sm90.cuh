@@ -16,7 +16,7 @@
 #include <cstdint>
 #include <cstring>
 
-#include "gpu/kernels/dtype_pack.cuh"  // pack2
+#include "gpu/kernels/attention/dtype_pack.cuh"  // pack2
 
 namespace cpgold::gpu::sm90 {
 

@@ -50,7 +50,7 @@ run() {  # run TAG ENV ADAPTER ARGS...: one adapter over the folders, summary an
   tail -1 $R/$tag.log
 }
 make_fixtures() {  # quick, edge, te, golden, random, fills, te_shapes (see the header)
-  mkdir -p $FX/golden && cp fixtures/golden/*.h5 $FX/golden/
+  mkdir -p $FX/golden && cp fixtures/data/golden/*.h5 $FX/golden/
   for S in quick edge te; do $B/bin/cpgold gen --force --suite $S -o $FX/$S > $L/gen_$S.log 2>&1 || tail -3 $L/gen_$S.log; done
   $B/bin/cpgold gen --force --suite random --count ${RANDOM_COUNT:-120} --seed ${RANDOM_SEED:-26} -o $FX/random \
     > $L/gen_random.log 2>&1 || tail -3 $L/gen_random.log

@@ -1,0 +1,96 @@
+// lse_convention: LSE in another form than the contract's (docs/diagnosis.md).
+#include "check/diagnosis/diagnoser.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <map>
+#include <set>
+
+#include "fixtures/schema/fixture_schema.hpp"
+#include "reference/input_error.hpp"
+#include "reference/mask.hpp"
+
+namespace cpgold::fx::diagnosis_detail {
+
+// lse_convention: LSE = golden + c, golden x log2(e), golden x ln(2); +inf / -inf on keyless rows.
+void Diagnoser::test_lse_forms() {
+  Finding f;
+  f.kind = DiagnosisKind::lse_convention;
+  std::map<std::string, std::vector<std::string>> texts;
+  const double empty = in_.empty_row_lse == EmptyRowLse::neg_inf ? -kInf : kInf;
+  for (size_t id : subjects_of({Quantity::lse})) {
+    const Subject& s = subjects_[id];
+    const Side& sd = side(false);
+    std::vector<double> diffs;
+    std::vector<uint8_t> keyless_rows = flags(s.failing.size());
+    int64_t keyless_wrong = 0, keyless_other = 0;
+    for (int64_t row = 0; row < s.cand.rows; ++row) {
+      const int64_t g = s.global[static_cast<size_t>(row)];
+      if (!sd.valid[static_cast<size_t>(g)]) continue;
+      for (int64_t h = 0; h < s.cand.heads; ++h) {
+        const double c = s.cand(row, h, 0), o = s.gold(row, h, 0);
+        if (!std::isfinite(o)) {
+          if (c == empty) continue;
+          if (c == -empty) ++keyless_wrong, keyless_rows[static_cast<size_t>(row)] = 1;
+          else ++keyless_other;
+          continue;
+        }
+        diffs.push_back(std::isfinite(c) ? c - o : kInf);
+      }
+    }
+    // Rows with keys: which form explains all of them?
+    std::string form;
+    std::vector<uint8_t> rows = flags(s.failing.size());
+    bool finite_rows_bad = false;
+    for (int64_t row = 0; row < s.cand.rows; ++row) finite_rows_bad |= s.row_bad[static_cast<size_t>(row)] && !keyless_rows[static_cast<size_t>(row)];
+    if (finite_rows_bad && !diffs.empty()) {
+      std::vector<double> sorted = diffs;
+      std::nth_element(sorted.begin(), sorted.begin() + static_cast<long>(sorted.size() / 2), sorted.end());
+      const double c = sorted[sorted.size() / 2];
+      auto every = [&](const std::function<double(double)>& predict) {
+        for (int64_t row = 0; row < s.cand.rows; ++row) {
+          const int64_t g = s.global[static_cast<size_t>(row)];
+          if (!sd.valid[static_cast<size_t>(g)]) continue;
+          for (int64_t h = 0; h < s.cand.heads; ++h) {
+            const double o = s.gold(row, h, 0);
+            if (!std::isfinite(o)) continue;
+            const double p = predict(o);
+            if (distance(s.cand(row, h, 0), p) > tol_of(s, p)) return false;
+          }
+        }
+        return true;
+      };
+      if (std::isfinite(c) && std::fabs(c) > s.limit && every([&](double o) { return o + c; }))
+        form = "the golden + " + num(c) + " on every row (a constant offset)";
+      else if (every([](double o) { return o * kLog2e; }))
+        form = "the golden x log2(e): a base-2 log where the contract has the natural log";
+      else if (every([](double o) { return o * kLn2; }))
+        form = "the golden x ln(2)";
+      if (form.empty()) continue;
+      for (int64_t row = 0; row < s.cand.rows; ++row) rows[static_cast<size_t>(row)] = s.row_bad[static_cast<size_t>(row)];
+    }
+    if (keyless_wrong > 0 && keyless_other == 0) {
+      const std::string text = empty < 0 ? "valid rows without keys hold +inf (FlashAttention-2's convention; the contract has "
+                                           "-inf, `--empty-row-lse pos-inf` accepts +inf)"
+                                         : "valid rows without keys hold -inf where --empty-row-lse pos-inf expects +inf";
+      form = form.empty() ? text : form + "; " + text;
+      for (size_t r = 0; r < rows.size(); ++r) rows[r] |= keyless_rows[r];
+    }
+    if (form.empty()) continue;
+    texts[form].push_back(s.name);
+    f.rows[id] = rows;
+  }
+  if (f.rows.empty()) return;
+  std::ostringstream e;
+  bool first = true;
+  for (const auto& [text, names] : texts) {
+    e << (first ? "" : "; ") << names_text(names) << ": LSE is " << text;
+    first = false;
+  }
+  f.evidence = e.str();
+  f.where = where_of(f.rows);
+  add(std::move(f));
+}
+
+}  // namespace cpgold::fx::diagnosis_detail

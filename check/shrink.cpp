@@ -1,0 +1,506 @@
+#include "check/shrink.hpp"
+
+#include <algorithm>
+#include <array>
+#include <chrono>
+#include <cmath>
+#include <map>
+#include <numeric>
+#include <set>
+#include <sstream>
+
+#include "reference/input_error.hpp"
+#include "reference/splitmix64.hpp"
+
+namespace cpgold::fx {
+
+std::string_view shrink_status_name(ShrinkStatus status) {
+  switch (status) {
+    case ShrinkStatus::fails: return "fails";
+    case ShrinkStatus::passes: return "passes";
+    case ShrinkStatus::no_candidate: return "no candidate";
+  }
+  return "?";
+}
+
+int64_t case_rows_q(const sim::CaseSpec& spec) { return sim::layout(spec).q.total_rows; }
+int64_t case_rows_kv(const sim::CaseSpec& spec) { return sim::layout(spec).kv.total_rows; }
+int64_t case_tokens_q(const sim::CaseSpec& spec) {
+  return std::accumulate(spec.seqlens_q.begin(), spec.seqlens_q.end(), int64_t{0});
+}
+
+namespace {
+
+// The case in explicit parts: lengths, padding beyond the CP rounding (a multiple of 2W rows), tail rows.
+struct Parts {
+  std::vector<int32_t> lq, lkv, xq, xkv;
+  int64_t tail_q = 0, tail_kv = 0;
+};
+
+int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+Parts parts_of(const sim::CaseSpec& s) {
+  Parts p;
+  p.lq = s.seqlens_q;
+  p.lkv = sim::seqlens_kv(s);
+  const std::vector<int32_t> pq = sim::padded_q(s), pkv = sim::padded_kv(s);
+  const int64_t m = 2 * int64_t{s.cp_size};
+  int64_t sum_q = 0, sum_kv = 0;
+  for (size_t b = 0; b < p.lq.size(); ++b) {
+    p.xq.push_back(static_cast<int32_t>(pq[b] - round_up(p.lq[b], m)));
+    p.xkv.push_back(static_cast<int32_t>(pkv[b] - round_up(p.lkv[b], m)));
+    sum_q += pq[b];
+    sum_kv += pkv[b];
+  }
+  const ThdLayout l = sim::layout(s);
+  p.tail_q = l.q.total_rows - sum_q;
+  p.tail_kv = l.kv.total_rows - sum_kv;
+  return p;
+}
+
+// `base` with the parts written back (padded lengths and totals explicit only where they differ from the rule).
+sim::CaseSpec with_parts(sim::CaseSpec base, const Parts& p) {
+  const int64_t m = 2 * int64_t{base.cp_size};
+  base.seqlens_q = p.lq;
+  base.seqlens_kv = p.lkv == p.lq ? std::vector<int32_t>{} : p.lkv;
+  const bool extra_q = std::any_of(p.xq.begin(), p.xq.end(), [](int32_t x) { return x != 0; });
+  const bool extra_kv = std::any_of(p.xkv.begin(), p.xkv.end(), [](int32_t x) { return x != 0; });
+  base.padded_q.clear();
+  base.padded_kv.clear();
+  int64_t sum_q = 0, sum_kv = 0;
+  for (size_t b = 0; b < p.lq.size(); ++b) {
+    const int64_t pq = round_up(p.lq[b], m) + p.xq[b], pkv = round_up(p.lkv[b], m) + p.xkv[b];
+    if (extra_q) base.padded_q.push_back(static_cast<int32_t>(pq));
+    if (extra_kv) base.padded_kv.push_back(static_cast<int32_t>(pkv));
+    sum_q += pq;
+    sum_kv += pkv;
+  }
+  base.total_tokens_q = p.tail_q ? sum_q + p.tail_q : -1;
+  base.total_tokens_kv = p.tail_kv ? sum_kv + p.tail_kv : -1;
+  return base;
+}
+
+int mask_cost(const sim::CaseSpec& s) {
+  const Window w = sim::mask_window(s);
+  if (s.causal) return 1 + (w.left >= 0);
+  return (w.left >= 0) + (w.right >= 0);
+}
+
+int pad_fill_rank(sim::PadFill f) {
+  switch (f) {
+    case sim::PadFill::zero: return 0;
+    case sim::PadFill::random: return 1;
+    case sim::PadFill::inf: return 2;
+    case sim::PadFill::nan: return 3;
+  }
+  return 3;
+}
+
+// The a2a group size the plan uses (cp_size for a2a, 1 for p2p and all_gather), whatever the spec states.
+int64_t group_size(const sim::CaseSpec& s) {
+  if (s.comm == sim::CommType::a2a_p2p) return sim::a2a_size(s);
+  return s.comm == sim::CommType::a2a ? s.cp_size : 1;
+}
+
+// A softmax_scale other than the default 1/sqrt(dim_qk) (a fixture's case states the default explicitly).
+bool explicit_scale(const sim::CaseSpec& s) {
+  return s.softmax_scale && *s.softmax_scale != 1 / std::sqrt(static_cast<double>(s.dim_qk));
+}
+
+constexpr size_t kSeedComponent = 17;
+using Size = std::array<int64_t, 18>;
+
+// Every key a step may make smaller; a step is kept only when no component grows and one shrinks.
+Size size_of(const sim::CaseSpec& s) {
+  const ThdLayout l = sim::layout(s);
+  const Window w = sim::mask_window(s);
+  const std::vector<int32_t> lkv = sim::seqlens_kv(s);
+  int64_t extra = 0;
+  const Parts p = parts_of(s);
+  for (size_t b = 0; b < p.xq.size(); ++b) extra += p.xq[b] + p.xkv[b];
+  return {l.q.total_rows,
+          l.kv.total_rows,
+          case_tokens_q(s),
+          std::accumulate(lkv.begin(), lkv.end(), int64_t{0}),
+          static_cast<int64_t>(s.seqlens_q.size()),
+          extra + p.tail_q + p.tail_kv,
+          s.heads_q,
+          sim::heads_kv(s),
+          s.dim_qk,
+          sim::dim_v(s),
+          s.cp_size,
+          group_size(s),
+          mask_cost(s),
+          std::max(w.left, 0),
+          std::max(w.right, 0),
+          pad_fill_rank(s.pad_fill),
+          explicit_scale(s) ? 1 : 0,
+          s.seed != 0 ? 1 : 0};
+}
+
+// a <= b in every component and < in one; `ignore_seed` leaves the seed out (a step retried with another seed).
+bool smaller(const Size& a, const Size& b, bool ignore_seed) {
+  bool less = false;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (ignore_seed && i == kSeedComponent) continue;
+    if (a[i] > b[i]) return false;
+    less |= a[i] < b[i];
+  }
+  return less;
+}
+
+// Values below x, from lo up: lo, lo + 1, lo + 2, lo + 4, ... and x - (x - lo) / 2, x - (x - lo) / 4, ..., x - 1,
+// ascending; all multiples of `unit` (x and lo are).
+std::vector<int64_t> ladder(int64_t x, int64_t lo, int64_t unit = 1) {
+  std::set<int64_t> v;
+  if (x <= lo) return {};
+  const int64_t n = (x - lo) / unit;
+  v.insert(lo);
+  for (int64_t d = 1; d < n; d *= 2) v.insert(lo + d * unit);
+  for (int64_t d = n / 2; d >= 1; d /= 2) v.insert(x - d * unit);
+  v.insert(x - unit);
+  std::vector<int64_t> out;
+  for (int64_t y : v)
+    if (y >= lo && y < x) out.push_back(y);
+  return out;
+}
+
+std::vector<int> divisors_below(int x) {
+  std::vector<int> out;
+  for (int d = 1; d < x; ++d)
+    if (x % d == 0) out.push_back(d);
+  return out;
+}
+
+struct Candidate {
+  std::string change;
+  sim::CaseSpec spec;
+};
+
+// The candidates of one family of steps from `s`, in the order they are tried.
+std::vector<Candidate> family(int which, const sim::CaseSpec& s, const ShrinkOptions& options) {
+  std::vector<Candidate> out;
+  const Parts p = parts_of(s);
+  const int batch = static_cast<int>(p.lq.size());
+  auto add = [&](std::string change, const sim::CaseSpec& c) { out.push_back({std::move(change), c}); };
+  auto with = [&](const Parts& q) { return with_parts(s, q); };
+  switch (which) {
+    case 0:  // fewer sequences: one alone, then one left out
+      if (batch < 2) break;
+      for (int b = 0; b < batch; ++b) {
+        Parts q;
+        q.lq = {p.lq[b]}, q.lkv = {p.lkv[b]}, q.xq = {p.xq[b]}, q.xkv = {p.xkv[b]};
+        q.tail_q = p.tail_q, q.tail_kv = p.tail_kv;
+        add("sequence " + std::to_string(b) + " alone (of " + std::to_string(batch) + ")", with(q));
+      }
+      for (int b = 0; b < batch; ++b) {
+        Parts q = p;
+        for (auto* v : {&q.lq, &q.lkv, &q.xq, &q.xkv}) v->erase(v->begin() + b);
+        add("sequence " + std::to_string(b) + " left out", with(q));
+      }
+      break;
+    case 1: {  // smaller cp_size (a divisor: padding and tail rows stay multiples)
+      for (int w : divisors_below(s.cp_size)) {
+        sim::CaseSpec c = with_parts(s, p);
+        c.cp_size = w;
+        if (s.comm == sim::CommType::a2a_p2p) c.a2a_size = std::gcd(sim::a2a_size(s), w);
+        add("cp_size " + std::to_string(s.cp_size) + " -> " + std::to_string(w), c);
+      }
+      if (s.comm == sim::CommType::a2a_p2p)
+        for (int a : divisors_below(sim::a2a_size(s))) {
+          sim::CaseSpec c = s;
+          c.a2a_size = a;
+          add("a2a_size " + std::to_string(sim::a2a_size(s)) + " -> " + std::to_string(a), c);
+        }
+      break;
+    }
+    case 2:  // shorter sequences (q and kv together where they are equal)
+      for (int b = 0; b < batch; ++b) {
+        const std::string at = "[" + std::to_string(b) + "] ";
+        if (p.lq[b] == p.lkv[b]) {
+          for (int64_t v : ladder(p.lq[b], 0)) {
+            Parts q = p;
+            q.lq[b] = q.lkv[b] = static_cast<int32_t>(v);
+            add("seqlens" + at + std::to_string(p.lq[b]) + " -> " + std::to_string(v), with(q));
+          }
+        } else {
+          for (int64_t v : ladder(p.lq[b], 0)) {
+            Parts q = p;
+            q.lq[b] = static_cast<int32_t>(v);
+            add("seqlens_q" + at + std::to_string(p.lq[b]) + " -> " + std::to_string(v), with(q));
+          }
+          for (int64_t v : ladder(p.lkv[b], 0)) {
+            Parts q = p;
+            q.lkv[b] = static_cast<int32_t>(v);
+            add("seqlens_kv" + at + std::to_string(p.lkv[b]) + " -> " + std::to_string(v), with(q));
+          }
+        }
+      }
+      break;
+    case 3: {  // less padding between sequences, fewer tail rows
+      const int64_t m = 2 * int64_t{s.cp_size}, t = s.cp_size > 1 ? s.cp_size : 1;
+      for (int b = 0; b < batch; ++b)
+        for (bool kv : {false, true}) {
+          const int32_t x = kv ? p.xkv[b] : p.xq[b];
+          for (int64_t v : ladder(x, 0, m)) {
+            Parts q = p;
+            (kv ? q.xkv : q.xq)[b] = static_cast<int32_t>(v);
+            add(std::string(kv ? "padding of kv sequence " : "padding of q sequence ") + std::to_string(b) + " " +
+                    std::to_string(x) + " -> " + std::to_string(v) + " rows past the CP rounding",
+                with(q));
+          }
+        }
+      for (bool kv : {false, true}) {
+        const int64_t x = kv ? p.tail_kv : p.tail_q;
+        for (int64_t v : ladder(x, 0, x % t == 0 ? t : 1)) {
+          Parts q = p;
+          (kv ? q.tail_kv : q.tail_q) = v;
+          add(std::string(kv ? "tail rows of kv " : "tail rows of q ") + std::to_string(x) + " -> " + std::to_string(v),
+              with(q));
+        }
+      }
+      break;
+    }
+    case 4: {  // fewer heads: the GQA ratio kept, then smaller ratios, then fewer KV heads
+      const int hq = s.heads_q, hkv = sim::heads_kv(s), g = hq / hkv;
+      auto heads = [&](int q, int kv) {
+        sim::CaseSpec c = s;
+        c.heads_q = q;
+        c.heads_kv = kv == q ? -1 : kv;
+        add("heads " + std::to_string(hq) + "/" + std::to_string(hkv) + " -> " + std::to_string(q) + "/" +
+                std::to_string(kv),
+            c);
+      };
+      for (int64_t v : ladder(hkv, 1)) heads(static_cast<int>(v) * g, static_cast<int>(v));
+      for (int d : divisors_below(g)) heads(hkv * d, hkv);
+      for (int d : divisors_below(hkv)) heads(hq, d);
+      break;
+    }
+    case 5: {  // smaller head dims (from options.dims where given)
+      auto values = [&](int x) {
+        std::vector<int64_t> v;
+        if (options.dims.empty()) return ladder(x, 1);
+        for (int d : options.dims)
+          if (d < x) v.push_back(d);
+        std::sort(v.begin(), v.end());
+        return v;
+      };
+      const int dqk = s.dim_qk, dv = sim::dim_v(s);
+      if (dqk == dv)
+        for (int64_t v : values(dqk)) {
+          sim::CaseSpec c = s;
+          c.dim_qk = static_cast<int>(v);
+          c.dim_v = -1;
+          add("head dims " + std::to_string(dqk) + " -> " + std::to_string(v), c);
+        }
+      for (int64_t v : values(dqk)) {
+        sim::CaseSpec c = s;
+        c.dim_qk = static_cast<int>(v);
+        c.dim_v = dv;
+        add("dim_qk " + std::to_string(dqk) + " -> " + std::to_string(v), c);
+      }
+      for (int64_t v : values(dv)) {
+        sim::CaseSpec c = s;
+        c.dim_v = static_cast<int>(v) == dqk ? -1 : static_cast<int>(v);
+        add("dim_v " + std::to_string(dv) + " -> " + std::to_string(v), c);
+      }
+      break;
+    }
+    case 6: {  // a simpler mask and window
+      const Window w = sim::mask_window(s);
+      auto mask = [&](bool causal, int32_t wl, int32_t wr, std::string change) {
+        sim::CaseSpec c = s;
+        c.causal = causal;
+        c.window = {wl, causal ? 0 : wr};
+        add(std::move(change), c);
+      };
+      const std::string now = std::string(s.causal ? "causal" : "mask none") + " window [" + std::to_string(w.left) +
+                              "," + std::to_string(w.right) + "]";
+      if (mask_cost(s) > 0) mask(false, -1, -1, now + " -> no mask");
+      if (s.causal && w.left >= 0) mask(true, -1, 0, now + " -> causal");
+      if (!s.causal && w.left >= 0 && w.right >= 0) {
+        mask(false, w.left, -1, now + " -> window [" + std::to_string(w.left) + ",-1]");
+        mask(false, -1, w.right, now + " -> window [-1," + std::to_string(w.right) + "]");
+      }
+      if (s.causal && w.left >= 0) mask(false, w.left, -1, now + " -> window [" + std::to_string(w.left) + ",-1]");
+      if (!s.causal && w.right > 0) mask(true, w.left, 0, now + " -> causal, left " + std::to_string(w.left));
+      for (int64_t v : ladder(w.left, 0)) mask(s.causal, static_cast<int32_t>(v), w.right, "window left " + std::to_string(w.left) + " -> " + std::to_string(v));
+      if (!s.causal)
+        for (int64_t v : ladder(w.right, 0)) mask(false, w.left, static_cast<int32_t>(v), "window right " + std::to_string(w.right) + " -> " + std::to_string(v));
+      break;
+    }
+    case 7: {  // pad fill zero, default scale, seed 0
+      for (sim::PadFill f : {sim::PadFill::zero, sim::PadFill::random})
+        if (pad_fill_rank(f) < pad_fill_rank(s.pad_fill)) {
+          sim::CaseSpec c = s;
+          c.pad_fill = f;
+          add("pad_fill " + std::string(sim::pad_fill_name(s.pad_fill)) + " -> " + std::string(sim::pad_fill_name(f)), c);
+        }
+      if (explicit_scale(s)) {
+        sim::CaseSpec c = s;
+        c.softmax_scale.reset();
+        add("softmax_scale " + std::to_string(*s.softmax_scale) + " -> default", c);
+      }
+      if (s.seed != 0) {
+        sim::CaseSpec c = s;
+        c.seed = 0;
+        add("seed " + std::to_string(s.seed) + " -> 0", c);
+      }
+      break;
+    }
+    default: break;
+  }
+  return out;
+}
+constexpr int kFamilies = 8;
+
+}  // namespace
+
+std::string compact_case_json(const sim::CaseSpec& s) {
+  nlohmann::ordered_json j;
+  j["seqlens_q"] = s.seqlens_q;
+  if (!s.seqlens_kv.empty() && s.seqlens_kv != s.seqlens_q) j["seqlens_kv"] = s.seqlens_kv;
+  const std::vector<int32_t> rule_q = sim::pad_lengths_for_cp(s.seqlens_q, s.cp_size);
+  const std::vector<int32_t> rule_kv = sim::pad_lengths_for_cp(sim::seqlens_kv(s), s.cp_size);
+  const std::vector<int32_t> pq = sim::padded_q(s), pkv = sim::padded_kv(s);
+  if (pq != rule_q) j["padded_q"] = pq;
+  if (pkv != rule_kv) j["padded_kv"] = pkv;
+  const ThdLayout l = sim::layout(s);
+  if (l.q.total_rows != std::accumulate(pq.begin(), pq.end(), int64_t{0})) j["total_tokens_q"] = l.q.total_rows;
+  if (l.kv.total_rows != std::accumulate(pkv.begin(), pkv.end(), int64_t{0})) j["total_tokens_kv"] = l.kv.total_rows;
+  j["heads_q"] = s.heads_q;
+  if (sim::heads_kv(s) != s.heads_q) j["heads_kv"] = sim::heads_kv(s);
+  j["dim_qk"] = s.dim_qk;
+  if (sim::dim_v(s) != s.dim_qk) j["dim_v"] = sim::dim_v(s);
+  j["dtype"] = std::string(dtype_name(s.dtype));
+  if (s.causal) j["mask"] = "causal";
+  const Window w = sim::mask_window(s);
+  if (w.left >= 0 || (!s.causal && w.right >= 0)) j["window"] = {w.left, w.right};
+  j["cp_size"] = s.cp_size;
+  j["comm"] = std::string(sim::comm_name(s.comm));
+  if (s.comm == sim::CommType::a2a_p2p) j["a2a_size"] = sim::a2a_size(s);
+  if (s.seed != 0) j["seed"] = s.seed;
+  j["pad_fill"] = std::string(sim::pad_fill_name(s.pad_fill));
+  if (explicit_scale(s)) j["softmax_scale"] = *s.softmax_scale;
+  return j.dump();
+}
+
+ShrinkResult shrink(const sim::CaseSpec& original, const ShrinkRunner& runner, const ShrinkOptions& options) {
+  using Clock = std::chrono::steady_clock;
+  const auto start = Clock::now();
+  auto elapsed = [&] { return std::chrono::duration<double>(Clock::now() - start).count(); };
+  ShrinkResult r;
+  r.original = r.smallest = original;
+  // A scale equal to the default is the default (fixtures state it): smaller head dims then keep the default.
+  if (!explicit_scale(original)) r.original.softmax_scale.reset(), r.smallest.softmax_scale.reset();
+  std::map<std::string, ShrinkVerdict> seen;  // normalised case -> its verdict (a case is run once)
+
+  // The same-way rule: a failure naming every kind of r.kinds (any failure when that is empty).
+  auto same_way = [&](const ShrinkVerdict& v) {
+    if (v.status != ShrinkStatus::fails) return false;
+    for (const std::string& k : r.kinds)
+      if (std::find(v.kinds.begin(), v.kinds.end(), k) == v.kinds.end()) return false;
+    return true;
+  };
+  auto run = [&](const std::string& change, const sim::CaseSpec& spec, bool keep_if_same) -> const ShrinkVerdict& {
+    ++r.runs;
+    ShrinkVerdict v = runner(spec, r.runs);
+    const bool kept = keep_if_same && same_way(v);
+    if (v.status == ShrinkStatus::passes) ++r.passed;
+    else if (v.status == ShrinkStatus::no_candidate) ++r.no_candidate;
+    else if (!kept && r.runs > 1) ++r.failed_otherwise;
+    if (kept) r.smallest = spec, r.smallest_verdict = v;
+    if (options.progress) options.progress({r.runs, elapsed(), change, spec, v, kept, r.smallest});
+    return seen[sim::normalized_json(spec)] = std::move(v);
+  };
+
+  r.original_verdict = run("the original", r.original, false);
+  r.original_fails = r.original_verdict.status == ShrinkStatus::fails;
+  r.smallest_verdict = r.original_verdict;
+  if (!r.original_fails) {
+    r.stopped = "original does not fail";
+    r.seconds = elapsed();
+    return r;
+  }
+  if (!options.any_failure) {
+    r.kinds = options.kinds.empty() ? r.original_verdict.kinds : options.kinds;
+    for (const std::string& k : r.kinds)
+      if (std::find(r.original_verdict.kinds.begin(), r.original_verdict.kinds.end(), k) == r.original_verdict.kinds.end())
+        fail_input("--kind", "the original's failure is not diagnosed \"", k, "\" (its diagnosis: ",
+                   r.original_verdict.kinds.empty() ? std::string("none") : [&] {
+                     std::string s;
+                     for (const std::string& x : r.original_verdict.kinds) s += (s.empty() ? "" : ", ") + x;
+                     return s;
+                   }(), ")");
+  }
+
+  auto out_of_bounds = [&] {
+    if (options.max_runs > 0 && r.runs >= options.max_runs) return r.stopped = "max_runs", true;
+    if (options.budget_seconds > 0 && elapsed() >= options.budget_seconds) return r.stopped = "budget", true;
+    return false;
+  };
+  // Tries one candidate (and, when it passes, its reseeded twins); true when one is kept.
+  auto attempt = [&](const Candidate& c) {
+    sim::CaseSpec spec;
+    try {
+      spec = sim::parse_case_text(compact_case_json(c.spec));  // validated and normalised
+    } catch (const InputError&) {
+      return false;  // not a valid case: never run
+    }
+    const Size now = size_of(r.smallest);
+    if (!smaller(size_of(spec), now, false)) return false;
+    const std::string key = sim::normalized_json(spec);
+    const auto known = seen.find(key);
+    if (known != seen.end()) {
+      if (!same_way(known->second)) return false;
+    } else {
+      if (out_of_bounds()) return false;
+      const ShrinkVerdict& v = run(c.change, spec, true);
+      if (same_way(v)) {
+        r.steps.push_back(c.change);
+        return true;
+      }
+      if (v.status == ShrinkStatus::no_candidate || options.reseed <= 0) return false;
+      for (int i = 1; i <= options.reseed; ++i) {
+        sim::CaseSpec other = spec;
+        other.seed = splitmix64(options.seed * 0x9E3779B97F4A7C15ull + static_cast<uint64_t>(i)) >> 1;
+        if (other.seed == spec.seed || seen.count(sim::normalized_json(other))) continue;
+        if (!smaller(size_of(other), now, true)) continue;
+        if (out_of_bounds()) return false;
+        if (same_way(run(c.change + ", seed " + std::to_string(other.seed), other, true))) {
+          r.steps.push_back(c.change + ", seed " + std::to_string(spec.seed) + " -> " + std::to_string(other.seed));
+          return true;
+        }
+      }
+      return false;
+    }
+    r.smallest = spec;  // a case run before (as a reseeded twin) that failed the same way
+    r.smallest_verdict = known->second;
+    r.steps.push_back(c.change);
+    return true;
+  };
+
+  bool progress = true;
+  while (progress && r.stopped.empty()) {
+    progress = false;
+    for (int f = 0; f < kFamilies && r.stopped.empty(); ++f) {
+      bool kept = true;
+      while (kept && r.stopped.empty()) {
+        kept = false;
+        for (const Candidate& c : family(f, r.smallest, options)) {
+          if (attempt(c)) {
+            kept = progress = true;
+            break;
+          }
+          if (!r.stopped.empty()) break;
+        }
+      }
+    }
+  }
+  if (r.stopped.empty()) r.stopped = "minimal";
+  if (r.smallest_verdict.status != ShrinkStatus::fails) r.smallest_verdict = seen[sim::normalized_json(r.smallest)];
+  r.seconds = elapsed();
+  return r;
+}
+
+}  // namespace cpgold::fx

@@ -1,0 +1,102 @@
+#include "reference/sha256.hpp"
+
+#include <array>
+#include <cstdio>
+
+namespace cpgold {
+
+namespace {
+
+constexpr std::array<uint32_t, 64> kRound = {
+    0x428a2f98, 0x71374491, 0xb5c0fbcf, 0xe9b5dba5, 0x3956c25b, 0x59f111f1, 0x923f82a4, 0xab1c5ed5, 0xd807aa98,
+    0x12835b01, 0x243185be, 0x550c7dc3, 0x72be5d74, 0x80deb1fe, 0x9bdc06a7, 0xc19bf174, 0xe49b69c1, 0xefbe4786,
+    0x0fc19dc6, 0x240ca1cc, 0x2de92c6f, 0x4a7484aa, 0x5cb0a9dc, 0x76f988da, 0x983e5152, 0xa831c66d, 0xb00327c8,
+    0xbf597fc7, 0xc6e00bf3, 0xd5a79147, 0x06ca6351, 0x14292967, 0x27b70a85, 0x2e1b2138, 0x4d2c6dfc, 0x53380d13,
+    0x650a7354, 0x766a0abb, 0x81c2c92e, 0x92722c85, 0xa2bfe8a1, 0xa81a664b, 0xc24b8b70, 0xc76c51a3, 0xd192e819,
+    0xd6990624, 0xf40e3585, 0x106aa070, 0x19a4c116, 0x1e376c08, 0x2748774c, 0x34b0bcb5, 0x391c0cb3, 0x4ed8aa4a,
+    0x5b9cca4f, 0x682e6ff3, 0x748f82ee, 0x78a5636f, 0x84c87814, 0x8cc70208, 0x90befffa, 0xa4506ceb, 0xbef9a3f7,
+    0xc67178f2};
+
+uint32_t rotr(uint32_t x, int n) { return (x >> n) | (x << (32 - n)); }
+
+void compress(std::array<uint32_t, 8>& state, const uint8_t* block) {
+  uint32_t w[64];
+  for (int i = 0; i < 16; ++i)
+    w[i] = uint32_t(block[4 * i]) << 24 | uint32_t(block[4 * i + 1]) << 16 | uint32_t(block[4 * i + 2]) << 8 |
+           uint32_t(block[4 * i + 3]);
+  for (int i = 16; i < 64; ++i) {
+    const uint32_t s0 = rotr(w[i - 15], 7) ^ rotr(w[i - 15], 18) ^ (w[i - 15] >> 3);
+    const uint32_t s1 = rotr(w[i - 2], 17) ^ rotr(w[i - 2], 19) ^ (w[i - 2] >> 10);
+    w[i] = w[i - 16] + s0 + w[i - 7] + s1;
+  }
+  uint32_t a = state[0], b = state[1], c = state[2], d = state[3], e = state[4], f = state[5], g = state[6],
+           h = state[7];
+  for (int i = 0; i < 64; ++i) {
+    const uint32_t t1 = h + (rotr(e, 6) ^ rotr(e, 11) ^ rotr(e, 25)) + ((e & f) ^ (~e & g)) + kRound[i] + w[i];
+    const uint32_t t2 = (rotr(a, 2) ^ rotr(a, 13) ^ rotr(a, 22)) + ((a & b) ^ (a & c) ^ (b & c));
+    h = g, g = f, f = e, e = d + t1, d = c, c = b, b = a, a = t1 + t2;
+  }
+  state[0] += a, state[1] += b, state[2] += c, state[3] += d;
+  state[4] += e, state[5] += f, state[6] += g, state[7] += h;
+}
+
+}  // namespace
+
+Sha256::Sha256() {
+  const uint32_t initial[8] = {0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a,
+                               0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19};
+  for (int i = 0; i < 8; ++i) state_[i] = initial[i];
+}
+
+void Sha256::update(const uint8_t* data, size_t size) {
+  std::array<uint32_t, 8> state;
+  for (int i = 0; i < 8; ++i) state[i] = state_[i];
+  total_ += size;
+  size_t done = 0;
+  if (in_block_ > 0) {
+    while (done < size && in_block_ < 64) block_[in_block_++] = data[done++];
+    if (in_block_ < 64) {
+      for (int i = 0; i < 8; ++i) state_[i] = state[i];
+      return;
+    }
+    compress(state, block_);
+    in_block_ = 0;
+  }
+  for (; done + 64 <= size; done += 64) compress(state, data + done);
+  while (done < size) block_[in_block_++] = data[done++];
+  for (int i = 0; i < 8; ++i) state_[i] = state[i];
+}
+
+std::string Sha256::hex() {
+  std::array<uint32_t, 8> state;
+  for (int i = 0; i < 8; ++i) state[i] = state_[i];
+  // Padding: 0x80, zeros, then the message length in bits (big endian) to fill whole blocks.
+  uint8_t tail[128] = {};
+  const size_t rest = in_block_;
+  for (size_t i = 0; i < rest; ++i) tail[i] = block_[i];
+  tail[rest] = 0x80;
+  const size_t tail_bytes = rest + 9 <= 64 ? 64 : 128;
+  const uint64_t bits = total_ * 8;
+  for (int i = 0; i < 8; ++i) tail[tail_bytes - 1 - i] = uint8_t(bits >> (8 * i));
+  compress(state, tail);
+  if (tail_bytes == 128) compress(state, tail + 64);
+  std::string hex;
+  char buffer[9];
+  for (uint32_t word : state) {
+    std::snprintf(buffer, sizeof buffer, "%08x", word);
+    hex += buffer;
+  }
+  return hex;
+}
+
+std::string sha256_hex(const uint8_t* data, size_t size) {
+  Sha256 digest;
+  digest.update(data, size);
+  return digest.hex();
+}
+
+bool is_sha256_hex(std::string_view text) {
+  return text.size() == 64 && text.find_first_not_of("0123456789abcdef") == std::string_view::npos;
+}
+
+}  // namespace cpgold

@@ -1,0 +1,476 @@
+// CPU executor of a Plan: the one CP orchestration (sim/program/cp_program.hpp) over a host backend. Every simulated rank
+// runs the per-rank program on its own thread with only its own shards; exchanges are host copies matched by a
+// Rendezvous, so a wrong send/receive schedule shows up in the results (or as an error naming rank and operation).
+// Results do not depend on the thread count: each rank's arithmetic is sequential in plan order, the traces are
+// ordered by (step, rank) afterwards.
+#include "sim/program/executor.hpp"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <limits>
+#include <omp.h>
+#include <stdexcept>
+#include <string>
+
+#include "reference/attention.hpp"
+#include "reference/lse_merge.hpp"
+#include "sim/program/cp_program.hpp"
+#include "sim/program/rendezvous.hpp"
+
+namespace cpgold::sim {
+
+namespace {
+
+template <class T>
+constexpr T neg_inf() {
+  return -std::numeric_limits<T>::infinity();
+}
+
+
+// out: [rows.size(), h, d]; out[i] = x[rows[i]] (rows < 0 give zero rows).
+template <class T>
+Tensor3<T> take_rows(const Tensor3<T>& x, const std::vector<int64_t>& rows) {
+  Tensor3<T> out(static_cast<int64_t>(rows.size()), x.heads, x.dim);
+  const int64_t s = x.row_stride(), n = static_cast<int64_t>(rows.size());
+#pragma omp parallel for schedule(static) if (n * s > (int64_t{1} << 18))
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t from = rows[static_cast<size_t>(i)];
+    if (from >= 0) std::copy_n(x.values.begin() + from * s, s, out.values.begin() + i * s);
+  }
+  return out;
+}
+
+// out: [rows.size(), heads] LSE rows gathered.
+template <class T>
+LseTensor<T> take_lse_rows(const LseTensor<T>& x, const std::vector<int64_t>& rows) {
+  LseTensor<T> out(x.heads, static_cast<int64_t>(rows.size()), neg_inf<T>());
+  for (int64_t h = 0; h < x.heads; ++h)
+    for (size_t i = 0; i < rows.size(); ++i)
+      if (rows[i] >= 0) out(h, static_cast<int64_t>(i)) = x(h, rows[i]);
+  return out;
+}
+
+
+// Arithmetic policies: the oracle (float64) and the CP peer (reference peer per tile, float32 merges).
+struct OracleArith {
+  using T = double;
+  KernelOptions kernel;
+  ForwardResult<double> forward(const AttentionCall& c, const Tensor3<double>& q, const Tensor3<double>& k,
+                                const Tensor3<double>& v) const {
+    return attention_forward(c, q, k, v, kernel);
+  }
+  BackwardResult<double> backward(const AttentionCall& c, const Tensor3<double>& q, const Tensor3<double>& k,
+                                  const Tensor3<double>& v, const Tensor3<double>& o, const LseTensor<double>& lse,
+                                  const Tensor3<double>& dout) const {
+    return attention_backward(c, q, k, v, o, lse, dout, kernel);
+  }
+  double round(double x) const { return x; }
+};
+
+struct PeerArith {
+  using T = float;
+  DType dtype;
+  KernelOptions kernel;
+  ForwardResult<float> forward(const AttentionCall& c, const Tensor3<float>& q, const Tensor3<float>& k,
+                               const Tensor3<float>& v) const {
+    return attention_forward(c, q, k, v, dtype, kernel);
+  }
+  BackwardResult<float> backward(const AttentionCall& c, const Tensor3<float>& q, const Tensor3<float>& k,
+                                 const Tensor3<float>& v, const Tensor3<float>& o, const LseTensor<float>& lse,
+                                 const Tensor3<float>& dout) const {
+    return attention_backward(c, q, k, v, o, lse, dout, dtype, kernel);
+  }
+  float round(float x) const { return round_to(dtype, x); }
+};
+
+template <class T, class Arith>
+void round_all(Tensor3<T>& x, const Arith& arith) {
+  for (T& e : x.values) e = arith.round(e);
+}
+
+// Merges the forward partials of one rank: LSE first (in step order), then O = sum_i O_i * exp(lse_i - lse).
+// parts: (O_i [n_i, h, d], LSE_i [h, n_i], full row of each step row); o: [rows, h, d], lse: [h, rows].
+template <class T>
+struct ForwardPart {
+  const Tensor3<T>* o;
+  const LseTensor<T>* lse;
+  std::vector<int64_t> rows;
+};
+template <class T, class Arith>
+void merge_forward(const std::vector<ForwardPart<T>>& parts, Tensor3<T>& o, LseTensor<T>& lse, const Arith& arith) {
+  for (const auto& part : parts)
+    for (int64_t h = 0; h < lse.heads; ++h)
+      for (size_t i = 0; i < part.rows.size(); ++i) {
+        T& l = lse(h, part.rows[i]);
+        l = lse_merge(l, (*part.lse)(h, static_cast<int64_t>(i)));
+      }
+  for (const auto& part : parts)
+    for (size_t i = 0; i < part.rows.size(); ++i)
+      for (int64_t h = 0; h < o.heads; ++h) {
+        const T w = lse_weight((*part.lse)(h, static_cast<int64_t>(i)), lse(h, part.rows[i]));
+        if (w == T(0)) continue;
+        const T* src = part.o->at(static_cast<int64_t>(i), h);
+        T* dst = o.at(part.rows[i], h);
+        for (int64_t x = 0; x < o.dim; ++x)
+          if (src[x] != T(0)) dst[x] += src[x] * w;
+      }
+  round_all(o, arith);
+}
+
+// The online merge of a MergeRule other than lse_weighted (executor.hpp): parts in step order.
+template <class T, class Arith>
+void merge_forward_online(const std::vector<ForwardPart<T>>& parts, Tensor3<T>& o, LseTensor<T>& lse, MergeRule rule,
+                          const Arith& arith) {
+  const T inf = std::numeric_limits<T>::infinity();
+  for (const auto& part : parts)
+    for (size_t i = 0; i < part.rows.size(); ++i)
+      for (int64_t h = 0; h < o.heads; ++h) {
+        T li = (*part.lse)(h, static_cast<int64_t>(i));
+        if (li == -inf && rule == MergeRule::keyless_step_lse_0) li = T(0);
+        if (li == -inf && rule == MergeRule::keyless_step_lse_inf) li = inf;
+        T& l = lse(h, part.rows[i]);
+        const T merged = (l == inf || li == inf) ? inf : lse_merge(l, li);
+        T a = l == -inf ? T(0) : std::exp(l - merged);
+        T b = li == -inf ? T(0) : std::exp(li - merged);
+        if (rule == MergeRule::running_o_not_rescaled && l != -inf) a = T(1);
+        if (rule == MergeRule::step_o_not_rescaled && li != -inf) b = T(1);
+        if (rule == MergeRule::double_rescale) a *= a;
+        const T* src = part.o->at(static_cast<int64_t>(i), h);
+        T* dst = o.at(part.rows[i], h);
+        for (int64_t x = 0; x < o.dim; ++x) dst[x] = (a == T(0) ? T(0) : dst[x] * a) + (b == T(0) ? T(0) : src[x] * b);
+        l = merged;
+      }
+  round_all(o, arith);
+}
+
+// dst[rows[i]] += src[i] (all heads).
+template <class T>
+void add_rows(Tensor3<T>& dst, const Tensor3<T>& src, const std::vector<int64_t>& rows) {
+  const int64_t s = dst.row_stride();
+  for (size_t i = 0; i < rows.size(); ++i) {
+    T* d = dst.values.data() + rows[i] * s;
+    const T* x = src.values.data() + static_cast<int64_t>(i) * s;
+    for (int64_t e = 0; e < s; ++e) d[e] += x[e];
+  }
+}
+
+// Each rank starts with only its own rows of the global inputs: [W] shards of q, k, v, dout in the rank-local layout.
+template <class T>
+struct RankShards {
+  std::vector<Tensor3<T>> q, k, v, dout;
+};
+
+// out: [rows.size(), h, d] of type T; out[i] = x[rows[i]] converted (no global copy of x in T).
+template <class T>
+Tensor3<T> take_rows_as(const Tensor3<float>& x, const std::vector<int64_t>& rows) {
+  Tensor3<T> out(static_cast<int64_t>(rows.size()), x.heads, x.dim);
+  const int64_t s = x.row_stride();
+  for (size_t i = 0; i < rows.size(); ++i)
+    if (rows[i] >= 0) std::copy_n(x.values.begin() + rows[i] * s, s, out.values.begin() + static_cast<int64_t>(i) * s);
+  return out;
+}
+
+template <class T>
+RankShards<T> shard_inputs(const Plan& plan, const CaseInputs& inputs, const RunVariation* variation) {
+  const SidePartition& qs = plan.partition.q;
+  const SidePartition& ks = plan.partition.kv;
+  RankShards<T> shards;
+  for (int r = 0; r < plan.cp_size; ++r) {
+    const bool own_rows = variation && !variation->q_rows.empty();
+    const std::vector<int64_t> rows_q = own_rows ? variation->q_rows[static_cast<size_t>(r)] : qs.gather_indices(r);
+    const std::vector<int64_t> rows_kv = own_rows ? variation->kv_rows[static_cast<size_t>(r)] : ks.gather_indices(r);
+    shards.q.push_back(take_rows_as<T>(inputs.q, rows_q));
+    shards.k.push_back(take_rows_as<T>(inputs.k, rows_kv));
+    shards.v.push_back(take_rows_as<T>(inputs.v, rows_kv));
+    shards.dout.push_back(take_rows_as<T>(inputs.dout, rows_q));
+  }
+  return shards;
+}
+
+struct HostCopy {};  // host exchanges carry no events
+
+// The host backend of the per-rank program for one simulated rank: Tensor3 / LseTensor storage of the arithmetic's
+// type (the accumulator kind is the same type), the arithmetic's attention per tile, memcpy exchanges.
+template <class Arith>
+class HostRankBackend {
+ public:
+  using T = typename Arith::T;
+  using Tensor = Tensor3<T>;
+  using Lse = LseTensor<T>;
+  using Forward = ForwardResult<T>;
+  using Backward = BackwardResult<T>;
+
+  HostRankBackend(int rank, const RankShards<T>& shards, const Arith& arith, Rendezvous<HostCopy>& rendezvous,
+                  bool record_trace, bool by_rows, MergeRule merge)
+      : rank_(rank), shards_(shards), arith_(arith), rendezvous_(rendezvous), record_trace_(record_trace),
+        by_rows_(by_rows), merge_(merge) {}
+
+  int rank() const { return rank_; }
+  const Tensor& input(Payload payload) const {
+    const size_t r = static_cast<size_t>(rank_);
+    switch (payload) {
+      case Payload::q: return shards_.q[r];
+      case Payload::k: return shards_.k[r];
+      case Payload::v: return shards_.v[r];
+      case Payload::dout: return shards_.dout[r];
+      default: program_error("no input shard for payload " + std::string(payload_name(payload)));
+    }
+  }
+  Tensor zeros(int64_t rows, int64_t heads, int64_t dim, BufferKind) const { return Tensor(rows, heads, dim); }
+  Lse lse_empty(int64_t heads, int64_t rows) const { return Lse(heads, rows, neg_inf<T>()); }
+  Shape shape(const Tensor& x) const { return {x.rows, x.heads, x.dim}; }
+
+  // out: [rows.size(), h1 - h0, d]; out[i] = x[rows[i], h0:h1] (rows < 0 give zero rows).
+  Tensor gather(const Tensor& x, const std::vector<int64_t>& rows, int h0, int h1) const {
+    if (h0 == 0 && h1 == x.heads) return take_rows(x, rows);
+    Tensor out(static_cast<int64_t>(rows.size()), h1 - h0, x.dim);
+    for (size_t i = 0; i < rows.size(); ++i)
+      if (rows[i] >= 0)
+        for (int h = h0; h < h1; ++h) std::copy_n(x.at(rows[i], h), x.dim, out.at(static_cast<int64_t>(i), h - h0));
+    return out;
+  }
+  // dst: [t, H, d]; dst[rows[i], h0 + h] = src[i, h] for i < rows.size().
+  void scatter(Tensor& dst, const std::vector<int64_t>& rows, int h0, const Tensor& src) const {
+    for (size_t i = 0; i < rows.size(); ++i)
+      for (int64_t h = 0; h < src.heads; ++h)
+        std::copy_n(src.at(static_cast<int64_t>(i), h), src.dim, dst.at(rows[i], h0 + h));
+  }
+  void scatter_add(Tensor& dst, const std::vector<int64_t>& rows, const Tensor& src) const { add_rows(dst, src, rows); }
+  Lse lse_gather(const Lse& x, const std::vector<int64_t>& rows) const { return take_lse_rows(x, rows); }
+  // dst: [H, t]; dst(h0 + h, rows[i]) = src(h, i).
+  void lse_scatter(Lse& dst, const std::vector<int64_t>& rows, int h0, const Lse& src) const {
+    for (int64_t h = 0; h < src.heads; ++h)
+      for (size_t i = 0; i < rows.size(); ++i) dst(h0 + h, rows[i]) = src(h, static_cast<int64_t>(i));
+  }
+
+  Forward forward(const Tile& t, const Tensor& q, const Tensor& k, const Tensor& v) const {
+    return arith_.forward(t.call, q, k, v);
+  }
+  Backward backward(const Tile& t, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o, const Lse& lse,
+                    const Tensor& dout) const {
+    return arith_.backward(t.call, q, k, v, o, lse, dout);
+  }
+  // The program's optional paths (ExecutorOptions::by_rows): the halves are gathered here rather than by the program.
+  bool reads_halves() const { return by_rows_; }
+  bool sums_backward() const { return by_rows_ && !record_trace_; }
+  Forward forward_rows(const Tile& t, const StepRows& rows, const Tensor& q, const Tensor& k, const Tensor& v) const {
+    return forward(t, half(q, rows.q_half, rows.q), half(k, rows.kv_half, rows.kv), half(v, rows.kv_half, rows.kv));
+  }
+  void backward_sum(const Tile& t, const StepRows& rows, const Tensor& q, const Tensor& k, const Tensor& v,
+                    const Tensor& o, const Lse& lse, const Tensor& dout, Tensor& dq, Tensor& dk, Tensor& dv,
+                    SumEnds ends) const {
+    Backward res = backward(t, half(q, rows.q_half, rows.q), half(k, rows.kv_half, rows.kv),
+                            half(v, rows.kv_half, rows.kv), half(o, rows.q_half, rows.q),
+                            rows.q_half ? lse_gather(lse, rows.q) : lse, half(dout, rows.q_half, rows.q));
+    scatter_add(dq, rows.q, res.dq);
+    scatter_add(dk, rows.kv, res.dk);
+    scatter_add(dv, rows.kv, res.dv);
+    // A finished sum is rounded here, as the GPU backend writes it in the dtype; finalize rounds it again, which
+    // changes nothing unless a later step still added to it (what the by_rows test would show).
+    if (ends.dq) finalize(dq);
+    if (ends.dkv) {
+      finalize(dk);
+      finalize(dv);
+    }
+  }
+  void merge_forward(const std::vector<MergePart<HostRankBackend>>& parts, Tensor& o, Lse& lse) const {
+    std::vector<ForwardPart<T>> host_parts;
+    host_parts.reserve(parts.size());
+    for (const auto& part : parts) host_parts.push_back({part.o, part.lse, part.rows});
+    if (merge_ == MergeRule::lse_weighted) cpgold::sim::merge_forward(host_parts, o, lse, arith_);
+    else merge_forward_online(host_parts, o, lse, merge_, arith_);
+  }
+  void finalize(Tensor& x) const { round_all(x, arith_); }
+
+  void exchange(const std::vector<Outgoing<HostRankBackend>>& sends,
+                const std::vector<Incoming<HostRankBackend>>& recvs) {
+    std::vector<PostedSend> posted;
+    std::vector<WantedRecv> wanted;
+    for (const auto& s : sends)
+      posted.push_back(s.tensor ? PostedSend{s.peer, s.tensor->values.data(), s.tensor->values.size() * sizeof(T)}
+                                : PostedSend{s.peer, s.lse->values.data(), s.lse->values.size() * sizeof(T)});
+    for (const auto& r : recvs)
+      wanted.push_back(r.tensor ? WantedRecv{r.peer, r.tensor->values.data(), r.tensor->values.size() * sizeof(T)}
+                                : WantedRecv{r.peer, r.lse->values.data(), r.lse->values.size() * sizeof(T)});
+    rendezvous_.exchange(
+        rank_, "send_recv", posted, wanted, [] { return HostCopy{}; },
+        [](void* dst, const void* src, size_t bytes, const HostCopy&) {
+          if (bytes > 0) std::memcpy(dst, src, bytes);
+          return HostCopy{};
+        },
+        [](const HostCopy&) {});
+  }
+
+  // A started exchange moves its data only when it is finished: a program that wrote a sent tensor or read a receive
+  // buffer while the exchange is in flight (what a device backend overlaps with compute) would compute with other
+  // values here, and the bit-exact golden checks would catch it.
+  struct Pending {
+    std::vector<Outgoing<HostRankBackend>> sends;
+    std::vector<Incoming<HostRankBackend>> recvs;
+  };
+  Pending exchange_start(const std::vector<Outgoing<HostRankBackend>>& sends,
+                         const std::vector<Incoming<HostRankBackend>>& recvs) {
+    return {sends, recvs};
+  }
+  void exchange_finish(Pending& p) { exchange(p.sends, p.recvs); }
+
+  void record_forward(int step, const Forward& res) {
+    if (record_trace_) trace.forward.push_back({rank_, step, res.o, res.lse});
+  }
+  void record_backward(int step, Backward&& res, const Tensor* dk_in_flight, const Tensor* dv_in_flight) {
+    if (!record_trace_) return;
+    BackwardStepTrace<T> rec{rank_, step, std::move(res.dq), std::move(res.dk), std::move(res.dv), {}, {}};
+    if (dk_in_flight) rec.dk_in_flight = *dk_in_flight;
+    if (dv_in_flight) rec.dv_in_flight = *dv_in_flight;
+    trace.backward.push_back(std::move(rec));
+  }
+
+  Trace<T> trace;
+
+ private:
+  // The step's rows of a rank tensor: the gathered half, or the whole tensor.
+  Tensor half(const Tensor& x, bool is_half, const std::vector<int64_t>& rows) const {
+    return is_half ? gather(x, rows, 0, static_cast<int>(x.heads)) : x;
+  }
+
+  int rank_;
+  const RankShards<T>& shards_;
+  const Arith& arith_;
+  Rendezvous<HostCopy>& rendezvous_;
+  bool record_trace_;
+  bool by_rows_;
+  MergeRule merge_;
+};
+
+template <class Arith>
+CpRun<typename Arith::T> run_cp(const Plan& plan, const CaseInputs& inputs, const Arith& arith,
+                                const ExecutorOptions& options) {
+  using T = typename Arith::T;
+  using Backend = HostRankBackend<Arith>;
+  const int W = plan.cp_size;
+  const RankShards<T> shards = shard_inputs<T>(plan, inputs, options.variation);
+  // A simulated exchange never legitimately waits long: the peers are threads of this process.
+  Rendezvous<HostCopy> rendezvous(W, std::chrono::minutes(10));
+  std::vector<std::unique_ptr<Backend>> backends;
+  for (int g = 0; g < W; ++g) backends.push_back(
+        std::make_unique<Backend>(g, shards, arith, rendezvous, options.record_trace, options.by_rows,
+                                  options.variation ? options.variation->merge : MergeRule::lse_weighted));
+  CpRun<T> run;
+  run.ranks.resize(static_cast<size_t>(W));
+  // Ranks share the OpenMP threads: each rank's tiles use threads / W of them (results do not depend on the count).
+  const int threads_per_rank = std::max(1, omp_get_max_threads() / W);
+  run_rank_threads(
+      W,
+      [&](int g) {
+        if (W > 1) omp_set_num_threads(threads_per_rank);
+        RankResult<Backend> r = run_rank(plan, *backends[static_cast<size_t>(g)], options.backward);
+        RankOutputs<T>& out = run.ranks[static_cast<size_t>(g)];
+        out.o = std::move(r.o);
+        out.lse = std::move(r.lse);
+        out.dq = std::move(r.dq);
+        out.dk = std::move(r.dk);
+        out.dv = std::move(r.dv);
+      },
+      [&] { rendezvous.abort(); });
+  if (options.record_trace) {
+    std::vector<std::vector<ForwardStepTrace<T>>> fwd;
+    std::vector<std::vector<BackwardStepTrace<T>>> bwd;
+    for (auto& b : backends) {
+      fwd.push_back(std::move(b->trace.forward));
+      bwd.push_back(std::move(b->trace.backward));
+    }
+    run.trace.forward = by_step_then_rank(fwd);
+    run.trace.backward = by_step_then_rank(bwd);
+  }
+  return run;
+}
+
+}  // namespace
+
+template <class T>
+Tensor3<T> shard_rows(const SidePartition& side, int rank, const Tensor3<T>& global) {
+  return take_rows(global, side.gather_indices(rank));
+}
+
+CpRun<double> run_cp_oracle(const Plan& plan, const CaseInputs& inputs, const ExecutorOptions& options) {
+  return run_cp(plan, inputs, OracleArith{options.kernel}, options);
+}
+
+CpRun<float> run_cp_peer(const Plan& plan, const CaseInputs& inputs, DType dtype, const ExecutorOptions& options) {
+  return run_cp(plan, inputs, PeerArith{dtype, options.kernel}, options);
+}
+
+namespace {
+// Copies rank r's outputs into their global rows.
+template <class T>
+void gather_rank(const std::vector<int64_t>& qi, const std::vector<int64_t>& ki, const RankOutputs<T>& x,
+                 GlobalOutputs<T>& out) {
+#pragma omp parallel for schedule(static) if (x.o.values.size() > (size_t{1} << 18))
+  for (size_t i = 0; i < qi.size(); ++i) {
+    std::copy_n(x.o.at(static_cast<int64_t>(i), 0), x.o.row_stride(), out.o.at(qi[i], 0));
+    if (!x.dq.values.empty()) std::copy_n(x.dq.at(static_cast<int64_t>(i), 0), x.dq.row_stride(), out.dq.at(qi[i], 0));
+    for (int64_t h = 0; h < x.lse.heads; ++h) out.lse(h, qi[i]) = x.lse(h, static_cast<int64_t>(i));
+  }
+  if (!x.dk.values.empty()) {
+#pragma omp parallel for schedule(static) if (x.dk.values.size() > (size_t{1} << 18))
+    for (size_t i = 0; i < ki.size(); ++i) {
+      std::copy_n(x.dk.at(static_cast<int64_t>(i), 0), x.dk.row_stride(), out.dk.at(ki[i], 0));
+      std::copy_n(x.dv.at(static_cast<int64_t>(i), 0), x.dv.row_stride(), out.dv.at(ki[i], 0));
+    }
+  }
+}
+template <class T>
+GlobalOutputs<T> global_like(const Plan& plan, const RankOutputs<T>& r0) {
+  const SidePartition& qs = plan.partition.q;
+  const SidePartition& ks = plan.partition.kv;
+  GlobalOutputs<T> out;
+  out.o = Tensor3<T>(qs.global().total_rows, r0.o.heads, r0.o.dim);
+  out.dq = Tensor3<T>(qs.global().total_rows, r0.dq.heads, r0.dq.dim);
+  out.dk = Tensor3<T>(ks.global().total_rows, r0.dk.heads, r0.dk.dim);
+  out.dv = Tensor3<T>(ks.global().total_rows, r0.dv.heads, r0.dv.dim);
+  out.lse = LseTensor<T>(r0.lse.heads, qs.global().total_rows, neg_inf<T>());
+  return out;
+}
+}  // namespace
+
+template <class T>
+GlobalOutputs<T> gather_outputs(const Plan& plan, std::vector<RankOutputs<T>>&& ranks) {
+  GlobalOutputs<T> out = global_like(plan, ranks.at(0));
+  for (int r = 0; r < plan.cp_size; ++r) {
+    gather_rank(plan.partition.q.gather_indices(r), plan.partition.kv.gather_indices(r), ranks[static_cast<size_t>(r)], out);
+    ranks[static_cast<size_t>(r)] = RankOutputs<T>{};  // each rank freed once copied: one tensor set at a time
+  }
+  ranks.clear();
+  return out;
+}
+
+template <class T>
+GlobalOutputs<T> gather_outputs(const Plan& plan, const std::vector<RankOutputs<T>>& ranks) {
+  GlobalOutputs<T> out = global_like(plan, ranks.at(0));
+  for (int r = 0; r < plan.cp_size; ++r)
+    gather_rank(plan.partition.q.gather_indices(r), plan.partition.kv.gather_indices(r), ranks[static_cast<size_t>(r)],
+                out);
+  return out;
+}
+
+template <class T>
+GlobalOutputs<T> gather_outputs(const Plan& plan, const std::vector<RankOutputs<T>>& ranks,
+                                const RunVariation& variation) {
+  if (variation.q_rows.empty()) return gather_outputs(plan, ranks);
+  GlobalOutputs<T> out = global_like(plan, ranks.at(0));
+  for (int r = 0; r < plan.cp_size; ++r)
+    gather_rank(variation.q_rows[static_cast<size_t>(r)], variation.kv_rows[static_cast<size_t>(r)],
+                ranks[static_cast<size_t>(r)], out);
+  return out;
+}
+
+template Tensor3<double> shard_rows(const SidePartition&, int, const Tensor3<double>&);
+template Tensor3<float> shard_rows(const SidePartition&, int, const Tensor3<float>&);
+template GlobalOutputs<double> gather_outputs(const Plan&, const std::vector<RankOutputs<double>>&);
+template GlobalOutputs<float> gather_outputs(const Plan&, const std::vector<RankOutputs<float>>&);
+template GlobalOutputs<double> gather_outputs(const Plan&, std::vector<RankOutputs<double>>&&);
+template GlobalOutputs<double> gather_outputs(const Plan&, const std::vector<RankOutputs<double>>&, const RunVariation&);
+template GlobalOutputs<float> gather_outputs(const Plan&, std::vector<RankOutputs<float>>&&);
+
+}  // namespace cpgold::sim

@@ -1,0 +1,95 @@
+#pragma once
+// CPU executor of a Plan: W simulated ranks, each holding only its own shards; every message of the Plan is copied
+// between rank buffers, so a wrong send/receive schedule shows up in the results. Two arithmetics:
+//  - oracle: float64 tiles (reference/attention.hpp), merges and accumulations in float64;
+//  - CP peer: the reference peer per tile (partials rounded to the dtype, LSE float32), merges and accumulations in
+//    float32, final O / dQ / dK / dV rounded once to the dtype (docs/cp-plan.md, "Precision").
+#include <cstddef>  // size_t, used by reference/tensor.hpp
+#include <vector>
+
+#include "reference/attention.hpp"
+#include "reference/dtype.hpp"
+#include "reference/tensor.hpp"
+#include "sim/case/case_inputs.hpp"
+#include "sim/plan/plan.hpp"
+#include "sim/program/trace.hpp"
+
+namespace cpgold::sim {
+
+// Per-rank results in the rank-local layout (SidePartition::local_rows rows).
+template <class T>
+struct RankOutputs {
+  Tensor3<T> o;      // [local_rows_q, heads_q, d_v]
+  LseTensor<T> lse;  // [heads_q, local_rows_q]; -inf at pad rows and at valid rows with no visible key
+  Tensor3<T> dq;     // [local_rows_q, heads_q, d_qk]
+  Tensor3<T> dk;     // [local_rows_kv, heads_kv, d_qk]
+  Tensor3<T> dv;     // [local_rows_kv, heads_kv, d_v]
+};
+
+template <class T>
+struct CpRun {
+  std::vector<RankOutputs<T>> ranks;  // [W]
+  Trace<T> trace;
+};
+
+// How a merge of step partials combines them (sim/program/mistakes.hpp models the wrong ones). lse_weighted is the Plan's:
+// LSE first, then O = sum O_i exp(lse_i - lse). The others run an online merge in step order,
+// (o, lse) <- (o a + o_i b, logaddexp(lse, lse_i)) with a = exp(lse - lse_new), b = exp(lse_i - lse_new), and change
+// one thing: a = 1 (running_o_not_rescaled), b = 1 (step_o_not_rescaled), a squared (double_rescale), or a partial
+// whose lse_i is -inf (no key of the row in that step) taken as lse_i = 0 (keyless_step_lse_0) or +inf
+// (keyless_step_lse_inf).
+enum class MergeRule {
+  lse_weighted,
+  running_o_not_rescaled,
+  step_o_not_rescaled,
+  double_rescale,
+  keyless_step_lse_0,
+  keyless_step_lse_inf,
+};
+
+// A run that departs from the Plan the way a mistaken implementation does: which global rows each rank holds (inputs
+// sharded and outputs held in that order), and the merge rule.
+struct RunVariation {
+  std::vector<std::vector<int64_t>> q_rows, kv_rows;  // [W][local row] -> global row; empty: the partition's
+  MergeRule merge = MergeRule::lse_weighted;
+};
+
+struct ExecutorOptions {
+  bool backward = true;
+  bool record_trace = true;
+  // Order of operations of every tile's attention call (the defaults are the reference's); `cpgold check --self`
+  // runs the CP peer with another row block and the scale on K as an independent path.
+  KernelOptions kernel{};
+  // Takes the program's optional paths (sim/program/cp_program.hpp: forward_rows, and backward_sum unless record_trace), as
+  // the GPU backend does: the host backend then gathers the halves itself and adds the step's dQ/dK/dV into the sums
+  // at the rows given. The same bits as the default path; it lets the program's StepRows be tested without a GPU.
+  bool by_rows = false;
+  // A mistake to run (sim/program/mistakes.hpp); nullptr: the Plan as it is.
+  const RunVariation* variation = nullptr;
+};
+
+// Global inputs are sharded with the partition's gather indices; each rank then sees only its shards.
+CpRun<double> run_cp_oracle(const Plan& plan, const CaseInputs& inputs, const ExecutorOptions& options = {});
+CpRun<float> run_cp_peer(const Plan& plan, const CaseInputs& inputs, DType dtype, const ExecutorOptions& options = {});
+
+// Gathered back to the global layout (rows of the global tensors; tail and pad rows 0, LSE -inf there).
+template <class T>
+struct GlobalOutputs {
+  Tensor3<T> o, dq, dk, dv;
+  LseTensor<T> lse;
+};
+template <class T>
+GlobalOutputs<T> gather_outputs(const Plan& plan, const std::vector<RankOutputs<T>>& ranks);
+// The same for outputs held in a variation's rows (the partition's when it states none).
+template <class T>
+GlobalOutputs<T> gather_outputs(const Plan& plan, const std::vector<RankOutputs<T>>& ranks,
+                                const RunVariation& variation);
+// The same, freeing each rank's outputs once copied (memory: the global tensors plus one rank's, not all of them).
+template <class T>
+GlobalOutputs<T> gather_outputs(const Plan& plan, std::vector<RankOutputs<T>>&& ranks);
+
+// local: [local_rows, h, d] of rank `rank` from a global [total_rows, h, d] (thd_get_partitioned_indices).
+template <class T>
+Tensor3<T> shard_rows(const SidePartition& side, int rank, const Tensor3<T>& global);
+
+}  // namespace cpgold::sim
