@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """TransformerEngine's context parallelism timed the way bench_cp_nccl times cpgold's, one process per GPU:
 
-    NCCL_NVLS_ENABLE=0 torchrun --standalone --nproc-per-node W bench/gpu/bench_te_cp.py --backend fused \
+    PYTHONPATH=python:$PYTHONPATH NCCL_NVLS_ENABLE=0 torchrun --standalone --nproc-per-node W bench/gpu/bench_te_cp.py --backend fused \
         [--comms p2p,a2a,all_gather] [--tokens-per-rank 8192,16384,32768] [--seq-scale 1,4] [--json FILE]
 
 The batch is bench_cp_nccl's (bench/gpu/varlen_lengths.hpp): W x tokens-per-rank tokens of the length cycle 512,
@@ -137,13 +137,13 @@ def main():
     W, h, d = world, args.heads, args.dim
     say = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
 
+    import types
+
+    from cpgold.outsiders.te import backend_chosen   # the package on PYTHONPATH (device_run.sh sets it)
+    te_modules = types.SimpleNamespace(te_dpa=te_dpa)
+
     def chosen():
-        b = te_dpa._attention_backends
-        if b.get("use_fused_attention"):
-            return f"FusedAttention (sub-backend {int(b.get('fused_attention_backend'))})"
-        if b.get("use_flash_attention"):
-            return f"FlashAttention ({b.get('flash_attention_backend')})"
-        return "UnfusedDotProductAttention" if b.get("use_unfused_attention") else "none"
+        return backend_chosen(te_modules)
 
     def fa_versions():
         from importlib.metadata import version
