@@ -30,25 +30,16 @@ import statistics
 import sys
 import time
 
-CYCLE = (512, 1536, 2560, 3584, 1024, 3072, 2048, 4096)
+from bench_torch import fwd_flops, varlen_lengths   # the benchmarks' batch and FLOPs (same folder)
+
 BF16_DENSE_PEAK_TFLOPS = 989.0   # H100 / H200 SXM specification, per GPU
 BACKENDS = {"fused": {"NVTE_FLASH_ATTN": "0", "NVTE_FUSED_ATTN": "1", "NVTE_UNFUSED_ATTN": "0"},
             "flash": {"NVTE_FLASH_ATTN": "1", "NVTE_FUSED_ATTN": "0", "NVTE_UNFUSED_ATTN": "0"}}
 
 
-def varlen_lengths(total, scale=1):
-    """bench/gpu/varlen_lengths.hpp's batch: the cycle times `scale`, the last length cut to reach `total`."""
-    lens, s, i = [], 0, 0
-    while s < total:
-        n = min(CYCLE[i % 8] * scale, total - s)
-        lens.append(n)
-        s += n
-        i += 1
-    return lens
-
-
 def causal_flops(lens, heads, dim, backward):
-    f = sum(2.0 * s * (s / 2.0) * (2.0 * dim) * heads for s in lens)
+    """Forward FLOPs of the causal batch (bench_torch's), 3.5 times that for forward + backward."""
+    f = fwd_flops(lens, heads, dim, dim, True)
     return 3.5 * f if backward else f
 
 
@@ -194,7 +185,7 @@ def main():
 
     rows = []
     for scale, tokens in ((sc, t) for sc in scales for t in tokens_list):
-        lens = varlen_lengths(tokens * W, scale)
+        lens = varlen_lengths(tokens * W, scale=scale)
         total = sum(lens)
         bad = [n for n in lens if n % (2 * W)]
         if bad:

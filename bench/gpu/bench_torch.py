@@ -16,10 +16,11 @@ import torch.nn.functional as F
 CYCLE = [512, 1536, 2560, 3584, 1024, 3072, 2048, 4096]
 
 
-def varlen_lengths(total, divide=1):
+def varlen_lengths(total, divide=1, scale=1):
+    """bench/gpu/varlen_lengths.hpp's batch: the cycle times scale, divided by divide, the last length cut."""
     lens, s, i = [], 0, 0
     while s < total:
-        n = min(CYCLE[i % 8] // divide, total - s)
+        n = min(CYCLE[i % 8] * scale // divide, total - s)
         lens.append(n)
         s += n
         i += 1
