@@ -10,7 +10,7 @@ cd "${CPGOLD_SRC:-.}"
 echo "== commit $(cat ${CPGOLD_COMMIT_FILE:-/dev/null} 2>/dev/null)"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv,noheader
 nvcc --version | tail -1
-B=/tmp/b
+B=${B:-/tmp/b}
 cmake -S . -B $B -DCMAKE_BUILD_TYPE=Release ${CPGOLD_PREFIX:+-DCMAKE_PREFIX_PATH=$CPGOLD_PREFIX} > $OUT/configure.log 2>&1 || { tail -30 $OUT/configure.log; exit 1; }
 grep -E "CUDA|NCCL|HDF5|Eigen" $OUT/configure.log
 cmake --build $B -j16 --target test_gpu bench_gpu_attention bench_cp_local cpgold > $OUT/build.log 2>&1 || { grep -E "error" $OUT/build.log | head -30; exit 1; }

@@ -43,7 +43,7 @@ stamp() { echo "== $1 ($(date +%H:%M:%S))"; }
 folders() { for d in $(ls -d $FX/*/ 2>/dev/null | sed 's:/$::'); do
   [ -z "${FOLDERS:-}" ] || [[ " $FOLDERS " == *" $(basename $d) "* ]] && echo $d; done; }
 run() {  # run TAG ENV ADAPTER ARGS...: one adapter over the folders, summary and table kept in $R
-  local tag=$1 env=$2; shift 2
+  local tag=$1${RUN_SUFFIX:-} env=$2; shift 2
   ( source $W/prefix/env.sh $env
     timeout ${RUN_TIMEOUT:-3000} python3 -m cpgold.outsiders "$@" --cpgold $B/bin/cpgold --summary $R/$tag.json \
       --table $R/$tag.md --title "$tag" $(folders) > $R/$tag.log 2>&1; echo "$tag rc=$?" >> $R/done.txt )
@@ -106,7 +106,7 @@ prep)      # no parts needed: the CLI, cpgold's CUDA benchmark (CUDA_TARGETS), t
   rm -rf $W/src && mkdir -p $W/src && cp -r . $W/src/   # a copy: the call's own tree may change under a build
   if [ -n "${CUDA_TARGETS:-}" ]; then   # cpgold's own CP over NCCL for te_bench (a CUDA build, in the background)
     ( for try in 1 2; do rm -rf $W/cbuild; cmake -S $W/src -B $W/cbuild -DCMAKE_BUILD_TYPE=Release \
-        ${CPGOLD_PREFIX:+-DCMAKE_PREFIX_PATH=$PWD/$CPGOLD_PREFIX} > $L/cconfigure.log 2>&1 && break; sleep 20; done \
+        ${CPGOLD_PREFIX:+-DCMAKE_PREFIX_PATH=$W/src/$CPGOLD_PREFIX} > $L/cconfigure.log 2>&1 && break; sleep 20; done \
         && nice -n 5 cmake --build $W/cbuild -j$(( $(nproc) / 2 )) --target $CUDA_TARGETS > $L/cbuild.log 2>&1
       echo $? > $L/cbuild.rc ) &
   fi
@@ -116,11 +116,12 @@ prep)      # no parts needed: the CLI, cpgold's CUDA benchmark (CUDA_TARGETS), t
       echo $? > $L/fa3-build.rc ) &
   fi
   ( cmake -S $W/src -B $B -DCMAKE_BUILD_TYPE=Release -DCPGOLD_ENABLE_CUDA=OFF \
-      ${CPGOLD_PREFIX:+-DCMAKE_PREFIX_PATH=$PWD/$CPGOLD_PREFIX} > $L/configure.log 2>&1 \
+      ${CPGOLD_PREFIX:+-DCMAKE_PREFIX_PATH=$W/src/$CPGOLD_PREFIX} > $L/configure.log 2>&1 \
       && cmake --build $B -j$(nproc) --target cpgold > $L/build.log 2>&1; echo $? > $L/build.rc )
   [ "$(cat $L/build.rc)" = 0 ] || { tail -30 $L/configure.log $L/build.log; exit 1; }
   stamp "cpgold built"
   make_fixtures
+  touch $W/prep.done
   stamp "prep done (the CUDA build and FA3's build go on in the background)" ;;
 outsiders) # the outsiders from the parts (install.sh)
   bash $HERE/install.sh $W/parts $W/prefix 2>&1 | tail -8
@@ -179,28 +180,49 @@ te_bench)   # TE's CP speed (bench/gpu/bench_te_cp.py) per W and backend, then c
     echo "te_bench: no $W/cbuild/bin/bench_cp_nccl ($(cat $L/cbuild.rc 2>/dev/null || echo 'not built'))"
   fi
   cp $R/bench/* $OUT/bench/ 2>/dev/null; stamp te_bench ;;
-shrink)     # cpgold shrink with TE's CP on thread ranks (fused) as COMMAND, from failing fixtures (SHRINK_START)
+shrink)     # cpgold shrink with TE's CP on thread ranks as COMMAND, from failing fixtures (SHRINK_START items
+            # NAME=FOLDER/FIXTURE[@ENV[@DIMS]]: ENV none = FusedAttention (default), fa3 / fa4 = TE's flash backend
+            # with that FlashAttention; DIMS the head dims shrink may try), all side by side, item i on GPU i mod the
+            # GPU count (SHRINK_GPU: all on one)
   mkdir -p $R/shrink
-  for item in ${SHRINK_START:-A_all_gather=edge/window_two_sided_w2 D256_gqa=edge/d256_p2p_w2_gqa \
-      B_a2ap2p=random/random_s26_00016_a2ap2p_w4_bf16 C_p2p_gqa=random/random_s26_00069_p2p_w4_bf16}; do
-    [ -f $W/stop_multi ] && break
-    name=${item%%=*}; fx=$FX/${item#*=}.h5
-    ( source $W/prefix/env.sh none
+  gpus=$(nvidia-smi --query-gpu=name --format=csv,noheader | wc -l); i=0
+  for item in ${SHRINK_START:-A_all_gather=edge/window_two_sided_w2 B_a2ap2p=random/random_s26_00016_a2ap2p_w4_bf16 \
+      C_p2p_gqa=random/random_s26_00069_p2p_w4_bf16 D256_gqa=edge/d256_p2p_w2_gqa@none@64,128,256 \
+      FA3_fa4_causal=fills/p2p_w2_causal_bf16_zero@fa4}; do
+    name=${item%%=*}; IFS=@ read -r fixture env dims <<< "${item#*=}"
+    env=${env:-none}; backend=fused; [ $env = none ] || backend=flash
+    ( [ -f $W/stop_multi ] && exit 0
+      source $W/prefix/env.sh $env
+      export CUDA_VISIBLE_DEVICES=${SHRINK_GPU:-$(( i % gpus ))}
       t0=$(date +%s)
-      timeout ${SHRINK_TIMEOUT:-420} $B/bin/cpgold shrink $fx --tensors o,dq,dk,dv --run-timeout 120 \
-        --dims ${SHRINK_DIMS:-32,64,96,128,192,256} \
-        --max-runs ${SHRINK_RUNS:-40} --budget ${SHRINK_BUDGET:-360} --format json --work-dir $R/shrink/$name.work \
-        --run "python3 -m cpgold.outsiders te_cp {fixture} --write-candidate {candidate} --backend fused --set timeout=30" \
+      timeout ${SHRINK_TIMEOUT:-420} $B/bin/cpgold shrink $FX/$fixture.h5 --tensors o,dq,dk,dv --run-timeout 120 \
+        --dims ${dims:-32,64,128} --max-runs ${SHRINK_RUNS:-40} --budget ${SHRINK_BUDGET:-360} --format json \
+        --work-dir $R/shrink/$name.work \
+        --run "python3 -m cpgold.outsiders te_cp {fixture} --write-candidate {candidate} --backend $backend --set timeout=30" \
         > $R/shrink/$name.json 2> $R/shrink/$name.log
-      echo "shrink_$name rc=$? $(( $(date +%s) - t0 )) s" >> $R/done.txt )
-    grep "shrink_$name" $R/done.txt; tail -2 $R/shrink/$name.log | cut -c1-300
-  done; stamp shrink ;;
+      echo "shrink_$name rc=$? $(( $(date +%s) - t0 )) s" >> $R/done.txt ) &
+    i=$((i + 1))
+  done; wait
+  for f in $R/shrink/*.log; do echo "-- $f"; tail -2 $f | cut -c1-300; done
+  stamp shrink ;;
+gpu-tests)  # cpgold's own GPU tests on this tree, on the CUDA build prep made (CUDA_TARGETS="cpgold test_gpu test_nccl
+            # bench_gpu_attention bench_cp_local"): test_gpu and verify (bench/gpu/device_run.sh cp), then the NCCL
+            # suite and verify --backend nccl at W = 2 and 4 (bench/gpu/nccl_device_run.sh check verify)
+  while [ ! -f $L/cbuild.rc ]; do sleep 5; done
+  [ "$(cat $L/cbuild.rc)" = 0 ] || { tail -20 $L/cbuild.log; echo "gpu_tests: the CUDA build failed" >> $R/done.txt; exit 1; }
+  mkdir -p $R/gpu $R/nccl
+  ( cd $W/src
+    B=$W/cbuild OUT=$R/gpu CPGOLD_PREFIX=$W/src/${CPGOLD_PREFIX:-.devdeps} bash bench/gpu/device_run.sh cp \
+      > $R/gpu/summary.txt 2>&1; echo "gpu_tests rc=$?" >> $R/done.txt
+    B=$W/cbuild OUT=$R/nccl CPGOLD_PREFIX=$W/src/${CPGOLD_PREFIX:-.devdeps} bash bench/gpu/nccl_device_run.sh check verify \
+      > $R/nccl/summary.txt 2>&1; echo "nccl_tests rc=$?" >> $R/done.txt )
+  cat $R/gpu/summary.txt $R/nccl/summary.txt | cut -c1-240; stamp gpu-tests ;;
 multi)      # this machine's whole run, GPUs shared: the harness under NCCL (torch reference, TE fused, FA3, FA4),
             # W = 2 on two pairs of GPUs and W = 4 on all four; TE CP on thread ranks for the one-GPU agreement; shrink;
             # until MULTI_DEADLINE seconds, then te_bench alone on the machine
   t0=$(date +%s)
   export FOLDERS=${FOLDERS:-quick edge te te_shapes random fills}
-  while [ ! -f $W/prefix/env.sh ]; do sleep 5; done
+  while [ ! -f $W/prefix/env.sh ] || [ ! -f $W/prep.done ]; do sleep 5; done
   job() { local name=$1; shift; ( "$@" > $L/job_$name.log 2>&1; echo "job $name rc=$?" >> $R/done.txt ) & }
   seq2() {  # TAG|COMMAND items one after another; stops at the deadline; MULTI_SKIP: tags left out
     for x in "$@"; do [ -f $W/stop_multi ] || [[ " ${MULTI_SKIP:-} " == *" ${x%%|*} "* ]] || eval "${x#*|}" || true; done; }
@@ -209,16 +231,25 @@ multi)      # this machine's whole run, GPUs shared: the harness under NCCL (tor
     "ref_w2|RANKS_GPUS=0,1 RANKS_TAG=torch_allgather_w2 RANKS_ENV=none RANKS_WORLD=2 bash $0 ranks torch_allgather" \
     "ranks_fused_w4|RANKS_GPUS=0,1,2,3 RANKS_TAG=te_ranks_fused_w4 RANKS_ENV=none RANKS_WORLD=4 bash $0 ranks te_cp --backend fused" \
     "ref_w4|RANKS_GPUS=0,1,2,3 RANKS_TAG=torch_allgather_w4 RANKS_ENV=none RANKS_WORLD=4 bash $0 ranks torch_allgather"
-  job pair23 seq2 "ranks_fa3_w2|RANKS_GPUS=2,3 RANKS_TAG=te_ranks_fa3_w2 RANKS_ENV=fa3 RANKS_WORLD=2 bash $0 ranks te_cp --backend flash" \
+  job pair23 seq2 "ranks_fused_w2_det|RANKS_GPUS=2,3 RANKS_TAG=te_ranks_fused_w2_det RANKS_ENV=none RANKS_WORLD=2 bash $0 ranks te_cp --backend fused --deterministic" \
+    "ranks_fa3_w2|RANKS_GPUS=2,3 RANKS_TAG=te_ranks_fa3_w2 RANKS_ENV=fa3 RANKS_WORLD=2 bash $0 ranks te_cp --backend flash" \
     "ranks_fa3_w4|RANKS_GPUS=0,1,2,3 RANKS_TAG=te_ranks_fa3_w4 RANKS_ENV=fa3 RANKS_WORLD=4 bash $0 ranks te_cp --backend flash"
   job fa4 seq2 "ranks_fa4_w2|RANKS_GPUS=1,0 RANKS_TAG=te_ranks_fa4_w2 RANKS_ENV=fa4 RANKS_WORLD=2 bash $0 ranks te_cp --backend flash" \
     "ranks_fa4_w4|RANKS_GPUS=3,2,1,0 RANKS_TAG=te_ranks_fa4_w4 RANKS_ENV=fa4 RANKS_WORLD=4 bash $0 ranks te_cp --backend flash"
   job thread seq2 "threads_fused|CUDA_VISIBLE_DEVICES=3 bash -c 'source $0 __lib; run te_cp_fused_threads none te_cp --backend fused --set timeout=30'" \
     "threads_fa3|CUDA_VISIBLE_DEVICES=2 bash -c 'source $0 __lib; run te_cp_fa3_threads fa3 te_cp --backend flash --set timeout=30'"
-  job shrink seq2 "shrink|CUDA_VISIBLE_DEVICES=1 bash $0 shrink"
+  job shrink seq2 "shrink|bash $0 shrink"
+  # TE non-CP with FA4 (three parts side by side), deterministic backward with FA3 and FA4, FusedAttention on edge
+  job te_fa4a seq2 "te_fa4_a|CUDA_VISIBLE_DEVICES=2 FOLDERS='quick edge te golden' RUN_SUFFIX=_a TE_BACKENDS=fa4 DETERMINISTIC=0 bash $0 te"
+  job te_fa4b seq2 "te_fa4_b|CUDA_VISIBLE_DEVICES=3 FOLDERS=random RUN_SUFFIX=_b TE_BACKENDS=fa4 DETERMINISTIC=0 bash $0 te"
+  job te_fa4c seq2 "te_fa4_c|CUDA_VISIBLE_DEVICES=1 FOLDERS='te_shapes fills' RUN_SUFFIX=_c TE_BACKENDS=fa4 DETERMINISTIC=0 bash $0 te"
+  job te_det seq2 "te_det|CUDA_VISIBLE_DEVICES=0 FOLDERS='quick edge te golden' TE_BACKENDS='fa3 fa4' NONDETERMINISTIC=0 bash $0 te" \
+    "te_fused_edge|CUDA_VISIBLE_DEVICES=0 FOLDERS=edge RUN_SUFFIX=_edge TE_BACKENDS=fused bash $0 te"
   job fa3src seq2 "fa4repro|CUDA_VISIBLE_DEVICES=0 bash $0 fa4-repro" "fa3src|CUDA_VISIBLE_DEVICES=0 bash $0 fa3-check"
   job det seq2 "det_fa3|CUDA_VISIBLE_DEVICES=2 bash -c 'source $0 __lib; run fa3_direct_det fa3 fa3 --deterministic --isolate'" \
-    "det_fa4|CUDA_VISIBLE_DEVICES=3 bash -c 'source $0 __lib; run fa4_direct_det fa4 fa4 --deterministic --isolate'"
+    "det_fa4|CUDA_VISIBLE_DEVICES=3 FOLDERS='quick edge te golden' bash -c 'source $0 __lib; run fa4_direct_det fa4 fa4 --deterministic --isolate'" \
+    "det_fa4_random|CUDA_VISIBLE_DEVICES=3 FOLDERS='random fills' RUN_SUFFIX=_b bash -c 'source $0 __lib; run fa4_direct_det fa4 fa4 --deterministic --isolate'" \
+    "fa_crash|CUDA_VISIBLE_DEVICES=2 bash $0 fa-crash"
   deadline=$(( t0 + ${MULTI_DEADLINE:-540} ))
   while [ $(date +%s) -lt $deadline ] && [ -n "$(jobs -rp)" ]; do sleep 5; done
   if [ -n "$(jobs -rp)" ]; then
@@ -229,7 +260,7 @@ multi)      # this machine's whole run, GPUs shared: the harness under NCCL (tor
   fi
   stamp "multi: correctness part done"
   while [ -f $W/src/CMakeLists.txt ] && [ -n "${CUDA_TARGETS:-}" ] && [ ! -f $L/cbuild.rc ]; do sleep 5; done
-  bash $0 te_bench; stamp multi ;;
+  [[ " ${MULTI_SKIP:-} " == *" te_bench "* ]] || bash $0 te_bench; stamp multi ;;
 fa3-check) # the FA3 wheel prep built from sources: installed apart and run directly over FA3_CHECK_FOLDERS
   while [ ! -f $L/fa3-build.rc ]; do sleep 10; done
   tail -3 $L/fa3-build.log
@@ -243,6 +274,9 @@ fa3-check) # the FA3 wheel prep built from sources: installed apart and run dire
 fa4-repro) # FA-3 with torch and flash-attn-4 alone (fa4_window_repro.py)
   ( source $W/prefix/env.sh fa4; python3 $HERE/fa4_window_repro.py 2>&1 | grep -v -i warn | tee $R/fa4_window_repro.log
     echo "fa4_repro rc=${PIPESTATUS[0]}" >> $R/done.txt ) ;;
+fa-crash)  # the deterministic backward's process death at d 256 with GQA, FA3 and FA4 alone (fa_crash_repro.py)
+  ( source $W/prefix/env.sh all; for fa in fa3 fa4; do python3 $HERE/fa_crash_repro.py --impl $fa 2>&1 \
+      | grep -v -i warn | tee -a $R/fa_crash_repro.log; done; echo "fa_crash rc=${PIPESTATUS[0]}" >> $R/done.txt ) ;;
 __lib) ;;   # sourced for its functions
 bench)
   ( source $W/prefix/env.sh all
