@@ -300,6 +300,6 @@ poll)
   for f in $(ls -t $R/*.log $L/job_*.log 2>/dev/null | head -3); do echo "-- $f: $(grep -c . $f) lines"; tail -2 $f | cut -c1-240; done
   for d in $R/ranks/*/; do [ -f $d/run.log ] && echo "-- $(basename $d): $(grep -c '^\[' $d/run.log) fixtures; $(tail -1 $d/run.log | cut -c1-200)"; done 2>/dev/null
   (cd $R && tar -czf $OUT/results.tar.gz --exclude='*.h5' --exclude='*.work' --exclude='.ranks' *.json *.md *.log \
-     done.txt ranks bench shrink 2>/dev/null); ls -la $OUT/results.tar.gz ;;
+     done.txt ranks bench shrink gpu nccl 2>/dev/null); ls -la $OUT/results.tar.gz ;;
 *) echo "device_run: unknown phase $PHASE"; exit 2 ;;
 esac
