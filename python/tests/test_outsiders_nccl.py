@@ -136,6 +136,27 @@ def test_a2a_p2p_groups_at_four_ranks(core, fixture_dir, tmp_path):
     assert [e[n]["status"] for n in ("p2p_w2_causal_nan", "a2a_w2_window", "all_gather_w2_cross")] == ["skipped"] * 3
 
 
+def test_ranks_without_valid_rows_at_four_ranks(core, tmp_path):
+    """A rank whose rows are all padding (2 tokens in 8 rows at W = 4; a batch of no token) computes nothing, yet
+    joins the dK/dV reduction and writes zeros: the reference passes, every rank and gathered."""
+    folder = tmp_path / "sparse"
+    folder.mkdir()
+    cases = {"p2p_w4_two_tokens": dict(seqlens_q=[2], padded_q=[8], heads_q=1, dim_qk=16, mask="causal",
+                                       window=[3, 0], cp_size=4, comm="p2p", seed=7, pad_fill="random"),
+             "all_gather_w4_no_token": dict(seqlens_q=[0], padded_q=[8], heads_q=2, dim_qk=16, mask="none",
+                                            window=[1, 0], cp_size=4, comm="all_gather", seed=8, pad_fill="nan")}
+    for name, case in cases.items():
+        cpgold.generate(case, path=str(folder / f"{name}.h5"))
+    out = tmp_path / "w4"
+    rc, text, _ = launch(4, ["torch_allgather", folder, "--out", out, "--timeout", 30, "--grace", 2])
+    assert rc == 0, text
+    e = entries(out)
+    two = e["p2p_w4_two_tokens"]
+    assert two["status"] == "pass" and two["ranks_pass"] and two["gathered_pass"], two
+    assert e["all_gather_w4_no_token"]["status"] in ("pass", "empty"), e["all_gather_w4_no_token"]
+    assert "error" not in {x["status"] for x in e.values()}, e
+
+
 def test_planted_causal_edge_fails_per_rank(core, fixture_dir, tmp_path):
     out = tmp_path / "bug"
     rc, text, _ = launch(2, ["torch_allgather", fixture_dir, "--out", out, "--set", "mistake=causal_edge_plus1",

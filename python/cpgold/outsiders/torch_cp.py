@@ -150,7 +150,10 @@ class TorchAllGather(RankAdapter):
             with torch.no_grad():
                 lse[:, li] = torch.logsumexp(s, dim=2)
         dout = torch.where(torch.as_tensor(qvalid, device=dev)[:, None, None], x["dout"], torch.zeros_like(x["dout"]))
-        dq, dkg, dvg = torch.autograd.grad(o, (q, kg, vg), dout, allow_unused=True)
+        if o.requires_grad:
+            dq, dkg, dvg = torch.autograd.grad(o, (q, kg, vg), dout, allow_unused=True)
+        else:   # no valid query row on this rank (all its rows are padding): O depends on no input, every grad is 0
+            dq = dkg = dvg = None
         dq = torch.zeros_like(q) if dq is None else dq
         dkg = torch.zeros_like(kg) if dkg is None else dkg.contiguous()
         dvg = torch.zeros_like(vg) if dvg is None else dvg.contiguous()

@@ -12,6 +12,9 @@ docs/flash-outsiders.md):
   pad rows       the FlashAttention path leaves pad rows unwritten; valid rows pass (a convention, not a defect)
   FA-1           NaN or inf in pad rows reaches valid rows through FlashAttention-3/4
   d256 grads     TE FusedAttention CP, head dim 256 with GQA: gradients wrong in head dims 128-255
+  finding 2      p2p / a2a+p2p whose diagnosis is `merge` (a step with queries and none of their keys)
+  finding 3      GQA, O and dQ pass, dK or dV fail (keys of a sequence or step without queries)
+  harness: ...   the torch reference raised on a rank holding no valid row (fixed in torch_cp.py since run N2)
   FA4 CP         TE CP with FlashAttention-4, finite pads: valid rows wrong
   refusal ...    every rank raised an AssertionError of the library (a refusal in substance)
   unattributed   none of the above
@@ -51,6 +54,8 @@ def klass(tag, e):
             return "finding 4 (device-side assert)"
         if "AssertionError" in e.get("reason", ""):
             return "refusal raised as an error"
+        if tag.startswith("torch") and "does not require grad" in e.get("reason", ""):
+            return "harness: a rank with no valid row (fixed since)"
         return "unattributed error"
     if status != "fail":
         return None
@@ -65,6 +70,12 @@ def klass(tag, e):
         return "d256 grads"
     if "fa4" in tag:
         return "FA4 CP"
+    worst = e.get("worst") or {}
+    if comm in ("p2p", "a2a+p2p") and "merge" in (e.get("diagnosis") or []):
+        return "finding 2"
+    if (case.get("heads_q", 1) > case.get("heads_kv", case.get("heads_q", 1)) and worst.get("o", 0) <= 1
+            and worst.get("dq", 0) <= 1 and max(worst.get("dk", 0), worst.get("dv", 0)) > 1):
+        return "finding 3"
     return "unattributed"
 
 
