@@ -68,6 +68,53 @@ def test_te_arguments_and_groups():
         te.cp_group_ranks("a2a+p2p", 4, 0, a2a_size=3)
 
 
+def raised_in(filename, exception):
+    """`exception` raised by code whose file is `filename` (the innermost frame of its traceback)."""
+    try:
+        exec(compile("raise exception", filename, "exec"), {"exception": exception})
+    except BaseException as e:  # noqa: B036 - the point is to catch it
+        return e
+    raise AssertionError("nothing raised")
+
+
+def test_a_refusal_is_the_library_s_own_check_and_anything_else_an_error():
+    lib = "/usr/lib/python3/site-packages"
+    te_assert = raised_in(f"{lib}/transformer_engine/pytorch/attention/dot_product_attention/utils.py",
+                          AssertionError("Context parallelism does not support sliding window"))
+    fa_assert = raised_in(f"{lib}/flash_attn/cute/interface.py", AssertionError("GQA backward requires head_dim"))
+    dsl_assert = raised_in(f"{lib}/nvidia_cutlass_dsl/dsl_packages/cutlass/base_dsl/ast_preprocessor.py",
+                           AssertionError("Please start a session before accessing session data"))
+    torch_value = raised_in(f"{lib}/torch/nn/functional.py", ValueError("shape mismatch"))
+    assert te.refusal_source(te_assert) == "TE" and te.refusal_source(fa_assert) == "FlashAttention"
+    assert te.refusal_source(dsl_assert) is None and te.refusal_source(torch_value) is None
+    refusal = te.as_refusal(te_assert, "DotProductAttention(...): ")
+    assert isinstance(refusal, Refused)
+    assert str(refusal).startswith("DotProductAttention(...): TE refuses: AssertionError: Context parallelism")
+    assert "FlashAttention refuses: AssertionError: GQA backward" in str(te.as_refusal(fa_assert))
+    assert te.as_refusal(dsl_assert) is None and te.as_refusal(torch_value) is None
+
+
+def test_run_dpa_keeps_errors_outside_the_libraries_as_errors(torch_cpu):
+    """A DotProductAttention call that fails in the CuTe DSL's compiler (or torch) raises that error, not Refused;
+    one that fails TE's own check raises Refused naming TE."""
+    torch = torch_cpu
+
+    def dpa_raising(exception, filename):
+        def call(*args, **kwargs):
+            raise raised_in(filename, exception)
+        return call
+
+    fx = types.SimpleNamespace(heads_q=1, dim_v=2)
+    x = torch.zeros(2, 1, 2)
+    m = types.SimpleNamespace()
+    with pytest.raises(AssertionError, match="start a session"):
+        te.run_dpa(m, dpa_raising(AssertionError("Please start a session"), "/x/cutlass/base_dsl/dsl.py"), fx, x, x, x,
+                   x, {})
+    with pytest.raises(Refused, match="TE refuses: ValueError: No dot product attention backend"):
+        te.run_dpa(m, dpa_raising(ValueError("No dot product attention backend"),
+                                  "/x/transformer_engine/pytorch/dpa.py"), fx, x, x, x, x, {})
+
+
 def test_te_environment_selects_the_backend_and_modes():
     fused = te.te_environment("fused")
     assert fused["NVTE_FUSED_ATTN"] == "1" and fused["NVTE_FLASH_ATTN"] == "0" and fused["NCCL_NVLS_ENABLE"] == "0"

@@ -405,11 +405,39 @@ def torch_dtype(torch, fx):
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[fx.dtype]
 
 
+REFUSING = (("transformer_engine", "TE"), ("flash_attn", "FlashAttention"))   # a path part, and whose refusal
+
+
+def refusal_source(e):
+    """Whose code raised `e`: "TE" or "FlashAttention" when the innermost frame of its traceback is in that package
+    (an assert or argument check of the library: a refusal of the configuration), None when it is anywhere else (the
+    CuTe DSL compiler, torch, Python): such an exception is an error, not a refusal."""
+    tb, filename = e.__traceback__, ""
+    while tb is not None:
+        filename, tb = tb.tb_frame.f_code.co_filename, tb.tb_next
+    parts = filename.replace("\\", "/").split("/")
+    for package, who in REFUSING:
+        if package in parts:
+            return who
+    return None
+
+
+def as_refusal(e, prefix=""):
+    """Refused naming the library when `e` is a refusal (refusal_source), else None: `e` stays an error."""
+    who = refusal_source(e)
+    if who is None:
+        return None
+    return Refused(f"{prefix}{who} refuses: {type(e).__name__}: {str(e).strip()[:600]}")
+
+
 def make_dpa(m, fx):
     try:
         return m.te.DotProductAttention(**te_arguments(fx))
     except (AssertionError, ValueError, NotImplementedError) as e:
-        raise Refused(f"DotProductAttention({te_arguments(fx)}): {type(e).__name__}: {e}") from e
+        refusal = as_refusal(e, f"DotProductAttention({te_arguments(fx)}): ")
+        if refusal is None:
+            raise
+        raise refusal from e
 
 
 def run_dpa(m, dpa, fx, q, k, v, dout, cu):
@@ -420,7 +448,10 @@ def run_dpa(m, dpa, fx, q, k, v, dout, cu):
     try:
         o = dpa(q, k, v, **cu)
     except (AssertionError, ValueError, NotImplementedError) as e:
-        raise Refused(f"{type(e).__name__}: {str(e).strip()[:600]}") from e
+        refusal = as_refusal(e)
+        if refusal is None:
+            raise
+        raise refusal from e
     o3 = o.view(o.shape[0], fx.heads_q, fx.dim_v)
     o.backward(dout.reshape(o.shape))
     return {"o": o3.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}, TE_LOG.take(), backend_chosen(m)
@@ -546,8 +577,10 @@ class TeContextParallel(_TeAdapter):
                                              f"{np.nanmax(d) if np.isfinite(d).any() else float('nan'):.3g}")
         except ThreadRankError as e:
             cause = e.__cause__
-            if isinstance(cause, (Refused, AssertionError)):
-                raise Refused(f"TE refuses: {cause}\n" + "\n".join(debug_summary(TE_LOG.take()))) from None
+            if isinstance(cause, AssertionError):
+                cause = as_refusal(cause) or cause
+            if isinstance(cause, Refused):
+                raise Refused(f"{cause}\n" + "\n".join(debug_summary(TE_LOG.take()))) from None
             raise
         outs = [r[0] for r in results]
         notes = {"arguments": te_arguments(fx), "lse_from": "none: TE's CP API returns no LSE"}
