@@ -86,18 +86,25 @@ def rank_index(rank, field="rank"):
     return value
 
 
-def _empty_row_lse(value):
-    value = "neg-inf" if value is None else value
-    if value not in EMPTY_ROW_LSE:
-        raise InputError(f"empty_row_lse: expected one of {EMPTY_ROW_LSE}, got {value!r}", "empty_row_lse")
+def _convention(value, field, allowed):
+    """A convention option: parsed by the engine's parser when the extension is here (the one place `check`'s options
+    are validated); without it, the same rule and message here, since the binary would name its flag instead."""
+    value = allowed[0] if value is None else value
+    if not isinstance(value, str):
+        raise InputError(f"{field}: expected {' or '.join(allowed)}, got {value!r}", field)
+    if _core_available():
+        core().check_options_text(None, None, **{field: value})
+    elif value not in allowed:
+        raise InputError(f'{field}: expected {" or ".join(allowed)}, got "{value}"', field)
     return value
+
+
+def _empty_row_lse(value):
+    return _convention(value, "empty_row_lse", EMPTY_ROW_LSE)
 
 
 def _pad_rows(value):
-    value = "zero" if value is None else value
-    if value not in PAD_ROWS:
-        raise InputError(f"pad_rows: expected one of {PAD_ROWS}, got {value!r}", "pad_rows")
-    return value
+    return _convention(value, "pad_rows", PAD_ROWS)
 
 
 def _ranks(ranks):

@@ -75,7 +75,7 @@ def test_unusable_input_raises(tmp_path, cpgold_bin):
     (tmp_path / "junk.h5").write_bytes(b"not hdf5")
     with pytest.raises(cpgold.CheckInputError, match="exit 2"):
         cpgold.check(golden_path("p2p_w2_causal_gqa_bf16"), tmp_path / "junk.h5", cpgold=cpgold_bin)
-    with pytest.raises(ValueError, match="empty_row_lse: expected one of"):
+    with pytest.raises(ValueError, match="empty_row_lse: expected neg-inf or pos-inf, got \"inf\""):
         cpgold.check(golden_path("p2p_w2_causal_gqa_bf16"), tmp_path / "junk.h5", empty_row_lse="inf",
                      cpgold=cpgold_bin)
     with pytest.raises(FileNotFoundError, match="cpgold binary not found"):
@@ -114,7 +114,7 @@ def test_unwritten_pad_rows_are_left_out_only_knowingly(tmp_path, cpgold_bin):
         if in_process is not None:
             assert in_process["pass"] and in_process["pad_rows"] == "unwritten"
             assert not cpgold.check_outputs(fx, garbage)["pass"]
-            with pytest.raises(ValueError, match="pad_rows: expected one of"):
+            with pytest.raises(ValueError, match="pad_rows: expected zero or unwritten, got \"skip\""):
                 cpgold.check_outputs(fx, garbage, pad_rows="skip")
     default = cpgold.check(golden_path(name), tmp_path / "fa3.h5", cpgold=cpgold_bin)
     assert default["exit_code"] == 1 and failed_tensors(default) == {("o", -1)}
