@@ -61,7 +61,7 @@ int run_inspect(const std::string& path, bool verify) {
   std::printf("\n%-34s %-8s %-18s\n", "dataset", "type", "shape");
   for (const fx::ExpectedDataset& d : fx::expected_datasets(fixture.spec, fixture.plan, fixture.traced)) {
     if (d.path.find("/steps/") != std::string::npos && d.path.find("cu_seqlens") != std::string::npos) continue;
-    std::printf("%-34s %-8s %-18s\n", d.path.c_str(), fx::h5::element_name(d.element).c_str(),
+    std::printf("%-34s %-8s %-18s\n", d.path.c_str(), std::string(fx::h5::element_name(d.element)).c_str(),
                 fx::h5::dims_text(d.dims).c_str());
   }
   std::printf("\nbudgets (max | mean): CP peer decides for per-rank and gathered candidates, the larger for global-only\n");

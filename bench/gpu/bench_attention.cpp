@@ -92,11 +92,10 @@ int main(int argc, char** argv) {
   for (int i = 1; i + 1 < argc; ++i) {
     if (std::string(argv[i]) == "--backward") {
       const std::string b = argv[i + 1];
-      gpu::BackwardKernel k{};
       if (b == "both") {
         backwards = {gpu::BackwardKernel::mma_sync, gpu::BackwardKernel::wgmma};
-      } else if (gpu::parse_backward_kernel(b, k)) {
-        backwards = {k};
+      } else if (const auto k = gpu::parse_backward_kernel(b)) {
+        backwards = {*k};
       } else {
         std::fprintf(stderr, "--backward: expected auto, mma, wgmma or both, got \"%s\"\n", b.c_str());
         return 2;
@@ -104,11 +103,10 @@ int main(int argc, char** argv) {
     }
     if (std::string(argv[i]) == "--forward") {
       const std::string f = argv[i + 1];
-      gpu::ForwardKernel k{};
       if (f == "both") {
         forwards = {gpu::ForwardKernel::mma_sync, gpu::ForwardKernel::wgmma};
-      } else if (gpu::parse_forward_kernel(f, k)) {
-        forwards = {k};
+      } else if (const auto k = gpu::parse_forward_kernel(f)) {
+        forwards = {*k};
       } else {
         std::fprintf(stderr, "--forward: expected auto, mma, wgmma or both, got \"%s\"\n", f.c_str());
         return 2;

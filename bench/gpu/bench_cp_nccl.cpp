@@ -302,7 +302,7 @@ int main(int argc, char** argv) {
   check(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
   std::printf("device: %d x %s; NCCL %s, NCCL_NVLS_ENABLE=0, CTA policy %s; causal varlen (lengths cycling %d..%d), "
               "bf16, h=%d, d=%d, atomic backward; median of %d after %d warm-ups\n",
-              gpus, prop.name, gpu::nccl_version().c_str(), gpu::nccl_cta_policy_name(args.cta_policy),
+              gpus, prop.name, gpu::nccl_version().c_str(), std::string(gpu::nccl_cta_policy_name(args.cta_policy)).c_str(),
               512 * args.seq_scale, 4096 * args.seq_scale, args.heads, args.dim, args.reps, args.warmups);
   std::printf("physical limits: bf16 dense peak %.0f TFLOP/s per GPU (specification)\n", kBf16DensePeakTflops);
 

@@ -109,10 +109,6 @@ void add_row_params(HelperCallResult& r, const FloatData& t) {
   r.params.push_back({"dim", t.dims[2]});
 }
 
-const char* grad_op_name(sim::GradOp op) {
-  return op == sim::GradOp::none ? "none" : op == sim::GradOp::copy ? "copy" : "add";
-}
-
 void check_partitioned_indices(const HelperCall& c, HelperCallResult& r) {
   r.params = {{"cp_size", c.cp_size}, {"rank", c.rank}, {"total_rows", c.total_rows}, {"B", c.batch()}};
   const std::vector<int64_t> expected = partition_of(c.cu_seqlens_padded, c.cp_size).gather_indices(c.rank);
@@ -227,8 +223,8 @@ void check_out_correction(const HelperCall& c, HelperCallResult& r) {
 
 void check_grad_correction(const HelperCall& c, HelperCallResult& r) {
   const FloatData& grad = c.tensor("grad");
-  r.params = {{"cp_size", c.cp_size}, {"first", std::string(grad_op_name(c.first))},
-              {"second", std::string(grad_op_name(c.second))}, {"dtype", std::string(dtype_name(c.dtype))},
+  r.params = {{"cp_size", c.cp_size}, {"first", std::string(sim::grad_op_name(c.first))},
+              {"second", std::string(sim::grad_op_name(c.second))}, {"dtype", std::string(dtype_name(c.dtype))},
               {"B", c.batch()}};
   add_row_params(r, grad);
   const sim::StepRows rows(c.cu_seqlens_padded, sim::grad_step_rows(c.first, c.second));

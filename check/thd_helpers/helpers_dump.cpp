@@ -486,7 +486,7 @@ class CallReader {
     const bool one_half = (call_.first == sim::GradOp::none) != (call_.second == sim::GradOp::none);
     const bool both = call_.first != sim::GradOp::none && call_.second != sim::GradOp::none && call_.first != call_.second;
     if (!one_half && !both)
-      fail_call("attributes 'first' and 'second': (\"", grad_name(call_.first), "\", \"", grad_name(call_.second),
+      fail_call("attributes 'first' and 'second': (\"", sim::grad_op_name(call_.first), "\", \"", sim::grad_op_name(call_.second),
                 "\") is not a mode of thd_grad_correction (expected one of (add|copy, none), (none, add|copy), "
                 "(add, copy), (copy, add))");
     call_.dtype = dtype();
@@ -500,10 +500,6 @@ class CallReader {
     expect_dims("output", grad.dims, "the shape of grad");
     check_dtype_values("grad");
     check_dtype_values("grad_step");
-  }
-
-  static const char* grad_name(sim::GradOp op) {
-    return op == sim::GradOp::none ? "none" : op == sim::GradOp::copy ? "copy" : "add";
   }
 
   void read_copy_valid_tokens() {

@@ -61,7 +61,7 @@ std::string nccl_version() {
   return std::to_string(code / 10000) + "." + std::to_string(code / 100 % 100) + "." + std::to_string(code % 100);
 }
 
-const char* nccl_cta_policy_name(NcclCtaPolicy policy) {
+std::string_view nccl_cta_policy_name(NcclCtaPolicy policy) {
   switch (policy) {
     case NcclCtaPolicy::efficiency: return "efficiency";
     case NcclCtaPolicy::zero: return "zero";
@@ -78,10 +78,10 @@ bool nccl_has_cta_policies() {
 #endif
 }
 
-NcclCtaPolicy parse_nccl_cta_policy(const std::string& name) {
+NcclCtaPolicy parse_nccl_cta_policy(std::string_view name) {
   for (NcclCtaPolicy p : {NcclCtaPolicy::nccl_default, NcclCtaPolicy::efficiency, NcclCtaPolicy::zero})
     if (name == nccl_cta_policy_name(p)) return p;
-  throw std::invalid_argument("CTA policy: expected default, efficiency or zero, got \"" + name + "\"");
+  throw std::invalid_argument("CTA policy: expected default, efficiency or zero, got \"" + std::string(name) + "\"");
 }
 
 NcclCommunicator::NcclCommunicator(std::shared_ptr<Shared> shared, ncclComm_t comm, int rank, int size, std::string name)
@@ -136,7 +136,7 @@ std::unique_ptr<NcclCommunicator> NcclCommunicator::create(RankChannel& channel,
   shared->cta_policy = cta_policy;
   if (cta_policy != NcclCtaPolicy::nccl_default && !nccl_has_cta_policies())
     throw CommError(channel.rank(), channel.size(), CommOp::barrier, CommFault::invalid_argument,
-                    std::string("CTA policy ") + nccl_cta_policy_name(cta_policy) + " needs NCCL 2.27 or later, this is " +
+                    "CTA policy " + std::string(nccl_cta_policy_name(cta_policy)) + " needs NCCL 2.27 or later, this is " +
                         nccl_version());
   auto cuda_fail = [&](const char* call, cudaError_t e) {
     throw CommError(channel.rank(), channel.size(), CommOp::barrier, CommFault::device_error,

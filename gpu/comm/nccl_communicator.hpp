@@ -12,6 +12,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <string_view>
 
 #include "gpu/comm/communicator.hpp"
 #include "gpu/comm/rank_channel.hpp"
@@ -24,9 +25,9 @@ namespace cpgold::gpu {
 // beside the application's. `efficiency` takes fewer (NCCL's choice for communication overlapped with compute),
 // `zero` none where NCCL can move the data otherwise. Applies to the communicator and its splits.
 enum class NcclCtaPolicy { nccl_default, efficiency, zero };
-const char* nccl_cta_policy_name(NcclCtaPolicy policy);  // "default", "efficiency", "zero"
+std::string_view nccl_cta_policy_name(NcclCtaPolicy policy);  // "default", "efficiency", "zero"
 // "default", "efficiency" or "zero"; std::invalid_argument naming the value otherwise.
-NcclCtaPolicy parse_nccl_cta_policy(const std::string& name);
+NcclCtaPolicy parse_nccl_cta_policy(std::string_view name);
 bool nccl_has_cta_policies();  // built against NCCL 2.27 or later: a policy other than the default can be set
 
 class NcclCommunicator final : public Communicator {

@@ -14,12 +14,6 @@ namespace {
 
 using ojson = nlohmann::ordered_json;
 
-std::string half_name(HalfSelect h) {
-  return h == HalfSelect::full ? "full" : (h == HalfSelect::first ? "first_half" : "second_half");
-}
-std::string space_name(StepSpace s) {
-  return s == StepSpace::rank_local ? "rank_local" : (s == StepSpace::group_local ? "group_local" : "sequence_order");
-}
 std::string list(const std::vector<int32_t>& v) {
   std::ostringstream os;
   os << "[";
@@ -81,10 +75,10 @@ ojson tile_json(const Tile& t, const PassPlan& pass) {
           {"section", std::string(section_name(t.section))},
           {"kv_owner", t.kv_owner},
           {"computed", t.computed},
-          {"q_space", space_name(t.q_space)},
-          {"kv_space", space_name(t.kv_space)},
-          {"q_input", half_name(t.q_half)},
-          {"kv_input", half_name(t.kv_half)},
+          {"q_space", std::string(space_name(t.q_space))},
+          {"kv_space", std::string(space_name(t.kv_space))},
+          {"q_input", std::string(te_half_name(t.q_half))},
+          {"kv_input", std::string(te_half_name(t.kv_half))},
           {"q_chunks", std::move(q_chunks)},
           {"kv_chunks", std::move(kv_chunks)},
           {"heads_q", ojson::array({t.head_begin, t.head_end})},
@@ -229,7 +223,7 @@ std::string explain_text(const CaseSpec& spec, const Plan& plan, bool te) {
         const Tile& t = pass.tile(r, i);
         os << "  " << std::setw(4) << r << " " << std::setw(4) << i << " " << std::left << std::setw(9)
            << section_name(t.section) << " " << std::right << std::setw(5) << t.kv_owner << " " << std::left << std::setw(11)
-           << half_name(t.q_half) << " " << std::setw(11) << half_name(t.kv_half) << " " << std::setw(26)
+           << te_half_name(t.q_half) << " " << std::setw(11) << te_half_name(t.kv_half) << " " << std::setw(26)
            << (list(t.te.cu_seqlens_q) + " / " + list(t.te.cu_seqlens_q_padded)) << " " << std::setw(26)
            << (list(t.te.cu_seqlens_kv) + " / " + list(t.te.cu_seqlens_kv_padded)) << std::right << " " << std::setw(5)
            << t.te.max_seqlen_q << "(" << t.te.max_seqlen_q_exact << ")" << " " << std::setw(5) << t.te.max_seqlen_kv << "("

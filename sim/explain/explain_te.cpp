@@ -21,10 +21,6 @@ std::string list(const V& v) {
   return os.str();
 }
 std::string window_text(Window w) { return "(" + std::to_string(w.left) + "," + std::to_string(w.right) + ")"; }
-std::string pass_name(PassKind p) { return p == PassKind::forward ? "forward" : "backward"; }
-std::string half_name(HalfSelect h) {
-  return h == HalfSelect::full ? "full" : (h == HalfSelect::first ? "first_half" : "second_half");
-}
 std::string input_name(TeTensor t) {
   return t == TeTensor::first_half ? "first_half" : (t == TeTensor::second_half ? "second_half" : "full");
 }
@@ -68,8 +64,8 @@ Neutral neutral(const TeCall& c, TeBackend backend) {
 }
 Neutral neutral(const Tile& t, TeBackend backend) {
   Neutral n;
-  n.q_input = half_name(t.q_half);
-  n.kv_input = half_name(t.kv_half);
+  n.q_input = te_half_name(t.q_half);
+  n.kv_input = te_half_name(t.kv_half);
   n.cu_q = t.te.cu_seqlens_q;
   n.cu_kv = t.te.cu_seqlens_kv;
   n.pad_q = t.te.cu_seqlens_q_padded;
@@ -165,7 +161,7 @@ ojson call_json(const TeCall& c, TeBackend backend, int64_t wrong) {
 ojson finding_json(const TeFinding& f, const TeReplay& r) {
   const TeCall& c = r.calls(f.pass)[static_cast<size_t>(f.call)];
   ojson j;
-  j["pass"] = pass_name(f.pass);
+  j["pass"] = std::string(pass_name(f.pass));
   j["rank"] = c.rank;
   j["step"] = c.step;
   j["section"] = c.section;
@@ -207,7 +203,7 @@ ojson replay_json(const TeReplay& r, const TeAudit& a, bool with_calls) {
         const auto& wrong = a.call_wrong_pairs[p == PassKind::forward ? 0 : 1];
         list.push_back(call_json(cs[i], r.backend, i < wrong.size() ? wrong[i] : 0));
       }
-      calls[pass_name(p)] = std::move(list);
+      calls[std::string(pass_name(p))] = std::move(list);
     }
     j["calls"] = std::move(calls);
   }
@@ -334,7 +330,7 @@ nlohmann::ordered_json te_audit_json(const TeAuditReport& report) {
   j["other_pad_between_seqs"] = {{"pad_between_seqs", !report.pad_between_seqs}, {"replays", std::move(other)}};
   ojson diffs = ojson::array();
   for (const TePlanDifference& d : report.differences)
-    diffs.push_back({{"pass", pass_name(d.pass)}, {"rank", d.rank}, {"step", d.step}, {"field", d.field},
+    diffs.push_back({{"pass", std::string(pass_name(d.pass))}, {"rank", d.rank}, {"step", d.step}, {"field", d.field},
                      {"cpgold", d.cpgold}, {"te", d.te}});
   j["plan_differences"] = {{"backend", report.compared ? ojson(std::string(te_backend_name(report.compared_backend)))
                                                        : ojson(nullptr)},

@@ -19,7 +19,7 @@ CoverageReport check_coverage(const Plan& plan, PassKind kind) {
   auto note = [&](const std::string& what) {
     if (report.first_problem.empty()) report.first_problem = what;
   };
-  const char* pass_name = kind == PassKind::forward ? "forward" : "backward";
+  const std::string_view pass_text = pass_name(kind);
   for (const Tile& t : pass.tiles) {
     if (!t.computed) continue;
     for (size_t b = 0; b < t.call.sequences.size(); ++b) {
@@ -38,7 +38,7 @@ CoverageReport check_coverage(const Plan& plan, PassKind kind) {
               if (!allowed) {
                 report.extra += t.head_end - t.head_begin;
                 std::ostringstream os;
-                os << pass_name << " rank " << t.rank << " step " << t.step << " sequence " << b << ": pair (q " << qp
+                os << pass_text << " rank " << t.rank << " step " << t.step << " sequence " << b << ": pair (q " << qp
                    << ", k " << kp << ") is not allowed by the global mask";
                 note(os.str());
                 continue;
@@ -49,7 +49,7 @@ CoverageReport check_coverage(const Plan& plan, PassKind kind) {
                 if (n < 255) ++n;
                 if (n == 2) {
                   std::ostringstream os;
-                  os << pass_name << " rank " << t.rank << " step " << t.step << " sequence " << b << ": pair (q " << qp
+                  os << pass_text << " rank " << t.rank << " step " << t.step << " sequence " << b << ": pair (q " << qp
                      << ", k " << kp << ") head " << h << " covered twice";
                   note(os.str());
                 }
@@ -70,7 +70,7 @@ CoverageReport check_coverage(const Plan& plan, PassKind kind) {
           else if (n == 0) {
             ++report.missing;
             std::ostringstream os;
-            os << pass_name << " sequence " << b << ": allowed pair (q " << i << ", k " << j << ") head " << h
+            os << pass_text << " sequence " << b << ": allowed pair (q " << i << ", k " << j << ") head " << h
                << " never covered";
             note(os.str());
           } else {

@@ -7,6 +7,15 @@
 
 namespace cpgold::sim {
 
+std::string_view half_name(HalfSelect half) {
+  switch (half) {
+    case HalfSelect::full: return "full";
+    case HalfSelect::first: return "first";
+    case HalfSelect::second: return "second";
+  }
+  return "?";
+}
+
 SidePartition::SidePartition(const PackedSequences& global, int cp_size, const std::string& side)
     : global_(global), cp_size_(cp_size) {
   if (cp_size < 1) fail_input("cp_size", "must be >= 1, got ", cp_size);

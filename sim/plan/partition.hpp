@@ -5,6 +5,7 @@
 // local offset cuP[b]/W. Per-rank actual counts are always the exact clamp formula n_b(c) = clamp(L_b - c*C_b, 0, C_b).
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "reference/thd_layout.hpp"
@@ -14,6 +15,7 @@ namespace cpgold::sim {
 // Which part of a rank-local tensor a step reads: all of it, or one half compacted by read_half
 // (half 0 = chunk r of every sequence, half 1 = chunk 2W-1-r), laid out at cuP/(2W).
 enum class HalfSelect { full, first, second };
+std::string_view half_name(HalfSelect half);  // "full", "first", "second" (the fixtures' step attributes)
 
 // One side (q or kv) of a layout partitioned over W ranks.
 class SidePartition {

@@ -17,6 +17,17 @@ std::string_view section_name(StepSection section) {
   return "?";
 }
 
+std::string_view pass_name(PassKind pass) { return pass == PassKind::forward ? "forward" : "backward"; }
+
+std::string_view space_name(StepSpace space) {
+  switch (space) {
+    case StepSpace::rank_local: return "rank_local";
+    case StepSpace::group_local: return "group_local";
+    case StepSpace::sequence_order: return "sequence_order";
+  }
+  return "?";
+}
+
 std::string_view payload_name(Payload payload) {
   switch (payload) {
     case Payload::q: return "q";

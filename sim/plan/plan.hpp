@@ -20,6 +20,7 @@ enum class StepSection { diagonal, lower, upper, all };
 std::string_view section_name(StepSection section);
 
 enum class PassKind { forward, backward };
+std::string_view pass_name(PassKind pass);  // "forward", "backward"
 
 // Row space of the tensor a step reads on its rank.
 enum class StepSpace {
@@ -27,6 +28,7 @@ enum class StepSpace {
   group_local,     // a2a+p2p: after the a2a, the P-way dual-chunk shard of the rank's p2p index, h / a2a_size heads
   sequence_order,  // a2a: all sequences in global order, h / W heads; all_gather KV: all heads
 };
+std::string_view space_name(StepSpace space);  // "rank_local", "group_local", "sequence_order"
 
 // What TransformerEngine passes to the attention call of this step (docs/cp-layout.md, "p2p (ring)" to "a2a+p2p").
 struct StepMetadata {

@@ -24,13 +24,13 @@ enum class ExchangeFault { timeout, mismatch, invalid_argument, aborted };
 class ExchangeError : public std::runtime_error {
  public:
   ExchangeError(int rank, std::string operation, ExchangeFault fault, const std::string& detail)
-      : std::runtime_error("rank " + std::to_string(rank) + " " + operation + ": " + fault_name(fault) + ": " + detail),
+      : std::runtime_error("rank " + std::to_string(rank) + " " + operation + ": " + std::string(fault_name(fault)) + ": " + detail),
         rank_(rank), operation_(std::move(operation)), fault_(fault), detail_(detail) {}
   int rank() const { return rank_; }
   const std::string& operation() const { return operation_; }
   ExchangeFault fault() const { return fault_; }
   const std::string& detail() const { return detail_; }
-  static std::string fault_name(ExchangeFault f) {
+  static std::string_view fault_name(ExchangeFault f) {
     switch (f) {
       case ExchangeFault::timeout: return "timeout";
       case ExchangeFault::mismatch: return "mismatch";

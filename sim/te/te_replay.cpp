@@ -458,6 +458,12 @@ std::string_view te_tensor_name(TeTensor tensor) {
   return "?";
 }
 
+std::string_view te_half_name(HalfSelect half) {
+  return te_tensor_name(half == HalfSelect::full    ? TeTensor::rank_local
+                        : half == HalfSelect::first ? TeTensor::first_half
+                                                    : TeTensor::second_half);
+}
+
 TeUserArguments te_user_arguments(const nlohmann::json& case_object) {
   TeUserArguments u;
   if (case_object.contains("mask") && case_object["mask"] == "causal") u.attn_mask_type = "padding_causal";

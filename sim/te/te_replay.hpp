@@ -51,6 +51,8 @@ enum class TeTensor {
   sequence_order,  // every sequence in global order at cuP (a2a after its all-to-all; all_gather's gathered K/V)
 };
 std::string_view te_tensor_name(TeTensor tensor);  // "full", "first_half", "second_half", "sequence_order"
+// TE's name of the part of a rank-local tensor a step reads: "full", "first_half", "second_half"
+std::string_view te_half_name(HalfSelect half);
 
 // One attention call as TE makes it.
 struct TeCall {

@@ -8,6 +8,15 @@
 
 namespace cpgold::sim {
 
+std::string_view grad_op_name(GradOp op) {
+  switch (op) {
+    case GradOp::none: return "none";
+    case GradOp::copy: return "copy";
+    case GradOp::add: return "add";
+  }
+  return "?";
+}
+
 GradOp parse_grad_op(std::string_view text, const char* field) {
   if (text == "none") return GradOp::none;
   if (text == "copy") return GradOp::copy;

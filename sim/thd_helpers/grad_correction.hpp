@@ -12,6 +12,7 @@
 namespace cpgold::sim {
 
 enum class GradOp { none, copy, add };
+std::string_view grad_op_name(GradOp op);                        // "none", "copy", "add"
 GradOp parse_grad_op(std::string_view text, const char* field);  // "none", "copy", "add"; InputError otherwise
 
 // The step rows grad_i has for (first, second): a half for one "none", full otherwise. InputError naming

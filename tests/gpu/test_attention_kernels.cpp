@@ -696,11 +696,10 @@ TEST_CASE("gpu attention: the forward kernel chosen per head dims and device is 
   CHECK_FALSE(gpu::wgmma_forward_serves(outside));
   gpu::ForwardKernel chosen{};
   CHECK(gpu::choose_forward_kernel(outside, 90, gpu::ForwardKernel::wgmma, chosen).status == gpu::Status::unsupported);
-  gpu::ForwardKernel parsed{};
-  CHECK((gpu::parse_forward_kernel("mma", parsed) && parsed == gpu::ForwardKernel::mma_sync));
-  CHECK((gpu::parse_forward_kernel("wgmma", parsed) && parsed == gpu::ForwardKernel::wgmma));
-  CHECK((gpu::parse_forward_kernel("auto", parsed) && parsed == gpu::ForwardKernel::automatic));
-  CHECK_FALSE(gpu::parse_forward_kernel("sm90", parsed));
+  CHECK(gpu::parse_forward_kernel("mma") == gpu::ForwardKernel::mma_sync);
+  CHECK(gpu::parse_forward_kernel("wgmma") == gpu::ForwardKernel::wgmma);
+  CHECK(gpu::parse_forward_kernel("auto") == gpu::ForwardKernel::automatic);
+  CHECK_FALSE(gpu::parse_forward_kernel("sm90").has_value());
 }
 
 // The two forwards on the same inputs: both within the budget against the oracle (run_case's rule), and against each
@@ -806,12 +805,11 @@ TEST_CASE("gpu attention: the backward kernel chosen per head dims and device is
     CHECK(refused.status == gpu::Status::unsupported);
     CHECK(refused.message.find("does not serve") != std::string::npos);
   }
-  gpu::BackwardKernel parsed{};
-  CHECK((gpu::parse_backward_kernel("mma", parsed) && parsed == gpu::BackwardKernel::mma_sync));
-  CHECK((gpu::parse_backward_kernel("mma.sync", parsed) && parsed == gpu::BackwardKernel::mma_sync));
-  CHECK((gpu::parse_backward_kernel("wgmma", parsed) && parsed == gpu::BackwardKernel::wgmma));
-  CHECK((gpu::parse_backward_kernel("auto", parsed) && parsed == gpu::BackwardKernel::automatic));
-  CHECK_FALSE(gpu::parse_backward_kernel("sm90", parsed));
+  CHECK(gpu::parse_backward_kernel("mma") == gpu::BackwardKernel::mma_sync);
+  CHECK(gpu::parse_backward_kernel("mma.sync") == gpu::BackwardKernel::mma_sync);
+  CHECK(gpu::parse_backward_kernel("wgmma") == gpu::BackwardKernel::wgmma);
+  CHECK(gpu::parse_backward_kernel("auto") == gpu::BackwardKernel::automatic);
+  CHECK_FALSE(gpu::parse_backward_kernel("sm90").has_value());
   CHECK(gpu::backward_kernel_name(gpu::BackwardKernel::wgmma) == "wgmma");
   CHECK(gpu::backward_kernel_name(gpu::BackwardKernel::mma_sync) == "mma.sync");
 }

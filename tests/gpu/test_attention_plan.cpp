@@ -202,14 +202,11 @@ TEST_CASE("Q tile work: the persistent order keeps a sequence's tiles together, 
 TEST_CASE("forward schedules: names parse back, unknown names are refused") {
   for (ForwardSchedule s : {ForwardSchedule::automatic, ForwardSchedule::tile128, ForwardSchedule::tile64,
                             ForwardSchedule::persistent, ForwardSchedule::persistent128, ForwardSchedule::persistent64}) {
-    ForwardSchedule parsed = ForwardSchedule::tile128;
-    CHECK(parse_forward_schedule(forward_schedule_name(s), parsed));
-    CHECK(parsed == s);
+    CHECK(parse_forward_schedule(forward_schedule_name(s)) == s);
   }
-  ForwardSchedule parsed{};
-  CHECK((parse_forward_schedule("automatic", parsed) && parsed == ForwardSchedule::automatic));
-  CHECK_FALSE(parse_forward_schedule("tile96", parsed));
-  CHECK_FALSE(parse_forward_schedule("", parsed));
+  CHECK(parse_forward_schedule("automatic") == ForwardSchedule::automatic);
+  CHECK_FALSE(parse_forward_schedule("tile96").has_value());
+  CHECK_FALSE(parse_forward_schedule("").has_value());
   CHECK(wgmma_short_schedules_serve({DType::bf16, 2, 2, 192, 128}));
   CHECK_FALSE(wgmma_short_schedules_serve({DType::bf16, 2, 2, 256, 256}));
   // An unbuilt plan has no schedule.

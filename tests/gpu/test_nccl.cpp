@@ -476,6 +476,6 @@ TEST_CASE("nccl CP W=2 p2p, deterministic backward: the bits of the single-GPU r
   std::printf("p2p W=2 overlap, rank 0 run 2: run %.3f ms, communication %.3f ms, exposed %.3f ms\n",
               runs[0][2].times.run_ms, runs[0][2].times.comm_ms, runs[0][2].times.exposed_ms);
   std::printf("p2p W=2 overlap, %s CTA policy, rank 0 run 4: run %.3f ms, communication %.3f ms, exposed %.3f ms\n",
-              nccl_cta_policy_name(schedule[4]), runs[0][4].times.run_ms, runs[0][4].times.comm_ms,
+              std::string(nccl_cta_policy_name(schedule[4])).c_str(), runs[0][4].times.run_ms, runs[0][4].times.comm_ms,
               runs[0][4].times.exposed_ms);
 }

@@ -9,6 +9,7 @@
 // Outside the capability table every entry point returns Status::unsupported with the reason; nothing falls back.
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 
@@ -130,7 +131,7 @@ enum class ForwardKernel {
 };
 std::string_view forward_kernel_name(ForwardKernel kernel);  // "automatic", "mma.sync", "wgmma"
 // "auto", "mma" (or "mma.sync"), "wgmma": the values of CPGOLD_FORWARD_KERNEL and of the benchmarks' --forward.
-bool parse_forward_kernel(std::string_view text, ForwardKernel& kernel);
+std::optional<ForwardKernel> parse_forward_kernel(std::string_view text);
 // True if this build holds the wgmma forward and it serves the shape's head dims (every pair of the table).
 bool wgmma_forward_serves(const AttentionShape& shape);
 // The kernel attention_forward runs for `shape` on a device of compute capability `cc` (major * 10 + minor; 0: no
@@ -158,7 +159,7 @@ enum class BackwardKernel {
 };
 std::string_view backward_kernel_name(BackwardKernel kernel);  // "automatic", "mma.sync", "wgmma"
 // "auto", "mma" (or "mma.sync"), "wgmma": the values of CPGOLD_BACKWARD_KERNEL and of the benchmarks' --backward.
-bool parse_backward_kernel(std::string_view text, BackwardKernel& kernel);
+std::optional<BackwardKernel> parse_backward_kernel(std::string_view text);
 // True if this build holds the wgmma backward and it serves the shape's head dims (every pair of the capability
 // table; bf16, fp16).
 bool wgmma_backward_serves(const AttentionShape& shape);
@@ -188,7 +189,7 @@ enum class ForwardSchedule {
 };
 std::string_view forward_schedule_name(ForwardSchedule schedule);  // "auto", "tile128", ...
 // The names above ("automatic" also accepted): the values of CPGOLD_FORWARD_SCHEDULE.
-bool parse_forward_schedule(std::string_view text, ForwardSchedule& schedule);
+std::optional<ForwardSchedule> parse_forward_schedule(std::string_view text);
 // What a schedule resolves to for one plan: Q tile rows (64 or 128) and the grid.
 struct ForwardScheduleChoice {
   int tile_rows = 128;

@@ -11,8 +11,8 @@ namespace cpgold::gpu {
 
 std::string_view backward_kernel_name(BackwardKernel kernel) { return detail::kernel_choice_name(kernel); }
 
-bool parse_backward_kernel(std::string_view text, BackwardKernel& kernel) {
-  return detail::parse_kernel_choice(text, kernel);
+std::optional<BackwardKernel> parse_backward_kernel(std::string_view text) {
+  return detail::parse_kernel_choice<BackwardKernel>(text);
 }
 
 bool wgmma_backward_serves(const AttentionShape& shape) {

@@ -4,6 +4,7 @@
 // `automatic` request; a value the parser rejects makes such a call fail with invalid_argument naming the variable and
 // the value.
 #include <cstdlib>
+#include <optional>
 #include <string>
 #include <string_view>
 
@@ -22,14 +23,13 @@ std::string_view kernel_choice_name(Kernel kernel) {
   return "?";
 }
 
-// auto/automatic, mma/mma.sync, wgmma; false (kernel untouched) for anything else.
+// auto/automatic, mma/mma.sync, wgmma; nullopt for anything else.
 template <class Kernel>
-bool parse_kernel_choice(std::string_view text, Kernel& kernel) {
-  if (text == "auto" || text == "automatic") kernel = Kernel::automatic;
-  else if (text == "mma" || text == "mma.sync") kernel = Kernel::mma_sync;
-  else if (text == "wgmma") kernel = Kernel::wgmma;
-  else return false;
-  return true;
+std::optional<Kernel> parse_kernel_choice(std::string_view text) {
+  if (text == "auto" || text == "automatic") return Kernel::automatic;
+  if (text == "mma" || text == "mma.sync") return Kernel::mma_sync;
+  if (text == "wgmma") return Kernel::wgmma;
+  return std::nullopt;
 }
 
 template <class Request>
@@ -42,13 +42,15 @@ struct EnvRequest {
 
 // Reads `variable` now; unset or empty leaves `set` false.
 template <class Request>
-EnvRequest<Request> read_env_request(const char* variable, bool (*parse)(std::string_view, Request&)) {
+EnvRequest<Request> read_env_request(const char* variable, std::optional<Request> (*parse)(std::string_view)) {
   EnvRequest<Request> r;
   r.variable = variable;
   if (const char* v = std::getenv(variable); v != nullptr && *v != '\0') {
     r.set = true;
     r.text = v;
-    r.valid = parse(r.text, r.value);
+    const std::optional<Request> parsed = parse(r.text);
+    r.valid = parsed.has_value();
+    if (parsed) r.value = *parsed;
   }
   return r;
 }

@@ -15,8 +15,8 @@ namespace cpgold::gpu {
 
 std::string_view forward_kernel_name(ForwardKernel kernel) { return detail::kernel_choice_name(kernel); }
 
-bool parse_forward_kernel(std::string_view text, ForwardKernel& kernel) {
-  return detail::parse_kernel_choice(text, kernel);
+std::optional<ForwardKernel> parse_forward_kernel(std::string_view text) {
+  return detail::parse_kernel_choice<ForwardKernel>(text);
 }
 
 bool wgmma_forward_serves(const AttentionShape& shape) {
@@ -137,18 +137,12 @@ std::string_view forward_schedule_name(ForwardSchedule schedule) {
   return "?";
 }
 
-bool parse_forward_schedule(std::string_view text, ForwardSchedule& schedule) {
+std::optional<ForwardSchedule> parse_forward_schedule(std::string_view text) {
   for (ForwardSchedule s : {ForwardSchedule::automatic, ForwardSchedule::tile128, ForwardSchedule::tile64,
                             ForwardSchedule::persistent, ForwardSchedule::persistent128, ForwardSchedule::persistent64})
-    if (text == forward_schedule_name(s)) {
-      schedule = s;
-      return true;
-    }
-  if (text == "automatic") {
-    schedule = ForwardSchedule::automatic;
-    return true;
-  }
-  return false;
+    if (text == forward_schedule_name(s)) return s;
+  if (text == "automatic") return ForwardSchedule::automatic;
+  return std::nullopt;
 }
 
 bool wgmma_short_schedules_serve(const AttentionShape& shape) { return shape.dim_qk <= 192; }
