@@ -114,6 +114,27 @@ def test_run_dpa_keeps_errors_outside_the_libraries_as_errors(torch_cpu):
         te.run_dpa(m, dpa_raising(ValueError("No dot product attention backend"),
                                   "/x/transformer_engine/pytorch/dpa.py"), fx, x, x, x, x, {})
 
+    class BackwardRaising(torch.autograd.Function):   # a forward that works and a backward that raises
+        @staticmethod
+        def forward(ctx, q):
+            return q.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            raise raised_in(BackwardRaising.filename, BackwardRaising.exception)
+
+    def dpa_backward_raising(q, k, v, **cu):
+        return BackwardRaising.apply(q)
+
+    BackwardRaising.filename = "/x/flash_attn/cute/interface.py"
+    BackwardRaising.exception = AssertionError("GQA backward requires head_dim == head_dim_v")
+    with pytest.raises(Refused, match="backward: FlashAttention refuses: AssertionError: GQA backward requires"):
+        te.run_dpa(m, dpa_backward_raising, fx, x, x, x, x, {})
+    BackwardRaising.filename = "/x/torch/autograd/graph.py"
+    BackwardRaising.exception = RuntimeError("CUDA error: an illegal memory access was encountered")
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        te.run_dpa(m, dpa_backward_raising, fx, x, x, x, x, {})
+
 
 def test_te_environment_selects_the_backend_and_modes():
     fused = te.te_environment("fused")

@@ -453,7 +453,13 @@ def run_dpa(m, dpa, fx, q, k, v, dout, cu):
             raise
         raise refusal from e
     o3 = o.view(o.shape[0], fx.heads_q, fx.dim_v)
-    o.backward(dout.reshape(o.shape))
+    try:   # some configurations are refused only by the backward (FlashAttention-4: GQA with dim_qk != dim_v)
+        o.backward(dout.reshape(o.shape))
+    except (AssertionError, ValueError, NotImplementedError) as e:
+        refusal = as_refusal(e, "backward: ")
+        if refusal is None:
+            raise
+        raise refusal from e
     return {"o": o3.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}, TE_LOG.take(), backend_chosen(m)
 
 
