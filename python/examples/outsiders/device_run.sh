@@ -22,7 +22,8 @@
 #              (background; default .p0/fa3-src.tar.gz): no parts needed, so it runs while they arrive
 #   outsiders  the outsiders installed from the parts (install.sh); install = prep + outsiders
 #   ranks      one harness run (RANKS_TAG, RANKS_ENV, RANKS_WORLD, RANKS_GPUS; the adapter's arguments follow),
-#              restarted with --resume after a failing rank stopped it
+#              restarted with --resume after a failing rank stopped it; RANKS_RESUME=1 goes on from earlier results
+#              (on a fresh machine from RANKS_SEED/<tag>/results.jsonl, default .ranks-seed, a carried folder)
 #   te_bench   TE's CP speed (bench_te_cp.py) per W, backend and --seq-scale, then cpgold's bench_cp_nccl
 #   shrink     cpgold shrink with TE's CP on thread ranks as COMMAND from failing fixtures (SHRINK_START)
 #   fa3-check  the FA3 wheel built by prep installed apart and run over quick, edge and golden
@@ -81,6 +82,12 @@ ranks() {  # ranks TAG ENV W ADAPTER ARGS...: the harness under torchrun on W GP
   local resume= attempt
   if [ -n "${RANKS_RESUME:-}" ]; then resume=--resume; else rm -rf $R/ranks/$tag; fi   # RANKS_RESUME: go on
   mkdir -p $R/ranks/$tag $OUT/te_ranks/$tag
+  # RANKS_RESUME on a fresh machine: the results of earlier machines (a carried folder RANKS_SEED, default
+  # .ranks-seed/<tag>/results.jsonl) are what it goes on from
+  local seed=${RANKS_SEED:-.ranks-seed}/$tag/results.jsonl
+  if [ -n "$resume" ] && [ ! -s $R/ranks/$tag/results.jsonl ] && [ -f $seed ]; then
+    cp $seed $R/ranks/$tag/results.jsonl; echo "$tag: going on from $seed ($(wc -l < $seed) fixtures recorded)"
+  fi
   for attempt in $(seq 1 ${RANKS_ATTEMPTS:-20}); do
     ( source $W/prefix/env.sh $env
       export NCCL_NVLS_ENABLE=0 CUDA_VISIBLE_DEVICES=${RANKS_GPUS:-$(seq -s, 0 $((w - 1)))}
@@ -180,25 +187,29 @@ te_bench)   # TE's CP speed (bench/gpu/bench_te_cp.py) per W and backend, then c
     echo "te_bench: no $W/cbuild/bin/bench_cp_nccl ($(cat $L/cbuild.rc 2>/dev/null || echo 'not built'))"
   fi
   cp $R/bench/* $OUT/bench/ 2>/dev/null; stamp te_bench ;;
-shrink)     # cpgold shrink with TE's CP on thread ranks as COMMAND, from failing fixtures (SHRINK_START items
-            # NAME=FOLDER/FIXTURE[@ENV[@DIMS]]: ENV none = FusedAttention (default), fa3 / fa4 = TE's flash backend
-            # with that FlashAttention; DIMS the head dims shrink may try), all side by side, item i on GPU i mod the
-            # GPU count (SHRINK_GPU: all on one)
+shrink)     # cpgold shrink with TE as COMMAND, from failing fixtures (SHRINK_START items
+            # NAME=FOLDER/FIXTURE[@ENV[@DIMS[@ADAPTER]]]: ENV none = FusedAttention (default), fa3 / fa4 = TE's flash
+            # backend with that FlashAttention; DIMS the head dims shrink may try; ADAPTER te_cp (TE's CP on thread
+            # ranks, default) or te (TE non-CP: FA4 cannot run under thread ranks)), all side by side, item i on GPU
+            # i mod the GPU count (SHRINK_GPU: all on one)
   mkdir -p $R/shrink
   gpus=$(nvidia-smi --query-gpu=name --format=csv,noheader | wc -l); i=0
   for item in ${SHRINK_START:-A_all_gather=edge/window_two_sided_w2 B_a2ap2p=random/random_s26_00016_a2ap2p_w4_bf16 \
       C_p2p_gqa=random/random_s26_00069_p2p_w4_bf16 D256_gqa=edge/d256_p2p_w2_gqa@none@64,128,256 \
-      FA3_fa4_causal=fills/p2p_w2_causal_bf16_zero@fa4}; do
-    name=${item%%=*}; IFS=@ read -r fixture env dims <<< "${item#*=}"
+      FA3_fa4_causal=fills/p2p_w2_causal_bf16_zero@fa4@32,64,128@te}; do
+    name=${item%%=*}; IFS=@ read -r fixture env dims adapter <<< "${item#*=}"
     env=${env:-none}; backend=fused; [ $env = none ] || backend=flash
     ( [ -f $W/stop_multi ] && exit 0
       source $W/prefix/env.sh $env
       export CUDA_VISIBLE_DEVICES=${SHRINK_GPU:-$(( i % gpus ))}
       t0=$(date +%s)
+      # TE's FlashAttention path leaves pad rows unwritten (the convention of docs/flash-outsiders.md)
       timeout ${SHRINK_TIMEOUT:-420} $B/bin/cpgold shrink $FX/$fixture.h5 --tensors o,dq,dk,dv --run-timeout 120 \
+        --pad-rows $([ $backend = flash ] && echo unwritten || echo zero) \
         --dims ${dims:-32,64,128} --max-runs ${SHRINK_RUNS:-40} --budget ${SHRINK_BUDGET:-360} --format json \
         --work-dir $R/shrink/$name.work \
-        --run "python3 -m cpgold.outsiders te_cp {fixture} --write-candidate {candidate} --backend $backend --set timeout=30" \
+        --run "python3 -m cpgold.outsiders ${adapter:-te_cp} {fixture} --write-candidate {candidate} --backend $backend$( \
+          [ "${adapter:-te_cp}" = te_cp ] && echo ' --set timeout=30')" \
         > $R/shrink/$name.json 2> $R/shrink/$name.log
       echo "shrink_$name rc=$? $(( $(date +%s) - t0 )) s" >> $R/done.txt ) &
     i=$((i + 1))
