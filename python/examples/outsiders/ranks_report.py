@@ -3,6 +3,11 @@
 counts per suite and per comm type, and every failure and error with the class it falls in.
 
     python3 python/examples/outsiders/ranks_report.py TAG=results.jsonl [TAG=results.jsonl ...]
+    python3 python/examples/outsiders/ranks_report.py --merged DIR [--drop-errors] TAG=results.jsonl ...
+
+--merged DIR writes each TAG's merged lines to DIR/TAG/results.jsonl instead of the tables: the folder
+`device_run.sh ranks` goes on from (RANKS_RESUME=1, RANKS_SEED=DIR); --drop-errors leaves the errors out, so that
+they run again.
 
 Several files of one TAG are merged (a run resumed on another machine): the entry of the last file wins.
 Classes, from the case and the result alone (each one's evidence is in docs/te-findings.md and
@@ -79,7 +84,21 @@ def klass(tag, e):
     return "unattributed"
 
 
+def write_merged(runs, folder, drop_errors):
+    import os
+    for tag, run in runs.items():
+        os.makedirs(os.path.join(folder, tag), exist_ok=True)
+        kept = [e for e in run.values() if not (drop_errors and e["status"] == "error")]
+        with open(os.path.join(folder, tag, "results.jsonl"), "w") as f:
+            f.writelines(json.dumps(e) + "\n" for e in kept)
+        print(f"{tag}: {len(kept)} of {len(run)} fixtures -> {os.path.join(folder, tag, 'results.jsonl')}")
+
+
 def main(argv):
+    if argv[:1] == ["--merged"]:
+        drop = "--drop-errors" in argv
+        items = [a for a in argv[2:] if a != "--drop-errors"]
+        return write_merged(load(items), argv[1], drop)
     runs = load(argv)
     statuses = ("pass", "fail", "error", "unsupported", "empty")
     print("| run | " + " | ".join(statuses) + " | skipped (another W) | classes of the failures and errors |")
