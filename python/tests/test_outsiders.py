@@ -136,6 +136,51 @@ def test_run_dpa_keeps_errors_outside_the_libraries_as_errors(torch_cpu):
         te.run_dpa(m, dpa_backward_raising, fx, x, x, x, x, {})
 
 
+def test_cute_compiles_from_thread_ranks_take_turns(monkeypatch):
+    """Under thread ranks FlashAttention-4's CuTe DSL compiles one at a time (its preprocessor holds one session per
+    process); without the DSL nothing is patched."""
+    import importlib.machinery
+    import threading
+    import time
+
+    state = {"inside": 0, "most": 0}
+
+    class CompileCallable:   # the DSL's compile entry point, with the DSL's one-session-at-a-time state
+        def _compile(self, func, *args, **kwargs):
+            state["inside"] += 1
+            state["most"] = max(state["most"], state["inside"])
+            time.sleep(0.02)
+            state["inside"] -= 1
+            return func
+
+    package = types.ModuleType("cutlass")
+    package.__spec__ = importlib.machinery.ModuleSpec("cutlass", None, is_package=True)
+    package.__path__ = []
+    base = types.ModuleType("cutlass.base_dsl")
+    compiler = types.ModuleType("cutlass.base_dsl.compiler")
+    compiler.CompileCallable = CompileCallable
+    for name, module in (("cutlass", package), ("cutlass.base_dsl", base), ("cutlass.base_dsl.compiler", compiler)):
+        monkeypatch.setitem(sys.modules, name, module)
+
+    def compile_from_threads():
+        threads = [threading.Thread(target=lambda: CompileCallable()._compile("kernel")) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+    compile_from_threads()
+    assert state["most"] > 1, "the fake must show overlapping compiles before the patch"
+    state["most"] = 0
+    assert te.serialize_cute_compiles() and te.serialize_cute_compiles()   # a second call patches nothing more
+    compile_from_threads()
+    assert state["most"] == 1
+    assert CompileCallable()._compile("kernel") == "kernel"
+    monkeypatch.setitem(sys.modules, "cutlass", None)
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
+    assert te.serialize_cute_compiles() is False
+
+
 def test_te_environment_selects_the_backend_and_modes():
     fused = te.te_environment("fused")
     assert fused["NVTE_FUSED_ATTN"] == "1" and fused["NVTE_FLASH_ATTN"] == "0" and fused["NCCL_NVLS_ENABLE"] == "0"

@@ -405,6 +405,35 @@ def torch_dtype(torch, fx):
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[fx.dtype]
 
 
+_COMPILE_LOCK = threading.RLock()
+
+
+def serialize_cute_compiles():
+    """FlashAttention-4 compiles its kernels on first use with the CuTe DSL (`cute.compile`). The DSL is one object
+    per process, and its AST preprocessor keeps one session at a time (`DSLPreprocessor._session_data`): two thread
+    ranks compiling at once end each other's session ("Please start a session before accessing session data"). Under
+    thread ranks every compile therefore takes one process-wide lock. A compile waits for no other rank, so the lock
+    cannot deadlock the ranks, and launches of compiled kernels do not take it. Returns whether the DSL is here (and
+    now serialized)."""
+    import importlib.util
+
+    if importlib.util.find_spec("cutlass") is None:
+        return False
+    from cutlass.base_dsl.compiler import CompileCallable
+
+    original = CompileCallable._compile
+    if getattr(original, "cpgold_serialized", False):
+        return True
+
+    def _compile(self, *args, **kwargs):
+        with _COMPILE_LOCK:
+            return original(self, *args, **kwargs)
+
+    _compile.cpgold_serialized = True
+    CompileCallable._compile = _compile
+    return True
+
+
 REFUSING = (("transformer_engine", "TE"), ("flash_attn", "FlashAttention"))   # a path part, and whose refusal
 
 
@@ -557,6 +586,8 @@ class TeContextParallel(_TeAdapter):
 
     def _run_ranks(self, fx, cu, spy):
         from cpgold.thread_ranks import ThreadRanks
+        if self.backend == "flash":
+            serialize_cute_compiles()   # FlashAttention-4's compiler is not safe for compiles from several threads
         if self.poison:
             poison_cuda_cache(self.m.torch)
         return ThreadRanks(fx.cp_size, device="cuda", timeout=self.timeout).run(
