@@ -254,8 +254,8 @@ multi)      # this machine's whole run, GPUs shared: the harness under NCCL (tor
   job te_fa4a seq2 "te_fa4_a|CUDA_VISIBLE_DEVICES=2 FOLDERS='quick edge te golden' RUN_SUFFIX=_a TE_BACKENDS=fa4 DETERMINISTIC=0 bash $0 te"
   job te_fa4b seq2 "te_fa4_b|CUDA_VISIBLE_DEVICES=3 FOLDERS=random RUN_SUFFIX=_b TE_BACKENDS=fa4 DETERMINISTIC=0 bash $0 te"
   job te_fa4c seq2 "te_fa4_c|CUDA_VISIBLE_DEVICES=1 FOLDERS='te_shapes fills' RUN_SUFFIX=_c TE_BACKENDS=fa4 DETERMINISTIC=0 bash $0 te"
-  job te_det seq2 "te_det|CUDA_VISIBLE_DEVICES=0 FOLDERS='quick edge te golden' TE_BACKENDS='fa3 fa4' NONDETERMINISTIC=0 bash $0 te" \
-    "te_fused_edge|CUDA_VISIBLE_DEVICES=0 FOLDERS=edge RUN_SUFFIX=_edge TE_BACKENDS=fused bash $0 te"
+  job te_det seq2 "te_fused_edge|CUDA_VISIBLE_DEVICES=0 FOLDERS=edge RUN_SUFFIX=_edge TE_BACKENDS=fused bash $0 te" \
+    "te_det|CUDA_VISIBLE_DEVICES=0 FOLDERS='quick edge te golden' TE_BACKENDS='fa3 fa4' NONDETERMINISTIC=0 bash $0 te"
   job fa3src seq2 "fa4repro|CUDA_VISIBLE_DEVICES=0 bash $0 fa4-repro" "fa3src|CUDA_VISIBLE_DEVICES=0 bash $0 fa3-check"
   job det seq2 "det_fa3|CUDA_VISIBLE_DEVICES=2 bash -c 'source $0 __lib; run fa3_direct_det fa3 fa3 --deterministic --isolate'" \
     "det_fa4|CUDA_VISIBLE_DEVICES=3 FOLDERS='quick edge te golden' bash -c 'source $0 __lib; run fa4_direct_det fa4 fa4 --deterministic --isolate'" \
