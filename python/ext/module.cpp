@@ -345,12 +345,14 @@ PYBIND11_MODULE(_core, m) {
   // tensors= and ranks= of the Python door read by the parsers of `cpgold check --tensors/--ranks` (None: not given).
   m.def(
       "check_options_text",
-      // The options of a check as text, validated by the one parser both doors use (fx::check_options, Python's
-      // field names); an option given as None takes its default.
+      // The options of a check as text, validated by the parsers both doors use, with Python's field names; an option
+      // given as None is not checked.
       [](std::optional<std::string> tensors, std::optional<std::string> ranks, std::optional<std::string> empty_row_lse,
          std::optional<std::string> pad_rows) {
-        (void)check_options(tensors.value_or(""), empty_row_lse.value_or("neg-inf"), ranks.value_or(""), false, true,
-                            pad_rows.value_or("zero"));
+        if (tensors) (void)fx::parse_tensor_list(*tensors, fx::kPythonFields.tensors);
+        if (ranks) (void)fx::parse_rank_list(*ranks, fx::kPythonFields.ranks);
+        if (empty_row_lse || pad_rows)
+          (void)check_options("", empty_row_lse.value_or("neg-inf"), "", false, true, pad_rows.value_or("zero"));
       },
       py::arg("tensors"), py::arg("ranks"), py::arg("empty_row_lse") = py::none(), py::arg("pad_rows") = py::none());
 

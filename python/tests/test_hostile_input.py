@@ -198,7 +198,7 @@ def test_python_refuses_what_the_command_refuses(core, cpgold_bin, tmp_path):
     with cpgold.Fixture(golden_path(GOLDEN)) as fx:
         out = {n: fx.golden(n) for n in cpgold.OUTPUT_NAMES}
         cpgold.write_global(tmp_path / "c.h5", out, fixture=fx, lse_layout="ht")
-        for tensors, match in (("o,o", "given twice"), (5, "tensors"), ("o,", "empty item")):
+        for tensors, match in (("o,o", "given twice"), (5, "tensors"), ("o,", "empty item"), ("", "empty item 0")):
             with pytest.raises(cpgold.InputError, match=match) as e:
                 cpgold.check(fx, tmp_path / "c.h5", tensors=tensors)
             assert e.value.field == "tensors"
