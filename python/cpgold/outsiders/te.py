@@ -459,14 +459,27 @@ def as_refusal(e, prefix=""):
     return Refused(f"{prefix}{who} refuses: {type(e).__name__}: {str(e).strip()[:600]}")
 
 
+class refusals:
+    """Raises Refused (as_refusal, `prefix` first) for an assert or argument check of TE or FlashAttention in the
+    block; any other exception goes on as it is."""
+
+    def __init__(self, prefix=""):
+        self.prefix = prefix
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, e, tb):
+        if kind is not None and issubclass(kind, (AssertionError, ValueError, NotImplementedError)):
+            refusal = as_refusal(e, self.prefix)
+            if refusal is not None:
+                raise refusal from e
+        return False
+
+
 def make_dpa(m, fx):
-    try:
+    with refusals(f"DotProductAttention({te_arguments(fx)}): "):
         return m.te.DotProductAttention(**te_arguments(fx))
-    except (AssertionError, ValueError, NotImplementedError) as e:
-        refusal = as_refusal(e, f"DotProductAttention({te_arguments(fx)}): ")
-        if refusal is None:
-            raise
-        raise refusal from e
 
 
 def run_dpa(m, dpa, fx, q, k, v, dout, cu):
@@ -474,21 +487,11 @@ def run_dpa(m, dpa, fx, q, k, v, dout, cu):
     Returns o, dq, dk, dv as [t, h, d] tensors, plus TE's log lines and backend. TE's refusals raise Refused."""
     q, k, v = (x.detach().clone().requires_grad_() for x in (q, k, v))
     TE_LOG.take()
-    try:
+    with refusals():
         o = dpa(q, k, v, **cu)
-    except (AssertionError, ValueError, NotImplementedError) as e:
-        refusal = as_refusal(e)
-        if refusal is None:
-            raise
-        raise refusal from e
     o3 = o.view(o.shape[0], fx.heads_q, fx.dim_v)
-    try:   # some configurations are refused only by the backward (FlashAttention-4: GQA with dim_qk != dim_v)
+    with refusals("backward: "):   # some configurations are refused only by the backward (FA4: GQA, dim_qk != dim_v)
         o.backward(dout.reshape(o.shape))
-    except (AssertionError, ValueError, NotImplementedError) as e:
-        refusal = as_refusal(e, "backward: ")
-        if refusal is None:
-            raise
-        raise refusal from e
     return {"o": o3.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}, TE_LOG.take(), backend_chosen(m)
 
 
