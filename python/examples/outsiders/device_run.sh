@@ -202,16 +202,20 @@ shrink)     # cpgold shrink with TE as COMMAND, from failing fixtures (SHRINK_ST
     ( [ -f $W/stop_multi ] && exit 0
       source $W/prefix/env.sh $env
       export CUDA_VISIBLE_DEVICES=${SHRINK_GPU:-$(( i % gpus ))}
-      t0=$(date +%s)
+      t0=$(date +%s); sock=$R/shrink/$name.sock
+      # the adapter stays loaded between runs (cpgold.outsiders.serve): a run costs the kernels, not TE's import
+      python3 -m cpgold.outsiders.serve start $sock ${adapter:-te_cp} --backend $backend --timeout 100 $( \
+          [ "${adapter:-te_cp}" = te_cp ] && echo '--set timeout=30') 2> $R/shrink/$name.serve.log &
+      while [ ! -S $sock ] && kill -0 $! 2>/dev/null; do sleep 1; done
       # TE's FlashAttention path leaves pad rows unwritten (the convention of docs/flash-outsiders.md)
       timeout ${SHRINK_TIMEOUT:-420} $B/bin/cpgold shrink $FX/$fixture.h5 --tensors o,dq,dk,dv --run-timeout 120 \
         --pad-rows $([ $backend = flash ] && echo unwritten || echo zero) \
         --dims ${dims:-32,64,128} --max-runs ${SHRINK_RUNS:-40} --budget ${SHRINK_BUDGET:-360} --format json \
         --work-dir $R/shrink/$name.work \
-        --run "python3 -m cpgold.outsiders ${adapter:-te_cp} {fixture} --write-candidate {candidate} --backend $backend$( \
-          [ "${adapter:-te_cp}" = te_cp ] && echo ' --set timeout=30')" \
+        --run "python3 -m cpgold.outsiders.serve run $sock {fixture} {candidate}" \
         > $R/shrink/$name.json 2> $R/shrink/$name.log
-      echo "shrink_$name rc=$? $(( $(date +%s) - t0 )) s" >> $R/done.txt ) &
+      echo "shrink_$name rc=$? $(( $(date +%s) - t0 )) s" >> $R/done.txt
+      python3 -m cpgold.outsiders.serve stop $sock >> $R/shrink/$name.serve.log 2>&1; wait ) &
     i=$((i + 1))
   done; wait
   for f in $R/shrink/*.log; do echo "-- $f"; tail -2 $f | cut -c1-300; done
@@ -248,7 +252,8 @@ multi)      # this machine's whole run, GPUs shared: the harness under NCCL (tor
   job fa4 seq2 "ranks_fa4_w2|RANKS_GPUS=1,0 RANKS_TAG=te_ranks_fa4_w2 RANKS_ENV=fa4 RANKS_WORLD=2 bash $0 ranks te_cp --backend flash" \
     "ranks_fa4_w4|RANKS_GPUS=3,2,1,0 RANKS_TAG=te_ranks_fa4_w4 RANKS_ENV=fa4 RANKS_WORLD=4 bash $0 ranks te_cp --backend flash"
   job thread seq2 "threads_fused|CUDA_VISIBLE_DEVICES=3 bash -c 'source $0 __lib; run te_cp_fused_threads none te_cp --backend fused --set timeout=30'" \
-    "threads_fa3|CUDA_VISIBLE_DEVICES=2 bash -c 'source $0 __lib; run te_cp_fa3_threads fa3 te_cp --backend flash --set timeout=30'"
+    "threads_fa3|CUDA_VISIBLE_DEVICES=2 bash -c 'source $0 __lib; run te_cp_fa3_threads fa3 te_cp --backend flash --set timeout=30'" \
+    "threads_fa4|CUDA_VISIBLE_DEVICES=1 FOLDERS='quick edge' bash -c 'source $0 __lib; run te_cp_fa4_threads fa4 te_cp --backend flash --set timeout=120'"
   job shrink seq2 "shrink|bash $0 shrink"
   # TE non-CP with FA4 (three parts side by side), deterministic backward with FA3 and FA4, FusedAttention on edge
   job te_fa4a seq2 "te_fa4_a|CUDA_VISIBLE_DEVICES=2 FOLDERS='quick edge te golden' RUN_SUFFIX=_a TE_BACKENDS=fa4 DETERMINISTIC=0 bash $0 te"
@@ -257,10 +262,10 @@ multi)      # this machine's whole run, GPUs shared: the harness under NCCL (tor
   job te_det seq2 "te_fused_edge|CUDA_VISIBLE_DEVICES=0 FOLDERS=edge RUN_SUFFIX=_edge TE_BACKENDS=fused bash $0 te" \
     "te_det|CUDA_VISIBLE_DEVICES=0 FOLDERS='quick edge te golden' TE_BACKENDS='fa3 fa4' NONDETERMINISTIC=0 bash $0 te"
   job fa3src seq2 "fa4repro|CUDA_VISIBLE_DEVICES=0 bash $0 fa4-repro" "fa3src|CUDA_VISIBLE_DEVICES=0 bash $0 fa3-check"
-  job det seq2 "det_fa3|CUDA_VISIBLE_DEVICES=2 bash -c 'source $0 __lib; run fa3_direct_det fa3 fa3 --deterministic --isolate'" \
+  job det seq2 "fa_crash|CUDA_VISIBLE_DEVICES=2 bash $0 fa-crash" \
+    "det_fa3|CUDA_VISIBLE_DEVICES=2 bash -c 'source $0 __lib; run fa3_direct_det fa3 fa3 --deterministic --isolate'" \
     "det_fa4|CUDA_VISIBLE_DEVICES=3 FOLDERS='quick edge te golden' bash -c 'source $0 __lib; run fa4_direct_det fa4 fa4 --deterministic --isolate'" \
-    "det_fa4_random|CUDA_VISIBLE_DEVICES=3 FOLDERS='random fills' RUN_SUFFIX=_b bash -c 'source $0 __lib; run fa4_direct_det fa4 fa4 --deterministic --isolate'" \
-    "fa_crash|CUDA_VISIBLE_DEVICES=2 bash $0 fa-crash"
+    "det_fa4_random|CUDA_VISIBLE_DEVICES=3 FOLDERS='random fills' RUN_SUFFIX=_b bash -c 'source $0 __lib; run fa4_direct_det fa4 fa4 --deterministic --isolate'"
   deadline=$(( t0 + ${MULTI_DEADLINE:-540} ))
   while [ $(date +%s) -lt $deadline ] && [ -n "$(jobs -rp)" ]; do sleep 5; done
   if [ -n "$(jobs -rp)" ]; then
