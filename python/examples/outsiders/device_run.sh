@@ -204,8 +204,8 @@ shrink)     # cpgold shrink with TE as COMMAND, from failing fixtures (SHRINK_ST
       export CUDA_VISIBLE_DEVICES=${SHRINK_GPU:-$(( i % gpus ))}
       t0=$(date +%s); sock=$R/shrink/$name.sock
       # the adapter stays loaded between runs (cpgold.outsiders.serve): a run costs the kernels, not TE's import
-      python3 -m cpgold.outsiders.serve start $sock ${adapter:-te_cp} --backend $backend --timeout 100 $( \
-          [ "${adapter:-te_cp}" = te_cp ] && echo '--set timeout=30') 2> $R/shrink/$name.serve.log &
+      python3 -m cpgold.outsiders.serve start $sock ${adapter:-te_cp} $([[ ${adapter:-te_cp} == te* ]] && echo --backend $backend) --timeout 100 $( \
+          [ "${adapter:-te_cp}" = te_cp ] && echo '--set timeout=30') ${SHRINK_SET:-} 2> $R/shrink/$name.serve.log &
       while [ ! -S $sock ] && kill -0 $! 2>/dev/null; do sleep 1; done
       # TE's FlashAttention path leaves pad rows unwritten (the convention of docs/flash-outsiders.md)
       timeout ${SHRINK_TIMEOUT:-420} $B/bin/cpgold shrink $FX/$fixture.h5 --tensors o,dq,dk,dv --run-timeout 120 \
