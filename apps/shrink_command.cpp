@@ -35,7 +35,7 @@ namespace {
 
 struct ShrinkArgs {
   std::string golden, command, format = "text", work_dir, kinds, tensors, empty_row_lse = "neg-inf", pad_rows = "zero", dims;
-  bool any_failure = false, keep = false;
+  bool any_failure = false, same_tensors = false, keep = false;
   double budget = 0, run_timeout = 300;
   int64_t max_runs = 0;
   uint64_t seed = 0;
@@ -154,6 +154,12 @@ std::string kinds_text(const std::vector<std::string>& kinds) {
   return s.empty() ? "no diagnosis" : s;
 }
 
+std::string tensors_text(const std::vector<std::string>& tensors) {
+  std::string s;
+  for (const std::string& t : tensors) s += (s.empty() ? "" : ", ") + t;
+  return s.empty() ? "none" : s;
+}
+
 std::string seconds_text(double s) {
   std::ostringstream o;
   o << std::fixed << std::setprecision(1) << s << " s";
@@ -177,6 +183,7 @@ int run_shrink(const ShrinkArgs& args) {
 
   fx::ShrinkOptions options;
   options.any_failure = args.any_failure;
+  options.same_tensors = args.same_tensors;
   for (const std::string& k : items(args.kinds, "--kind")) {
     if (!fx::parse_diagnosis_kind(k)) fail_input("--kind", "unknown diagnosis kind \"", k, "\" (docs/diagnosis.md lists them)");
     options.kinds.push_back(k);
@@ -251,6 +258,7 @@ int run_shrink(const ShrinkArgs& args) {
           fx::CheckReport report = fx::check(fixture, candidates, check_options);
           v.status = report.pass() ? fx::ShrinkStatus::passes : fx::ShrinkStatus::fails;
           for (const fx::Diagnosis& d : report.diagnosis) v.kinds.emplace_back(fx::diagnosis_kind_name(d.kind));
+          v.tensors = fx::failing_tensors(report);
           v.detail = report.pass() ? "check passed" : "check failed: " + kinds_text(v.kinds);
           if (!report.pass()) reports[sim::normalized_json(spec)] = std::move(report);
         } catch (const InputError& e) {
@@ -263,8 +271,10 @@ int run_shrink(const ShrinkArgs& args) {
   };
   options.progress = [&](const fx::ShrinkProgress& p) {
     std::cerr << "shrink: run " << p.run << " (" << seconds_text(p.seconds) << "): " << p.change << ": "
-              << (p.verdict.status == fx::ShrinkStatus::fails ? "fails (" + kinds_text(p.verdict.kinds) + ")"
-                                                              : std::string(fx::shrink_status_name(p.verdict.status)))
+              << (p.verdict.status == fx::ShrinkStatus::fails
+                      ? "fails (" + kinds_text(p.verdict.kinds) +
+                            (args.same_tensors ? " in " + tensors_text(p.verdict.tensors) : std::string()) + ")"
+                      : std::string(fx::shrink_status_name(p.verdict.status)))
               << (p.kept ? ", kept" : "") << "; smallest " << fx::case_rows_q(p.smallest) << " q rows\n";
   };
 
@@ -317,11 +327,13 @@ int run_shrink(const ShrinkArgs& args) {
       o["tokens_q"] = fx::case_tokens_q(c);
       o["sequences"] = c.seqlens_q.size();
       o["diagnosis"] = v.kinds;
+      o["failing_tensors"] = v.tensors;
       return o;
     };
     j["original"] = side(result.original, result.original_verdict);
     j["kinds"] = result.kinds;
     j["any_failure"] = args.any_failure;
+    j["same_tensors"] = args.same_tensors;
     j["smallest"] = side(s, result.smallest_verdict);
     if (found != reports.end()) j["smallest"]["report"] = fx::to_json(found->second);
     j["smaller"] = result.smaller();
@@ -341,6 +353,8 @@ int run_shrink(const ShrinkArgs& args) {
             << " tokens in " << result.original.seqlens_q.size() << " sequences; fails: "
             << kinds_text(result.original_verdict.kinds) << "\n";
   std::cout << "kept when: " << (args.any_failure ? std::string("any failure") : "the diagnosis names " + kinds_text(result.kinds))
+            << (args.same_tensors ? " and the failing tensors are " + tensors_text(result.original_verdict.tensors)
+                                  : std::string())
             << "\n";
   std::cout << (result.smaller() ? "smallest failing case: " : "the original is already minimal: ") << fx::case_rows_q(s)
             << " q rows, " << fx::case_tokens_q(s) << " tokens in " << s.seqlens_q.size() << " sequences ("
@@ -369,6 +383,9 @@ const RegisterCommand registered("shrink", [](CLI::App& app) -> std::function<in
                   "all at once, each writing its rank's candidate")
       ->required();
   sub->add_flag("--any-failure", args->any_failure, "keep any failing case, whatever its diagnosis");
+  sub->add_flag("--same-tensors", args->same_tensors,
+                "keep a failing case only when it fails exactly the tensors the original fails (with a wide diagnosis "
+                "such as unexplained, a smaller case can fail another way under the same name)");
   sub->add_option("--kind", args->kinds,
                   "comma-separated diagnosis kinds a kept failure must name (default: the original's)");
   sub->add_option("--budget", args->budget, "stop after this many seconds (default: no bound); the smallest so far is the answer");

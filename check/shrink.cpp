@@ -9,6 +9,7 @@
 #include <set>
 #include <sstream>
 
+#include "check/report.hpp"
 #include "reference/input_error.hpp"
 #include "reference/splitmix64.hpp"
 
@@ -356,6 +357,18 @@ constexpr int kFamilies = 8;
 
 }  // namespace
 
+std::vector<std::string> failing_tensors(const CheckReport& report) {
+  static constexpr std::array<std::string_view, 5> kOrder = {"o", "lse", "dq", "dk", "dv"};
+  std::vector<std::string> out;
+  for (std::string_view name : kOrder)
+    for (const TensorResult& t : report.results)
+      if (t.tensor == name && !t.ok()) {
+        out.emplace_back(name);
+        break;
+      }
+  return out;
+}
+
 std::string compact_case_json(const sim::CaseSpec& s) {
   nlohmann::ordered_json j;
   j["seqlens_q"] = s.seqlens_q;
@@ -400,7 +413,7 @@ ShrinkResult shrink(const sim::CaseSpec& original, const ShrinkRunner& runner, c
     if (v.status != ShrinkStatus::fails) return false;
     for (const std::string& k : r.kinds)
       if (std::find(v.kinds.begin(), v.kinds.end(), k) == v.kinds.end()) return false;
-    return true;
+    return !r.same_tensors || v.tensors == r.original_verdict.tensors;
   };
   auto run = [&](const std::string& change, const sim::CaseSpec& spec, bool keep_if_same) -> const ShrinkVerdict& {
     ++r.runs;
@@ -414,6 +427,7 @@ ShrinkResult shrink(const sim::CaseSpec& original, const ShrinkRunner& runner, c
     return seen[sim::normalized_json(spec)] = std::move(v);
   };
 
+  r.same_tensors = options.same_tensors;
   r.original_verdict = run("the original", r.original, false);
   r.original_fails = r.original_verdict.status == ShrinkStatus::fails;
   r.smallest_verdict = r.original_verdict;

@@ -49,8 +49,8 @@ def _start_case(start):
     return _case_text(start)
 
 
-def shrink(start, fn, *, kind=None, any_failure=False, budget=None, max_runs=None, reseed=0, seed=0, dims=None,
-           trace=False, scope="global", tensors=None, empty_row_lse=None, lse_layout=None, progress=None,
+def shrink(start, fn, *, kind=None, any_failure=False, same_tensors=False, budget=None, max_runs=None, reseed=0, seed=0,
+           dims=None, trace=False, scope="global", tensors=None, empty_row_lse=None, lse_layout=None, progress=None,
            pad_rows=None):
     """Searches for the smallest case whose outputs fail the same way as those of `start`.
 
@@ -59,7 +59,9 @@ def shrink(start, fn, *, kind=None, any_failure=False, budget=None, max_runs=Non
     every rank's dicts in the rank-local layout. An exception, None or outputs the check cannot use count as
     "no candidate", never as a pass.
     kind: a diagnosis kind (or a list) every kept failure must name; default: the kinds of the original's failure.
-    any_failure: keep any failure. budget (seconds) and max_runs bound the search (the original's run included).
+    any_failure: keep any failure. same_tensors: keep a failure only when it fails exactly the tensors the
+    original fails (for a wide diagnosis such as "unexplained", under which a smaller case can fail another way).
+    budget (seconds) and max_runs bound the search (the original's run included).
     reseed: a smaller case that passes is tried again with that many other input seeds (drawn from `seed`).
     dims: the head dims fn supports (default any). trace: generate traced fixtures. pad_rows: "unwritten" for an
     implementation that leaves pad rows unwritten (FlashAttention-3/4), as for check().
@@ -85,7 +87,9 @@ def shrink(start, fn, *, kind=None, any_failure=False, budget=None, max_runs=Non
                 return ("passes", [], "check passed")
             kinds = [d["kind"] for d in report.get("diagnosis", [])]
             reports[case_json] = report
-            return ("fails", kinds, "check failed: " + (", ".join(kinds) or "no diagnosis"))
+            failing = {r["tensor"] for r in report["results"] if not r.get("pass")}
+            return ("fails", kinds, "check failed: " + (", ".join(kinds) or "no diagnosis"),
+                    [t for t in ("o", "lse", "dq", "dk", "dv") if t in failing])
         finally:
             fixture.close()
 
@@ -96,7 +100,8 @@ def shrink(start, fn, *, kind=None, any_failure=False, budget=None, max_runs=Non
         if value is not None and not value >= 0:
             raise InputError(f"{name}: expected a value >= 0 (None: no bound), got {value!r}", name)
     result = core().shrink(_start_case(start), runner, kinds, bool(any_failure), float(budget or 0),
-                           int(max_runs or 0), int(reseed), int(seed), [int(d) for d in (dims or [])], progress)
+                           int(max_runs or 0), int(reseed), int(seed), [int(d) for d in (dims or [])], progress,
+                           bool(same_tensors))
     out = ShrinkResult(result)
     if not out["original_fails"]:
         verdict = out["original_verdict"]

@@ -439,10 +439,11 @@ PYBIND11_MODULE(_core, m) {
       "shrink",
       [](const std::string& case_json, const py::function& runner, const std::vector<std::string>& kinds,
          bool any_failure, double budget, int64_t max_runs, int reseed, uint64_t seed, const std::vector<int>& dims,
-         const py::object& progress) {
+         const py::object& progress, bool same_tensors) {
         fx::ShrinkOptions options;
         options.kinds = kinds;
         options.any_failure = any_failure;
+        options.same_tensors = same_tensors;
         options.budget_seconds = budget;
         options.max_runs = max_runs;
         options.reseed = reseed;
@@ -453,6 +454,7 @@ PYBIND11_MODULE(_core, m) {
           d["status"] = v.status == fx::ShrinkStatus::no_candidate ? "no_candidate" : std::string(fx::shrink_status_name(v.status));
           d["kinds"] = v.kinds;
           d["detail"] = v.detail;
+          d["tensors"] = v.tensors;
           return d;
         };
         if (!progress.is_none())
@@ -471,7 +473,8 @@ PYBIND11_MODULE(_core, m) {
             parse_case(case_json),
             [&](const sim::CaseSpec& spec, int64_t run) {
               const py::tuple t = runner(fx::compact_case_json(spec), run);
-              if (t.size() != 3) fail_input("runner", "expected (status, kinds, detail), got ", t.size(), " items");
+              if (t.size() != 3 && t.size() != 4)
+                fail_input("runner", "expected (status, kinds, detail[, failing tensors]), got ", t.size(), " items");
               const std::string status = t[0].cast<std::string>();
               fx::ShrinkVerdict v;
               if (status == "fails") v.status = fx::ShrinkStatus::fails;
@@ -480,6 +483,7 @@ PYBIND11_MODULE(_core, m) {
               else fail_input("runner", "status \"", status, "\" is not fails, passes or no_candidate");
               v.kinds = t[1].cast<std::vector<std::string>>();
               v.detail = t[2].cast<std::string>();
+              if (t.size() == 4) v.tensors = t[3].cast<std::vector<std::string>>();
               return v;
             },
             options);
@@ -488,6 +492,7 @@ PYBIND11_MODULE(_core, m) {
         d["original_verdict"] = verdict_dict(r.original_verdict);
         d["original_fails"] = r.original_fails;
         d["kinds"] = r.kinds;
+        d["same_tensors"] = r.same_tensors;
         d["smallest"] = fx::compact_case_json(r.smallest);
         d["smallest_verdict"] = verdict_dict(r.smallest_verdict);
         d["steps"] = r.steps;
@@ -503,7 +508,8 @@ PYBIND11_MODULE(_core, m) {
         return d;
       },
       py::arg("case_json"), py::arg("runner"), py::arg("kinds"), py::arg("any_failure"), py::arg("budget"),
-      py::arg("max_runs"), py::arg("reseed"), py::arg("seed"), py::arg("dims"), py::arg("progress"));
+      py::arg("max_runs"), py::arg("reseed"), py::arg("seed"), py::arg("dims"), py::arg("progress"),
+      py::arg("same_tensors") = false);
 
   // Reports cross into Python as (JSON text, the text report of `cpgold check`).
   py::class_<fx::CheckReport>(m, "CheckReport")

@@ -62,6 +62,26 @@ def test_gqa_runner_reaches_two_query_heads_on_one_kv_head():
     assert "diagnosis: head_mapping" in r["report"].text
 
 
+def test_same_tensors_keeps_the_original_way_of_failing():
+    # O wrong under GQA (the original's failure), LSE wrong without CP (another defect): with any failure kept the
+    # search slides to the second; with same_tensors the smallest still fails O alone, so keeps GQA and CP.
+    def fn(fx):
+        out = golden_outputs(fx)
+        if fx.heads_q // fx.heads_kv > 1:
+            out["o"] = out["o"] * np.float32(1.5)
+        if fx.cp_size == 1:
+            lse_plus_ln2(fx, out)
+        return out
+    loose = shrink(fn, any_failure=True)
+    assert loose.case["cp_size"] == 1 and loose.case["heads_q"] == 1
+    assert loose["smallest_verdict"]["tensors"] == ["lse"]
+    strict = shrink(fn, any_failure=True, same_tensors=True)
+    assert strict["same_tensors"] and strict["original_verdict"]["tensors"] == ["o"]
+    assert strict["smallest_verdict"]["tensors"] == ["o"]
+    assert strict.case["cp_size"] == 2 and (strict.case["heads_q"], strict.case["heads_kv"]) == (2, 1)
+    assert strict["failed_otherwise"] > 0
+
+
 def test_chunk_count_runner_reaches_one_short_sequence():
     # Fails (garbage on pad rows) when some sequence is shorter than its 2W chunks and not empty.
     short = lambda fx: any(0 < n < 2 * fx.cp_size for n in fx.seqlens("q"))

@@ -144,3 +144,33 @@ def test_pad_rows_convention_reaches_the_check(golden):
     assert code == 2 and "pass" in j["error"]["message"]
     code, j, _ = shrink(golden, runner, "--pad-rows", "skip")
     assert code == 2 and j["error"]["field"] == "--pad-rows"
+
+
+TWO_DEFECTS = '''import sys
+import numpy as np
+import cpgold
+with cpgold.Fixture(sys.argv[1]) as fx:
+    out = {n: fx.golden(n) for n in ("o", "lse")}
+    if fx.heads_q // fx.heads_kv > 1:  # the original's defect: O wrong under GQA
+        out["o"] = out["o"] * np.float32(1.5)
+    if fx.cp_size == 1:  # another defect: LSE wrong without CP
+        out["lse"] = np.where(np.isfinite(out["lse"]), out["lse"] + np.float32(np.log(2.0)), out["lse"])
+    cpgold.write_global(sys.argv[2], out, lse_layout="ht")
+'''
+
+
+def test_same_tensors_keeps_the_failing_tensors(golden, tmp_path):
+    script = tmp_path / "two_defects.py"
+    script.write_text(TWO_DEFECTS)
+    command = f"{shlex.quote(sys.executable)} {shlex.quote(str(script))} {{fixture}} {{candidate}}"
+    code, loose, err = shrink(golden, command, "--tensors", "o,lse", "--any-failure")
+    assert code == 0, err
+    assert loose["same_tensors"] is False
+    assert loose["smallest"]["case"].get("cp_size", 1) == 1 and loose["smallest"]["failing_tensors"] == ["lse"]
+    code, strict, err = shrink(golden, command, "--tensors", "o,lse", "--any-failure", "--same-tensors")
+    assert code == 0, err
+    assert strict["same_tensors"] is True and strict["original"]["failing_tensors"] == ["o"]
+    assert strict["smallest"]["failing_tensors"] == ["o"]
+    case = strict["smallest"]["case"]
+    assert case["cp_size"] >= 2 and (case["heads_q"], case.get("heads_kv")) == (2, 1)
+    assert " in o)" in err  # progress lines name the failing tensors
