@@ -28,6 +28,7 @@
 #   shrink     cpgold shrink with TE's CP on thread ranks as COMMAND from failing fixtures (SHRINK_START)
 #   fa3-check  the FA3 wheel built by prep installed apart and run over quick, edge and golden
 #   fa4-repro  FA-3 (TE's causal window (-1, 0) in FlashAttention-4) with torch and flash-attn-4 alone
+#   d256       TE finding 5 (FusedAttention at head dim 256) with torch and TE alone (te_repro_d256.py)
 #   multi      a 4-GPU machine's run: every harness run (W = 2 on GPU pairs, W = 4), TE CP on thread ranks, shrink,
 #              fa3-check and the deterministic FA3/FA4 sweeps side by side until MULTI_DEADLINE seconds, then
 #              te_bench alone
@@ -191,7 +192,8 @@ shrink)     # cpgold shrink with TE as COMMAND, from failing fixtures (SHRINK_ST
             # NAME=FOLDER/FIXTURE[@ENV[@DIMS[@ADAPTER]]]: ENV none = FusedAttention (default), fa3 / fa4 = TE's flash
             # backend with that FlashAttention; DIMS the head dims shrink may try; ADAPTER te_cp (TE's CP on thread
             # ranks, default) or te (TE non-CP: FA4 cannot run under thread ranks)), all side by side, item i on GPU
-            # i mod the GPU count (SHRINK_GPU: all on one)
+            # i mod the GPU count (SHRINK_GPU: all on one); SHRINK_ARGS: more options of cpgold shrink (--same-tensors),
+            # SHRINK_SET: more adapter options (--set poison=1)
   mkdir -p $R/shrink
   gpus=$(nvidia-smi --query-gpu=name --format=csv,noheader | wc -l); i=0
   for item in ${SHRINK_START:-A_all_gather=edge/window_two_sided_w2 B_a2ap2p=random/random_s26_00016_a2ap2p_w4_bf16 \
@@ -211,7 +213,7 @@ shrink)     # cpgold shrink with TE as COMMAND, from failing fixtures (SHRINK_ST
       timeout ${SHRINK_TIMEOUT:-420} $B/bin/cpgold shrink $FX/$fixture.h5 --tensors o,dq,dk,dv --run-timeout 120 \
         --pad-rows $([ $backend = flash ] && echo unwritten || echo zero) \
         --dims ${dims:-32,64,128} --max-runs ${SHRINK_RUNS:-40} --budget ${SHRINK_BUDGET:-360} --format json \
-        --work-dir $R/shrink/$name.work \
+        --work-dir $R/shrink/$name.work ${SHRINK_ARGS:-} \
         --run "python3 -m cpgold.outsiders.serve run $sock {fixture} {candidate}" \
         > $R/shrink/$name.json 2> $R/shrink/$name.log
       echo "shrink_$name rc=$? $(( $(date +%s) - t0 )) s" >> $R/done.txt
@@ -293,6 +295,9 @@ fa4-repro) # FA-3 with torch and flash-attn-4 alone (fa4_window_repro.py)
 fa-crash)  # the deterministic backward's process death at d 256 with GQA, FA3 and FA4 alone (fa_crash_repro.py)
   ( source $W/prefix/env.sh all; for fa in fa3 fa4; do python3 $HERE/fa_crash_repro.py --impl $fa 2>&1 \
       | grep -v -i warn | tee -a $R/fa_crash_repro.log; done; echo "fa_crash rc=${PIPESTATUS[0]}" >> $R/done.txt ) ;;
+d256)      # the head-dim-256 gradient defect with torch and TE alone (te_repro_d256.py), both backward modes
+  ( source $W/prefix/env.sh none; for m in "" --deterministic; do python3 python/examples/te/te_repro_d256.py $m 2>&1 \
+      | grep -v -i warn | tee -a $R/te_repro_d256.log; done; echo "te_repro_d256 rc=${PIPESTATUS[0]}" >> $R/done.txt ) ;;
 __lib) ;;   # sourced for its functions
 bench)
   ( source $W/prefix/env.sh all
