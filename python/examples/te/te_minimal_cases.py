@@ -24,6 +24,17 @@ CASES = {
     # 4. CP p2p backward with rows after the last sequence (THD tail padding): device-side assert
     "f4_p2p_tail_rows": {"seqlens_q": [3], "total_tokens_q": 8, "total_tokens_kv": 8, "mask": "causal",
                          "cp_size": 2, "comm": "p2p"},
+    # Found by cpgold shrink on the device (run N3, docs/shrink.md), each exactly as it ran there (seed 0, zero pads):
+    # 5. non-CP backward at head dim 256: head dims 128-255 of dQ/dK/dV not written (--same-tensors, TE non-CP)
+    "f5_d256_two_tokens": {"seqlens_q": [2], "heads_q": 1, "dim_qk": 256, "cp_size": 1, "seed": 0,
+                           "pad_fill": "zero"},
+    # 2. one token at W = 2 p2p: the step holding rank 1's keys (pad rows only) adds exp(0), O is halved (the
+    #    d 256 search's end without --same-tensors; at dim_v 256 its dV half may also meet finding 5)
+    "f2_p2p_one_token": {"seqlens_q": [1], "heads_q": 1, "dim_qk": 64, "dim_v": 256, "cp_size": 2, "comm": "p2p",
+                         "seed": 0, "pad_fill": "zero"},
+    # 3. one token at W = 2 p2p causal, GQA 2/1: rank 1 holds keys and no query (dK/dV; NaN with a poisoned cache)
+    "f3_p2p_gqa_one_token": {"seqlens_q": [1], "heads_q": 2, "heads_kv": 1, "dim_qk": 32, "mask": "causal",
+                             "cp_size": 2, "comm": "p2p", "seed": 0, "pad_fill": "zero"},
 }
 
 if __name__ == "__main__":
