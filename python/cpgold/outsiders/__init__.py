@@ -10,6 +10,9 @@ its frontend), te (TransformerEngine's DotProductAttention, non-CP), te_cp (Tran
 ranks on one GPU). From Python: `make("fa3")`, then `runner.run_fixture(adapter, path, suite, workdir)` or your own
 loop over `adapter.run(fixture)`. A new implementation is a subclass of `Adapter` (adapter.py).
 
+A resident adapter for `cpgold shrink` (the implementation loaded once): `python3 -m cpgold.outsiders.serve start
+SOCKET ADAPTER ...`, then COMMAND `python3 -m cpgold.outsiders.serve run SOCKET {fixture} {candidate}` (serve.py).
+
 One process per rank (torchrun, NCCL or gloo): `torchrun --nproc-per-node W -m cpgold.outsiders.ranks te_cp DIR...
 --out OUT` with per-rank adapters (rank_adapter.py; docs/outsiders-nccl.md).
 """
