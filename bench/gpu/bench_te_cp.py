@@ -130,26 +130,16 @@ def main():
 
     import types
 
-    from cpgold.outsiders.te import backend_chosen   # the package on PYTHONPATH (device_run.sh sets it)
+    from cpgold.outsiders.te import backend_chosen, flash_attn_versions   # the package on PYTHONPATH (device_run.sh)
     te_modules = types.SimpleNamespace(te_dpa=te_dpa)
 
     def chosen():
         return backend_chosen(te_modules)
 
-    def fa_versions():
-        from importlib.metadata import version
-        out = {}
-        for dist_name in ("flash-attn-3", "flash-attn-4"):
-            try:
-                out[dist_name] = version(dist_name)
-            except Exception:  # noqa: BLE001 - not installed
-                out[dist_name] = "not installed"
-        return out
-
     header = {"transformer_engine": transformer_engine.__version__, "torch": torch.__version__,
               "cuda": torch.version.cuda, "nccl": ".".join(map(str, torch.cuda.nccl.version())),
               "device": torch.cuda.get_device_name(0), "gpus": W, "backend_requested": args.backend,
-              **fa_versions(), "heads": h, "dim": d, "reps": args.reps, "warmups": args.warmups,
+              **flash_attn_versions(), "heads": h, "dim": d, "reps": args.reps, "warmups": args.warmups,
               "seq_scales": scales, "peak_tflops": BF16_DENSE_PEAK_TFLOPS}
     say("bench_te_cp: " + ", ".join(f"{k} {v}" for k, v in header.items()))
     # a2a+p2p groups: every process creates every group in the same order

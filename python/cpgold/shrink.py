@@ -11,7 +11,7 @@ from ._core_loader import core
 from .cases import _case_text, generate
 from .check import check_outputs
 from .errors import CheckInputError, InputError
-from .fixture import Fixture
+from .fixture import OUTPUT_NAMES, Fixture
 
 
 class ShrinkResult(dict):
@@ -89,7 +89,7 @@ def shrink(start, fn, *, kind=None, any_failure=False, same_tensors=False, budge
             reports[case_json] = report
             failing = {r["tensor"] for r in report["results"] if not r.get("pass")}
             return ("fails", kinds, "check failed: " + (", ".join(kinds) or "no diagnosis"),
-                    [t for t in ("o", "lse", "dq", "dk", "dv") if t in failing])
+                    [t for t in OUTPUT_NAMES if t in failing])
         finally:
             fixture.close()
 

@@ -85,9 +85,16 @@ def versions(m):
     out = {"transformer_engine": m.transformer_engine.__version__, "torch": m.torch.__version__,
            "cuda": m.torch.version.cuda, "cudnn_te": te_cudnn, "device": m.torch.cuda.get_device_name(0),
            "compute_capability": "sm%d%d" % m.torch.cuda.get_device_capability(0)}
+    out.update(flash_attn_versions())
+    return out
+
+
+def flash_attn_versions():
+    """The installed FlashAttention-3 and -4 distributions, as pip knows them ("not installed" otherwise)."""
+    from importlib.metadata import version
+    out = {}
     for dist in ("flash-attn-3", "flash-attn-4"):
         try:
-            from importlib.metadata import version
             out[dist] = version(dist)
         except Exception:  # noqa: BLE001 - not installed
             out[dist] = "not installed"
