@@ -7,6 +7,7 @@ import shlex
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 import cpgold
@@ -174,3 +175,16 @@ def test_same_tensors_keeps_the_failing_tensors(golden, tmp_path):
     case = strict["smallest"]["case"]
     assert case["cp_size"] >= 2 and (case["heads_q"], case.get("heads_kv")) == (2, 1)
     assert " in o)" in err  # progress lines name the failing tensors
+    # The same search through Python's door, with the same start and the same two defects in process.
+    pytest.importorskip("cpgold._core", reason="cpgold's extension is not built: cpgold.shrink runs in process")
+
+    def fn(fx):
+        out = {n: fx.golden(n) for n in ("o", "lse")}
+        if fx.heads_q // fx.heads_kv > 1:
+            out["o"] = out["o"] * np.float32(1.5)
+        if fx.cp_size == 1:
+            out["lse"] = np.where(np.isfinite(out["lse"]), out["lse"] + np.float32(np.log(2.0)), out["lse"])
+        return out
+    py = cpgold.shrink(START, fn, tensors=("o", "lse"), lse_layout="ht", any_failure=True, same_tensors=True)
+    assert py["smallest"] == strict["smallest"]["case_json"] and py["runs"] == strict["runs"]
+    assert py["smallest_verdict"]["tensors"] == strict["smallest"]["failing_tensors"] == ["o"]
