@@ -29,12 +29,16 @@
 #   fa3-check  the FA3 wheel built by prep installed apart and run over quick, edge and golden
 #   fa4-repro  FA-3 (TE's causal window (-1, 0) in FlashAttention-4) with torch and flash-attn-4 alone
 #   d256       TE finding 5 (FusedAttention at head dim 256) with torch and TE alone (te_repro_d256.py)
+#   sweeps     the one-GPU sweeps earlier machines left (FA4 on thread ranks beyond quick and edge, the deterministic
+#              backward of TE CP, TE non-CP and FA3/FA4 directly where it had not run, FA4 at W = 3 over NCCL), a dozen
+#              runs side by side on every GPU until SWEEPS_DEADLINE seconds
 #   multi      a 4-GPU machine's run: every harness run (W = 2 on GPU pairs, W = 4), TE CP on thread ranks, shrink,
 #              fa3-check and the deterministic FA3/FA4 sweeps side by side until MULTI_DEADLINE seconds, then
 #              te_bench alone
 #   bg PHASE.. the phases one after another in the background; poll: their progress, results copied to $OUT
 # Environment: RANDOM_COUNT (120), RANDOM_SEED (26), FOLDERS (which fixture folders a phase runs; default all),
-# DIRECT_IMPLS (fa3 fa4), TE_BACKENDS (fused fa3 fa4), NONDETERMINISTIC=0 / DETERMINISTIC=0 (skip that backward).
+# SPLIT=I/N (a run takes every N-th fixture of its folders from the I-th), DIRECT_IMPLS (fa3 fa4), TE_BACKENDS
+# (fused fa3 fa4), NONDETERMINISTIC=0 / DETERMINISTIC=0 (skip that backward).
 set -u
 PHASE=${1:?usage: device_run.sh receive|install|direct|te|te_cp|te_ranks|bench|fa3-build|bg PHASE...|poll}
 W=/tmp/outsiders; B=$W/build; FX=$W/fx; R=$W/results; L=$W/logs
@@ -44,11 +48,28 @@ HERE=python/examples/outsiders
 stamp() { echo "== $1 ($(date +%H:%M:%S))"; }
 folders() { for d in $(ls -d $FX/*/ 2>/dev/null | sed 's:/$::'); do
   [ -z "${FOLDERS:-}" ] || [[ " $FOLDERS " == *" $(basename $d) "* ]] && echo $d; done; }
+fixture_args() {  # the folders; with SPLIT=I/N only every N-th of their fixtures from the I-th (0-based), so N runs
+                 # side by side share a folder
+  if [ -z "${SPLIT:-}" ]; then folders; return; fi
+  for d in $(folders); do ls $d/*.h5; done | awk -v i=${SPLIT%/*} -v n=${SPLIT#*/} '(NR - 1) % n == i'
+}
+job() { local name=$1; shift; ( "$@" > $L/job_$name.log 2>&1; echo "job $name rc=$?" >> $R/done.txt ) & }
+seq2() {  # TAG|COMMAND items one after another; stops at the deadline; MULTI_SKIP: tags left out
+  for x in "$@"; do [ -f $W/stop_multi ] || [[ " ${MULTI_SKIP:-} " == *" ${x%%|*} "* ]] || eval "${x#*|}" || true; done; }
+jobs_until() {  # jobs_until DEADLINE: wait for the jobs; at the deadline (epoch seconds) stop what still runs
+  while [ $(date +%s) -lt $1 ] && [ -n "$(jobs -rp)" ]; do sleep 5; done
+  if [ -n "$(jobs -rp)" ]; then
+    echo "deadline reached; stopping: $(jobs -r | tr '\n' ' ')"
+    touch $W/stop_multi
+    pkill -TERM -f "cpgold.outsiders" ; pkill -TERM -f "cpgold shrink"; sleep 5
+    pkill -KILL -f "cpgold.outsiders" ; pkill -KILL -f "cpgold shrink"; wait
+  fi
+}
 run() {  # run TAG ENV ADAPTER ARGS...: one adapter over the folders, summary and table kept in $R
   local tag=$1${RUN_SUFFIX:-} env=$2; shift 2
   ( source $W/prefix/env.sh $env
     timeout ${RUN_TIMEOUT:-3000} python3 -m cpgold.outsiders "$@" --cpgold $B/bin/cpgold --summary $R/$tag.json \
-      --table $R/$tag.md --title "$tag" $(folders) > $R/$tag.log 2>&1; echo "$tag rc=$?" >> $R/done.txt )
+      --table $R/$tag.md --title "$tag" $(fixture_args) > $R/$tag.log 2>&1; echo "$tag rc=$?" >> $R/done.txt )
   tail -1 $R/$tag.log
 }
 make_fixtures() {  # quick, edge, te, golden, random, fills, te_shapes (see the header)
@@ -240,9 +261,6 @@ multi)      # this machine's whole run, GPUs shared: the harness under NCCL (tor
   t0=$(date +%s)
   export FOLDERS=${FOLDERS:-quick edge te te_shapes random fills}
   while [ ! -f $W/prefix/env.sh ] || [ ! -f $W/prep.done ]; do sleep 5; done
-  job() { local name=$1; shift; ( "$@" > $L/job_$name.log 2>&1; echo "job $name rc=$?" >> $R/done.txt ) & }
-  seq2() {  # TAG|COMMAND items one after another; stops at the deadline; MULTI_SKIP: tags left out
-    for x in "$@"; do [ -f $W/stop_multi ] || [[ " ${MULTI_SKIP:-} " == *" ${x%%|*} "* ]] || eval "${x#*|}" || true; done; }
   rm -f $W/stop_multi
   job pair01 seq2 "ranks_fused_w2|RANKS_GPUS=0,1 RANKS_TAG=te_ranks_fused_w2 RANKS_ENV=none RANKS_WORLD=2 bash $0 ranks te_cp --backend fused" \
     "ref_w2|RANKS_GPUS=0,1 RANKS_TAG=torch_allgather_w2 RANKS_ENV=none RANKS_WORLD=2 bash $0 ranks torch_allgather" \
@@ -268,17 +286,35 @@ multi)      # this machine's whole run, GPUs shared: the harness under NCCL (tor
     "det_fa3|CUDA_VISIBLE_DEVICES=2 bash -c 'source $0 __lib; run fa3_direct_det fa3 fa3 --deterministic --isolate'" \
     "det_fa4|CUDA_VISIBLE_DEVICES=3 FOLDERS='quick edge te golden' bash -c 'source $0 __lib; run fa4_direct_det fa4 fa4 --deterministic --isolate'" \
     "det_fa4_random|CUDA_VISIBLE_DEVICES=3 FOLDERS='random fills' RUN_SUFFIX=_b bash -c 'source $0 __lib; run fa4_direct_det fa4 fa4 --deterministic --isolate'"
-  deadline=$(( t0 + ${MULTI_DEADLINE:-540} ))
-  while [ $(date +%s) -lt $deadline ] && [ -n "$(jobs -rp)" ]; do sleep 5; done
-  if [ -n "$(jobs -rp)" ]; then
-    echo "multi: deadline reached after $(( $(date +%s) - t0 )) s; stopping: $(jobs -r | tr '\n' ' ')"
-    touch $W/stop_multi
-    pkill -TERM -f "cpgold.outsiders" ; pkill -TERM -f "cpgold shrink"; sleep 5
-    pkill -KILL -f "cpgold.outsiders" ; pkill -KILL -f "cpgold shrink"; wait
-  fi
+  jobs_until $(( t0 + ${MULTI_DEADLINE:-540} ))
   stamp "multi: correctness part done"
   while [ -f $W/src/CMakeLists.txt ] && [ -n "${CUDA_TARGETS:-}" ] && [ ! -f $L/cbuild.rc ]; do sleep 5; done
   [[ " ${MULTI_SKIP:-} " == *" te_bench "* ]] || bash $0 te_bench; stamp multi ;;
+sweeps)     # the one-GPU sweeps earlier machines left, side by side on every GPU until SWEEPS_DEADLINE seconds:
+            # TE CP on thread ranks with FA4 (te, te_shapes and golden, fills, random in three parts) and with FA4's and
+            # FA3's deterministic backward; TE non-CP deterministic with FA3 and FA4 over random, te_shapes and fills;
+            # FA4 and FA3 directly, deterministic, over te_shapes (FA3: and golden); FA4 one process per GPU at W = 3
+  t0=$(date +%s); export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}   # a dozen processes share the cores
+  while [ ! -f $W/prefix/env.sh ] || [ ! -f $W/prep.done ]; do sleep 5; done
+  gpus=$(nvidia-smi --query-gpu=name --format=csv,noheader | wc -l); rm -f $W/stop_multi
+  threads() {  # threads GPU FOLDERS SUFFIX ENV [ARGS...]: TE CP on thread ranks, flash backend, FA of ENV
+    ( export CUDA_VISIBLE_DEVICES=$(( $1 % gpus )) FOLDERS="$2" RUN_SUFFIX=$3; local env=$4; shift 4
+      run te_cp_${env}_threads $env te_cp --backend flash --set timeout=120 "$@" ) }
+  job thr_te     seq2 "thr_te|threads 0 te _te fa4"
+  job thr_sg     seq2 "thr_sg|threads 1 'te_shapes golden' _shapes_golden fa4"
+  job thr_fills  seq2 "thr_fills|threads 2 fills _fills fa4"
+  for i in 0 1 2; do job thr_r$i seq2 "thr_r$i|SPLIT=$i/3 threads $((3 + i)) random _random$i fa4"; done
+  job thr_det_qe seq2 "thr_det_qe|threads 2 'quick edge' _det_quick_edge fa4 --deterministic"
+  job thr_det_tg seq2 "thr_det_tg|threads 3 'te golden' _det_te_golden fa4 --deterministic"
+  job thr_fa3det seq2 "thr_fa3det|threads 0 '${SWEEPS_FOLDERS:-quick edge te golden te_shapes random fills}' _det fa3 --deterministic"
+  job te_det_r   seq2 "te_det_r|CUDA_VISIBLE_DEVICES=$((1 % gpus)) FOLDERS=random RUN_SUFFIX=_random TE_BACKENDS=fa4 NONDETERMINISTIC=0 bash $0 te"
+  job te_det_sf  seq2 "te_det_sf|CUDA_VISIBLE_DEVICES=$((2 % gpus)) FOLDERS='te_shapes fills' RUN_SUFFIX=_shapes_fills TE_BACKENDS=fa4 NONDETERMINISTIC=0 bash $0 te"
+  job te_det_fa3 seq2 "te_det_fa3|CUDA_VISIBLE_DEVICES=$((3 % gpus)) FOLDERS='random te_shapes fills' RUN_SUFFIX=_random_shapes_fills TE_BACKENDS=fa3 NONDETERMINISTIC=0 bash $0 te"
+  job direct_det seq2 "det_fa4|CUDA_VISIBLE_DEVICES=0 FOLDERS=te_shapes RUN_SUFFIX=_shapes bash -c 'source $0 __lib; run fa4_direct_det fa4 fa4 --deterministic --isolate'" \
+    "det_fa3|CUDA_VISIBLE_DEVICES=0 FOLDERS='te_shapes golden' RUN_SUFFIX=_shapes_golden bash -c 'source $0 __lib; run fa3_direct_det fa3 fa3 --deterministic --isolate'"
+  job ranks_fa4_w3 seq2 "ranks_fa4_w3|FOLDERS='quick edge te te_shapes random fills' RANKS_GPUS=0,1,2 RANKS_TAG=te_ranks_fa4_w3 RANKS_ENV=fa4 RANKS_WORLD=3 bash $0 ranks te_cp --backend flash"
+  jobs_until $(( t0 + ${SWEEPS_DEADLINE:-600} ))
+  stamp sweeps ;;
 fa3-check) # the FA3 wheel prep built from sources: installed apart and run directly over FA3_CHECK_FOLDERS
   while [ ! -f $L/fa3-build.rc ]; do sleep 10; done
   tail -3 $L/fa3-build.log
