@@ -377,3 +377,63 @@ def test_fixture_list_selects_by_name_and_prefix(tmp_path):
     assert len(runner.fixture_list([str(tmp_path / "a")], only=["a/f1.h5", "f2.h5"])) == 2
     with pytest.raises(FileNotFoundError, match="neither a folder nor a file"):
         runner.fixture_list([str(tmp_path / "none")])
+
+
+FAKE_CHILD = r'''
+import json, os, sys, time
+args = sys.argv[1:]
+skip, results = int(args[args.index("--skip") + 1]), args[args.index("--results") + 1]
+plan = os.environ["FAKE_PLAN"].split(",")   # per fixture: ok, waits (for the file FAKE_GO), dies
+for i, what in enumerate(plan[skip:], skip):
+    if what == "dies":
+        print("a warning on stderr", file=sys.stderr, flush=True)
+        os._exit(7)
+    if what == "waits":
+        while not os.path.exists(os.environ["FAKE_GO"]):
+            time.sleep(0.05)
+    with open(results, "a") as f:
+        f.write(json.dumps({"fixture": f"f{i}", "suite": "s", "status": "pass"}) + "\n")
+    print(f"verdict f{i}", flush=True)
+'''
+
+
+def _isolated_in_thread(tmp_path, monkeypatch, plan):
+    import threading
+    child = tmp_path / "child.py"
+    child.write_text(FAKE_CHILD)
+    monkeypatch.setenv("FAKE_PLAN", ",".join(plan))
+    monkeypatch.setenv("FAKE_GO", str(tmp_path / "go"))
+    results = tmp_path / "results.jsonl"
+    results.write_text("")
+    items = [("golden", golden_path("allgather_w3_full_mqa_fp32"))] * len(plan)
+    t = threading.Thread(target=runner.isolated, args=([sys.executable, str(child)], items, str(results)))
+    t.start()
+    return t, results
+
+
+def test_isolated_passes_each_verdict_on_while_the_child_goes_on(tmp_path, monkeypatch, capsys):
+    # the child prints f0's verdict, then blocks on f1: the verdict must be out before the child ends
+    import time
+    t, results = _isolated_in_thread(tmp_path, monkeypatch, ["ok", "waits"])
+    seen, deadline = "", time.monotonic() + 30
+    while "verdict f0" not in seen and time.monotonic() < deadline:
+        time.sleep(0.05)
+        seen += capsys.readouterr().out
+    running = t.is_alive()
+    (tmp_path / "go").write_text("")
+    t.join(30)
+    assert "verdict f0" in seen, "f0's verdict was held back until the child ended"
+    assert running and "verdict f1" not in seen
+    assert "verdict f1" in capsys.readouterr().out
+    assert len(runner.read_results(str(results))) == 2
+
+
+def test_isolated_records_a_death_and_goes_on_after_it(tmp_path, monkeypatch, capsys):
+    t, results = _isolated_in_thread(tmp_path, monkeypatch, ["ok", "dies", "ok"])
+    t.join(60)
+    entries = runner.read_results(str(results))
+    assert [e["status"] for e in entries] == ["pass", "error", "pass"]
+    assert "the process died (exit 7) running this fixture" in entries[1]["reason"]
+    assert "a warning on stderr" in entries[1]["reason"]
+    out = capsys.readouterr().out
+    assert "verdict f0" in out and "verdict f2" in out and "exit 7" in out

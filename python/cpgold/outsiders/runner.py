@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 
@@ -177,24 +178,34 @@ def worker(adapter, items, results, workdir, cpgold_bin, skip=0, echo=True, chil
                 os._exit(CONTEXT_LOST)
 
 
+def run_child(argv):
+    """(exit code, stderr) of a child whose stdout lines are passed on as they come: a fixture's verdict shows while
+    the child goes on with the next, and a run stopped from outside has printed what it finished."""
+    with tempfile.TemporaryFile(mode="w+") as err:
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, text=True)
+        for line in proc.stdout:
+            sys.stdout.write(line)
+            sys.stdout.flush()
+        code = proc.wait()
+        err.seek(0)
+        return code, err.read()
+
+
 def isolated(child_argv, items, results):
     """Runs the fixtures in child processes (child_argv + --worker --skip N), restarting after a crash, which is
     recorded as an error of the fixture that was running."""
     done = 0
     while done < len(items):
-        proc = subprocess.run(child_argv + ["--worker", "--skip", str(done), "--results", results],
-                              capture_output=True, text=True)
-        sys.stdout.write(proc.stdout)
-        sys.stdout.flush()
+        code, stderr = run_child(child_argv + ["--worker", "--skip", str(done), "--results", results])
         entries = read_results(results)
         done = len(entries)
-        if proc.returncode == CONTEXT_LOST:  # the fixture that broke the CUDA context is recorded already
+        if code == CONTEXT_LOST:  # the fixture that broke the CUDA context is recorded already
             continue
-        if proc.returncode != 0 and done < len(items):
+        if code != 0 and done < len(items):
             suite, path = items[done]
-            tail = "\n".join(ln for ln in proc.stderr.splitlines() if "Warning" not in ln and "warnings.warn" not in ln)
+            tail = "\n".join(ln for ln in stderr.splitlines() if "Warning" not in ln and "warnings.warn" not in ln)
             e = {"fixture": os.path.basename(path), "suite": suite, "status": "error",
-                 "reason": f"the process died (exit {proc.returncode}) running this fixture: {tail[-1500:]}"}
+                 "reason": f"the process died (exit {code}) running this fixture: {tail[-1500:]}"}
             with Fixture(path) as fx:
                 describe_entry(e, fx)
             with open(results, "a") as f:
