@@ -437,3 +437,39 @@ def test_isolated_records_a_death_and_goes_on_after_it(tmp_path, monkeypatch, ca
     assert "a warning on stderr" in entries[1]["reason"]
     out = capsys.readouterr().out
     assert "verdict f0" in out and "verdict f2" in out and "exit 7" in out
+
+
+DSL_ASSERT = ("ThreadRankError: rank 0 of 8 failed: CUDADialectError: \n\x1b[91m\x1b[1merror:\x1b[0m cudaErrorAssert "
+              "(error code: 710) \n- \x1b[1mError name: cudaErrorAssert\n- Error code: 710\n")   # FA4's form, seen on the device
+
+
+@pytest.mark.parametrize("reason,lost", [
+    (DSL_ASSERT, True),
+    ("AcceleratorError: CUDA error: device-side assert triggered", True),
+    ("RuntimeError: CUDA error: an illegal memory access was encountered", True),
+    ("ValueError: No dot product attention backend is available", False),
+])
+def test_a_child_stops_after_a_fixture_that_lost_the_cuda_context(reason, lost, monkeypatch, tmp_path):
+    # the next fixture in the same process would only repeat the sticky error, so the child exits with CONTEXT_LOST
+    ran = []
+
+    def fake_run_fixture(adapter, path, suite, workdir, cpgold_bin):
+        ran.append(path)
+        return {"fixture": path, "suite": suite, "status": "error", "reason": reason}
+
+    def fake_exit(code):
+        raise SystemExit(code)
+
+    monkeypatch.setattr(runner, "run_fixture", fake_run_fixture)
+    monkeypatch.setattr(runner.os, "_exit", fake_exit)
+    adapter = types.SimpleNamespace(name="fake")
+    results = tmp_path / "r.jsonl"
+    items = [("s", "f0.h5"), ("s", "f1.h5")]
+    if lost:
+        with pytest.raises(SystemExit) as stop:
+            runner.worker(adapter, items, str(results), str(tmp_path), None, echo=False, child=True)
+        assert stop.value.code == runner.CONTEXT_LOST and ran == ["f0.h5"]
+    else:
+        runner.worker(adapter, items, str(results), str(tmp_path), None, echo=False, child=True)
+        assert ran == ["f0.h5", "f1.h5"]
+    assert runner.context_lost(reason) == lost

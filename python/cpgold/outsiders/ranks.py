@@ -441,7 +441,7 @@ class Harness:
         from ..fixture import Fixture
         from .adapter import Refused
         from .rank_adapter import GroupInfo, RankResult
-        from .runner import CONTEXT_ERRORS
+        from .runner import context_lost
 
         label = f"{suite}/{os.path.basename(path)}"
         entry = self.describe(suite, path) if self.rank == 0 else None
@@ -485,7 +485,7 @@ class Harness:
                 if self.stopping.locked():      # the watchdog is stopping this rank: a peer failed first
                     self.stop(n, label, text)
                 self.say(f"{PROG}: rank {self.rank} raised on {label}: {text}\n{trace}", err=True)
-                if any(t in text + trace for t in CONTEXT_ERRORS):
+                if context_lost(text + trace):
                     self.stop(n, label, text[:2000], own="context_lost", trace=trace)
                 if not self.all_raised(n, text, trace):
                     self.stop(n, label, text[:2000], own="error", trace=trace)

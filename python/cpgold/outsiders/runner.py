@@ -28,8 +28,16 @@ STATUSES = ("pass", "fail", "empty", "error", "unsupported")
 # records the fixture and exits with this code: the parent starts a fresh child at the next fixture, so one crash
 # does not turn every later fixture into an error.
 CONTEXT_LOST = 75
+# A CUDA context that raised one of these is unusable for the rest of the process: torch's wording, then the CUDA
+# runtime's error names, which the CuTe DSL (FlashAttention-4) reports instead ("cudaErrorAssert (error code: 710)")
 CONTEXT_ERRORS = ("device-side assert", "illegal memory access", "an illegal instruction", "unspecified launch failure",
-                  "CUDA error: misaligned address")
+                  "CUDA error: misaligned address", "cudaErrorAssert", "cudaErrorIllegalAddress",
+                  "cudaErrorIllegalInstruction", "cudaErrorLaunchFailure", "cudaErrorMisalignedAddress")
+
+
+def context_lost(text):
+    """Whether an error's text says the CUDA context is lost (CONTEXT_ERRORS)."""
+    return any(t in text for t in CONTEXT_ERRORS)
 
 
 def mask_class(case):
@@ -173,7 +181,7 @@ def worker(adapter, items, results, workdir, cpgold_bin, skip=0, echo=True, chil
                 print(report_line(adapter.name, e), flush=True)
                 for f in e.get("failures", [])[:6]:
                     print(f"    {f}", flush=True)
-            if child and e["status"] == "error" and any(t in e.get("reason", "") + e.get("trace", "") for t in CONTEXT_ERRORS):
+            if child and e["status"] == "error" and context_lost(e.get("reason", "") + e.get("trace", "")):
                 sys.stdout.flush()
                 os._exit(CONTEXT_LOST)
 
