@@ -35,7 +35,8 @@
 #   multi      a 4-GPU machine's run: every harness run (W = 2 on GPU pairs, W = 4), TE CP on thread ranks, shrink,
 #              fa3-check and the deterministic FA3/FA4 sweeps side by side until MULTI_DEADLINE seconds, then
 #              te_bench alone
-#   bg PHASE.. the phases one after another in the background; poll: their progress, results copied to $OUT
+#   bg PHASE.. the phases one after another in the background, run from a copy of the tree; poll: their progress,
+#              results copied to $OUT
 # Environment: RANDOM_COUNT (120), RANDOM_SEED (26), FOLDERS (which fixture folders a phase runs; default all),
 # SPLIT=I/N (a run takes every N-th fixture of its folders from the I-th), DIRECT_IMPLS (fa3 fa4), TE_BACKENDS
 # (fused fa3 fa4), NONDETERMINISTIC=0 / DETERMINISTIC=0 (skip that backward).
@@ -347,11 +348,12 @@ fa3-build)
   nice -n 19 bash $HERE/build_fa3.sh $W/parts/fa3-src.tar.gz $W/fa3-wheel 2>&1 | tail -5; stamp fa3-build ;;
 waitfor)  # until done.txt names WAIT_TAG (a run started earlier in the background)
   while ! grep -q "^${WAIT_TAG:?} rc=" $R/done.txt 2>/dev/null; do sleep 5; done ;;
-bg)
-  shift
-  setsid nohup bash -c "for p in $*; do bash $0 \$p >> $L/bg.log 2>&1; done; echo 'bg done' >> $L/bg.log" \
+bg)        # from a copy of the tree: the next call's copy of the tree replaces files under a run of this one (N5 lost 4
+           # fixtures to "No module named cpgold.thread_ranks" that way)
+  shift; snap=$W/tree.$(date +%s%N); mkdir -p $snap && cp -a . $snap/
+  setsid nohup bash -c "cd $snap && for p in $*; do bash $0 \$p >> $L/bg.log 2>&1; done; echo 'bg done' >> $L/bg.log" \
     > /dev/null 2>&1 < /dev/null &
-  echo "started in the background: $*" ;;
+  echo "started in the background from $snap: $*" ;;
 poll)
   tail -5 $L/bg.log 2>/dev/null; cat $R/done.txt 2>/dev/null
   for f in $(ls -t $R/*.log $L/job_*.log 2>/dev/null | head -3); do echo "-- $f: $(grep -c . $f) lines"; tail -2 $f | cut -c1-240; done
