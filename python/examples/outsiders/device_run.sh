@@ -18,8 +18,9 @@
 #              padded batches, d 64, 128, 192/128, 256
 #   fa3-build  FlashAttention-3's wheel built from sources (fa3_sources.sh's tar in $PARTS): build_fa3.sh
 #   waitfor    wait until the run named WAIT_TAG has finished
-#   prep       the CLI, the fixtures, cpgold's CUDA targets CUDA_TARGETS (background) and FA3 from FA3_SOURCES
-#              (background; default .p0/fa3-src.tar.gz): no parts needed, so it runs while they arrive
+#   prep       the CLI (built, or CPGOLD_CLI: a CPU build carried), the fixtures, cpgold's CUDA targets CUDA_TARGETS
+#              (background) and FA3 from FA3_SOURCES (background; default .p0/fa3-src.tar.gz): no parts needed, so it
+#              runs while they arrive
 #   outsiders  the outsiders installed from the parts (install.sh); install = prep + outsiders
 #   ranks      one harness run (RANKS_TAG, RANKS_ENV, RANKS_WORLD, RANKS_GPUS; the adapter's arguments follow),
 #              restarted with --resume after a failing rank stopped it; RANKS_RESUME=1 goes on from earlier results
@@ -32,6 +33,8 @@
 #   sweeps     the one-GPU sweeps earlier machines left (FA4 on thread ranks beyond quick and edge, the deterministic
 #              backward of TE CP, TE non-CP and FA3/FA4 directly where it had not run, FA4 at W = 3 over NCCL), a dozen
 #              runs side by side on every GPU until SWEEPS_DEADLINE seconds
+#   det_threads TE CP on thread ranks with FA4's deterministic backward over te_shapes, random and fills, in parts
+#              side by side, and the fixtures N5's harness lost
 #   multi      a 4-GPU machine's run: every harness run (W = 2 on GPU pairs, W = 4), TE CP on thread ranks, shrink,
 #              fa3-check and the deterministic FA3/FA4 sweeps side by side until MULTI_DEADLINE seconds, then
 #              te_bench alone
@@ -44,7 +47,8 @@ set -u
 PHASE=${1:?usage: device_run.sh receive|install|direct|te|te_cp|te_ranks|bench|fa3-build|bg PHASE...|poll}
 W=/tmp/outsiders; B=$W/build; FX=$W/fx; R=$W/results; L=$W/logs
 mkdir -p $W/parts $R $L
-export CPGOLD_PYTHONPATH=$PWD/python:$PWD/python/examples PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+export CPGOLD_PYTHONPATH=$PWD/python:$PWD/python/examples PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 \
+  LD_LIBRARY_PATH=$B/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}   # the libraries of a carried CLI (prep, CPGOLD_CLI)
 HERE=python/examples/outsiders
 stamp() { echo "== $1 ($(date +%H:%M:%S))"; }
 folders() { for d in $(ls -d $FX/*/ 2>/dev/null | sed 's:/$::'); do
@@ -145,10 +149,15 @@ prep)      # no parts needed: the CLI, cpgold's CUDA benchmark (CUDA_TARGETS), t
     ( nice -n 19 bash $HERE/build_fa3.sh $W/fa3-src.tar.gz $W/fa3-wheel > $L/fa3-build.log 2>&1
       echo $? > $L/fa3-build.rc ) &
   fi
-  ( cmake -S $W/src -B $B -DCMAKE_BUILD_TYPE=Release -DCPGOLD_ENABLE_CUDA=OFF \
-      ${CPGOLD_PREFIX:+-DCMAKE_PREFIX_PATH=$W/src/$CPGOLD_PREFIX} > $L/configure.log 2>&1 \
-      && cmake --build $B -j$(nproc) --target cpgold > $L/build.log 2>&1; echo $? > $L/build.rc )
-  [ "$(cat $L/build.rc)" = 0 ] || { tail -30 $L/configure.log $L/build.log; exit 1; }
+  if [ -n "${CPGOLD_CLI:-}" ]; then   # a CLI built elsewhere (CPU only), with the libraries of a lib/ beside it
+    mkdir -p $B/bin $B/lib && cp $CPGOLD_CLI $B/bin/cpgold && cp -r $(dirname $CPGOLD_CLI)/lib/. $B/lib/ 2>/dev/null
+    $B/bin/cpgold --version || { echo "prep: CPGOLD_CLI=$CPGOLD_CLI does not run here"; exit 1; }
+  else
+    ( cmake -S $W/src -B $B -DCMAKE_BUILD_TYPE=Release -DCPGOLD_ENABLE_CUDA=OFF \
+        ${CPGOLD_PREFIX:+-DCMAKE_PREFIX_PATH=$W/src/$CPGOLD_PREFIX} > $L/configure.log 2>&1 \
+        && cmake --build $B -j$(nproc) --target cpgold > $L/build.log 2>&1; echo $? > $L/build.rc )
+    [ "$(cat $L/build.rc)" = 0 ] || { tail -30 $L/configure.log $L/build.log; exit 1; }
+  fi
   stamp "cpgold built"
   make_fixtures
   touch $W/prep.done
@@ -316,6 +325,19 @@ sweeps)     # the one-GPU sweeps earlier machines left, side by side on every GP
   job ranks_fa4_w3 seq2 "ranks_fa4_w3|FOLDERS='quick edge te te_shapes random fills' RANKS_GPUS=0,1,2 RANKS_TAG=te_ranks_fa4_w3 RANKS_ENV=fa4 RANKS_WORLD=3 bash $0 ranks te_cp --backend flash"
   jobs_until $(( t0 + ${SWEEPS_DEADLINE:-600} ))
   stamp sweeps ;;
+det_threads) # TE CP on thread ranks with FA4's deterministic backward over FOLDERS (te_shapes random fills) in
+            # DET_PARTS runs side by side (4), and the 6 fixtures N5's harness lost (docs/flash-outsiders.md, "Run N5")
+  while [ ! -f $W/prefix/env.sh ] || [ ! -f $W/prep.done ]; do sleep 5; done
+  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} FOLDERS=${FOLDERS:-te_shapes random fills}; n=${DET_PARTS:-4}
+  for i in $(seq 0 $((n - 1))); do
+    ( export SPLIT=$i/$n RUN_SUFFIX=_det_part$i; run te_cp_fa4_threads fa4 te_cp --backend flash --set timeout=120 --deterministic ) &
+  done
+  ( export FOLDERS="random golden" RUN_SUFFIX=_lost_det
+    run te_cp_fa4_threads fa4 te_cp --backend flash --set timeout=120 --deterministic --only golden/p2p_w2_mla_bf16.h5
+    RUN_SUFFIX=_lost run te_cp_fa4_threads fa4 te_cp --backend flash --set timeout=120 --only random/random_s26_00098_a2ap2p_w6_fp16.h5
+    RUN_SUFFIX=_lost_det run te_cp_fa3_threads fa3 te_cp --backend flash --set timeout=120 --deterministic --only \
+      random_s26_00075_a2ap2p_w6_fp16.h5,random_s26_00076_a2a_w3_fp16.h5,random_s26_00077_all_gather_w3_bf16.h5,random_s26_00078_all_gather_w2_bf16.h5 ) &
+  wait; stamp det_threads ;;
 fa3-check) # the FA3 wheel prep built from sources: installed apart and run directly over FA3_CHECK_FOLDERS
   while [ ! -f $L/fa3-build.rc ]; do sleep 10; done
   tail -3 $L/fa3-build.log
