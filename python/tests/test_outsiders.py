@@ -473,3 +473,70 @@ def test_a_child_stops_after_a_fixture_that_lost_the_cuda_context(reason, lost, 
         runner.worker(adapter, items, str(results), str(tmp_path), None, echo=False, child=True)
         assert ran == ["f0.h5", "f1.h5"]
     assert runner.context_lost(reason) == lost
+
+
+def _main_with_fake_fa3(monkeypatch, torch, calls):
+    from cpgold.outsiders.__main__ import main
+    monkeypatch.setitem(sys.modules, "flash_attn_interface", fake_fa3_module(torch, calls))
+    monkeypatch.setattr(flash.FlashAttn3, "__init__", lambda self, deterministic=False, **o:
+                        flash._FlashAdapter.__init__(self, deterministic, device="cpu"))
+    return main
+
+
+TWO = ["p2p_w2_window_tail_fp16", "allgather_w2_window_bf16"]
+
+
+def test_resume_runs_only_what_a_stopped_run_did_not_record(monkeypatch, torch_cpu, tmp_path, cpgold_bin, capsys):
+    calls = []
+    main = _main_with_fake_fa3(monkeypatch, torch_cpu, calls)
+    args = ["fa3", *map(golden_path, TWO), "--cpgold", cpgold_bin, "--summary", str(tmp_path / "s.json")]
+    assert main(args) == 0 and len(calls) == 2
+    results = tmp_path / "s.json.jsonl"
+    first = results.read_text().splitlines()[0]
+    results.write_text(first + "\n")                        # the run stopped after its first fixture
+    calls.clear()
+    assert main(args + ["--resume"]) == 0
+    assert len(calls) == 1                                  # only the second fixture ran
+    with cpgold.Fixture(golden_path(TWO[1])) as fx:
+        assert calls[0]["cu_seqlens_q"] == fx.cu_seqlens("q", padded=True).tolist()
+    summary = json.load(open(tmp_path / "s.json"))
+    assert [e["fixture"] for e in summary["fixtures"]] == [n + ".h5" for n in TWO]
+    assert summary["counts"]["pass"] == 2 and summary["resumed_with"] == 1
+    assert "1 fixtures recorded, 1 to run" in capsys.readouterr().out
+    calls.clear()
+    assert main(args + ["--resume"]) == 0 and not calls     # everything recorded: nothing runs, same summary
+    assert json.load(open(tmp_path / "s.json"))["counts"]["pass"] == 2
+
+
+def test_resume_refuses_the_results_of_another_run(monkeypatch, torch_cpu, tmp_path, cpgold_bin, capsys):
+    calls = []
+    main = _main_with_fake_fa3(monkeypatch, torch_cpu, calls)
+    args = ["fa3", golden_path(TWO[0]), "--cpgold", cpgold_bin, "--summary", str(tmp_path / "s.json")]
+    assert main(args) == 0
+    before = (tmp_path / "s.json.jsonl").read_text()
+    calls.clear()
+    with pytest.raises(SystemExit) as stop:
+        main(args + ["--resume", "--deterministic"])
+    assert stop.value.code == 2 and not calls
+    err = capsys.readouterr().err
+    assert "--resume: options" in err and '"deterministic": true' in err and "nothing was run" in err
+    assert (tmp_path / "s.json.jsonl").read_text() == before
+    (tmp_path / "s.json.run.json").unlink()                 # results whose run cannot be told
+    with pytest.raises(SystemExit) as stop:
+        main(args + ["--resume"])
+    assert stop.value.code == 2 and "does not say which run" in capsys.readouterr().err
+
+
+def test_isolated_children_append_after_the_entries_of_a_stopped_run(tmp_path, monkeypatch, capsys):
+    import threading
+    child = tmp_path / "child.py"
+    child.write_text(FAKE_CHILD)
+    monkeypatch.setenv("FAKE_PLAN", "ok,ok")
+    monkeypatch.setenv("FAKE_GO", str(tmp_path / "go"))
+    results = tmp_path / "results.jsonl"
+    results.write_text(json.dumps({"fixture": "earlier", "suite": "s", "status": "pass"}) + "\n")
+    items = [("golden", golden_path(TWO[0]))] * 2
+    t = threading.Thread(target=runner.isolated, args=([sys.executable, str(child)], items, str(results)))
+    t.start()
+    t.join(60)
+    assert [e["fixture"] for e in runner.read_results(str(results))] == ["earlier", "f0", "f1"]

@@ -25,6 +25,29 @@ def parse_sets(items):
     return options
 
 
+def resume(ap, wanted, results, run_file, identity):
+    """{(suite, fixture)} that a stopped run recorded in RESULTS when --resume goes on from it (RUN_FILE names its
+    adapter and options, which must be this run's); otherwise RESULTS starts empty and the set is empty."""
+    if not wanted or not os.path.exists(results):
+        if wanted:
+            print(f"--resume: no {results} yet: nothing to go on from, every fixture runs", file=sys.stderr)
+        open(results, "w").close()
+        return set()
+    try:
+        with open(run_file) as f:
+            before = json.load(f)
+    except (OSError, ValueError) as e:
+        ap.error(f"--resume: {run_file} does not say which run {results} belongs to ({e}); nothing was run")
+    for key in ("adapter", "options"):
+        if before.get(key) != identity[key]:
+            ap.error(f"--resume: {key} {json.dumps(identity[key])} is not the stopped run's {json.dumps(before.get(key))} "
+                     f"({run_file}); nothing was run")
+    try:
+        return {(e["suite"], e["fixture"]) for e in read_results(results)}
+    except (ValueError, KeyError) as e:
+        ap.error(f"--resume: {results} is not a results file of this command ({type(e).__name__}: {e}); nothing was run")
+
+
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(prog="python3 -m cpgold.outsiders", description=__doc__.splitlines()[0],
@@ -43,6 +66,9 @@ def main(argv=None):
                     help="only the first N fixtures (by name) of the folder named SUITE")
     ap.add_argument("--isolate", action="store_true", help="each run of fixtures in a child process (default for te_cp)")
     ap.add_argument("--title", help="title of the tables (default: adapter and options)")
+    ap.add_argument("--resume", action="store_true",
+                    help="go on from a run that stopped: the fixtures recorded in SUMMARY.jsonl (beside --summary) are "
+                         "not run again; the adapter and its options must be the stopped run's")
     ap.add_argument("--write-candidate", metavar="PATH",
                     help="one fixture: write the implementation's candidate file to PATH, no check, no tables")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -86,17 +112,28 @@ def main(argv=None):
         worker(make(args.adapter, **options), items, args.results, workdir, args.cpgold, args.skip, child=True)
         return 0
     summary_path = args.summary or f"{args.adapter}.json"
-    results = summary_path + ".jsonl"
-    open(results, "w").close()
+    results, run_file = summary_path + ".jsonl", summary_path + ".run.json"
     t0 = time.time()
     adapter = make(args.adapter, **options)  # in the parent too: versions, and an import error before any child
+    identity = json.loads(json.dumps({"adapter": args.adapter, "options": adapter.options()}, default=str))
+    recorded = resume(ap, args.resume, results, run_file, identity)
+    if recorded:
+        items = [(s, p) for s, p in items if (s, os.path.basename(p)) not in recorded]
+        print(f"{args.adapter}: resuming from {results}: {len(recorded)} fixtures recorded, {len(items)} to run",
+              flush=True)
+    with open(run_file, "w") as f:
+        json.dump(identity, f)
     versions = adapter.versions()
     print(f"{args.adapter}: " + ", ".join(f"{k} {v}" for k, v in versions.items()), flush=True)
-    if args.isolate or adapter.isolate:
+    if not items:
+        print(f"{args.adapter}: every fixture is recorded already", flush=True)
+    elif args.isolate or adapter.isolate:
+        only = [f"{s}/{os.path.basename(p)}" for s, p in items] if recorded else args.only
         child = [sys.executable, "-m", "cpgold.outsiders", args.adapter, *args.fixtures] + \
                 sum((["--set", s] for s in args.set), []) + (["--deterministic"] if args.deterministic else []) + \
                 (["--backend", args.backend] if args.backend else []) + (["--cpgold", args.cpgold] if args.cpgold else []) + \
-                (["--only", ",".join(args.only)] if args.only else []) + sum((["--first", f] for f in args.first), [])
+                (["--only", ",".join(only)] if only else []) + \
+                ([] if recorded else sum((["--first", f] for f in args.first), []))   # the list says it all
         isolated(child, items, results)
     else:
         worker(adapter, items, results, workdir, args.cpgold)
@@ -105,7 +142,7 @@ def main(argv=None):
     text = markdown(entries, title)
     summary = {"adapter": args.adapter, "options": adapter.options(), "pad_rows": adapter.pad_rows,
                "versions": versions, "seconds": round(time.time() - t0, 1), "counts": counts(entries),
-               "fixtures": entries}
+               "resumed_with": len(recorded), "fixtures": entries}
     with open(summary_path, "w") as f:
         json.dump(summary, f, indent=1, default=str)
     if args.table:

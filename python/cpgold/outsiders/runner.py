@@ -201,12 +201,12 @@ def run_child(argv):
 
 def isolated(child_argv, items, results):
     """Runs the fixtures in child processes (child_argv + --worker --skip N), restarting after a crash, which is
-    recorded as an error of the fixture that was running."""
-    done = 0
+    recorded as an error of the fixture that was running. RESULTS may hold entries of an earlier run (--resume):
+    the children's entries follow them."""
+    before, done = len(read_results(results)), 0
     while done < len(items):
         code, stderr = run_child(child_argv + ["--worker", "--skip", str(done), "--results", results])
-        entries = read_results(results)
-        done = len(entries)
+        done = len(read_results(results)) - before
         if code == CONTEXT_LOST:  # the fixture that broke the CUDA context is recorded already
             continue
         if code != 0 and done < len(items):

@@ -41,6 +41,7 @@
 #   bg PHASE.. the phases one after another in the background, run from a copy of the tree; poll: their progress,
 #              results copied to $OUT
 # Environment: RANDOM_COUNT (120), RANDOM_SEED (26), FOLDERS (which fixture folders a phase runs; default all),
+# RUN_RESUME=1 (a run goes on from the fixtures its stopped predecessor recorded: --resume),
 # SPLIT=I/N (a run takes every N-th fixture of its folders from the I-th), DIRECT_IMPLS (fa3 fa4), TE_BACKENDS
 # (fused fa3 fa4), NONDETERMINISTIC=0 / DETERMINISTIC=0 (skip that backward).
 set -u
@@ -72,9 +73,11 @@ jobs_until() {  # jobs_until DEADLINE: wait for the jobs; at the deadline (epoch
 }
 run() {  # run TAG ENV ADAPTER ARGS...: one adapter over the folders, summary and table kept in $R
   local tag=$1${RUN_SUFFIX:-} env=$2; shift 2
+  [ -n "${RUN_RESUME:-}" ] || : > $R/$tag.log   # a resumed run's log goes on after the stopped one's
   ( source $W/prefix/env.sh $env
     timeout ${RUN_TIMEOUT:-3000} python3 -m cpgold.outsiders "$@" --cpgold $B/bin/cpgold --summary $R/$tag.json \
-      --table $R/$tag.md --title "$tag" $(fixture_args) > $R/$tag.log 2>&1; echo "$tag rc=$?" >> $R/done.txt )
+      --table $R/$tag.md --title "$tag" ${RUN_RESUME:+--resume} $(fixture_args) >> $R/$tag.log 2>&1
+    echo "$tag rc=$?" >> $R/done.txt )
   tail -1 $R/$tag.log
 }
 make_fixtures() {  # quick, edge, te, golden, random, fills, te_shapes (see the header)
