@@ -540,3 +540,23 @@ def test_isolated_children_append_after_the_entries_of_a_stopped_run(tmp_path, m
     t.start()
     t.join(60)
     assert [e["fixture"] for e in runner.read_results(str(results))] == ["earlier", "f0", "f1"]
+
+
+def test_resume_drops_an_unfinished_last_line_and_runs_its_fixture_again(monkeypatch, torch_cpu, tmp_path, cpgold_bin,
+                                                                         capsys):
+    calls = []
+    main = _main_with_fake_fa3(monkeypatch, torch_cpu, calls)
+    args = ["fa3", *map(golden_path, TWO), "--cpgold", cpgold_bin, "--summary", str(tmp_path / "s.json")]
+    assert main(args) == 0
+    results = tmp_path / "s.json.jsonl"
+    lines = results.read_text().splitlines()
+    results.write_text(lines[0] + "\n" + lines[1][:40])     # killed while writing the second line
+    calls.clear()
+    assert main(args + ["--resume"]) == 0 and len(calls) == 1
+    assert "ends in an unfinished line" in capsys.readouterr().err
+    assert json.load(open(tmp_path / "s.json"))["counts"]["pass"] == 2
+    results.write_text("not json\n")                        # not this command's results: refused, left as it is
+    with pytest.raises(SystemExit) as stop:
+        main(args + ["--resume"])
+    assert stop.value.code == 2 and "is not a results file of this command" in capsys.readouterr().err
+    assert results.read_text() == "not json\n"

@@ -42,6 +42,14 @@ def resume(ap, wanted, results, run_file, identity):
         if before.get(key) != identity[key]:
             ap.error(f"--resume: {key} {json.dumps(identity[key])} is not the stopped run's {json.dumps(before.get(key))} "
                      f"({run_file}); nothing was run")
+    with open(results) as f:
+        text = f.read()
+    if text and not text.endswith("\n"):   # a run killed while writing its last line: that fixture runs again
+        kept = text[:text.rfind("\n") + 1]
+        print(f"--resume: {results} ends in an unfinished line ({len(text) - len(kept)} bytes); dropped, and its "
+              f"fixture runs again", file=sys.stderr)
+        with open(results, "w") as f:
+            f.write(kept)
     try:
         return {(e["suite"], e["fixture"]) for e in read_results(results)}
     except (ValueError, KeyError) as e:
