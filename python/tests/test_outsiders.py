@@ -555,6 +555,10 @@ def test_resume_drops_an_unfinished_last_line_and_runs_its_fixture_again(monkeyp
     assert main(args + ["--resume"]) == 0 and len(calls) == 1
     assert "ends in an unfinished line" in capsys.readouterr().err
     assert json.load(open(tmp_path / "s.json"))["counts"]["pass"] == 2
+    with pytest.raises(SystemExit) as stop:                 # one candidate keeps no results to go on from
+        main(["fa3", golden_path(TWO[0]), "--write-candidate", str(tmp_path / "c.h5"), "--resume"])
+    assert stop.value.code == 2 and "not with --write-candidate" in capsys.readouterr().err
+    assert not (tmp_path / "c.h5").exists()
     results.write_text("not json\n")                        # not this command's results: refused, left as it is
     with pytest.raises(SystemExit) as stop:
         main(args + ["--resume"])

@@ -104,6 +104,8 @@ def main(argv=None):
         ap.error("fixtures: no .h5 file found")
     workdir = tempfile.gettempdir()
     if args.write_candidate:
+        if args.resume:
+            ap.error("--resume: not with --write-candidate, which runs one fixture and keeps no results to go on from")
         if len(items) != 1:
             ap.error(f"--write-candidate: give exactly one fixture, got {len(items)}")
         if os.path.lexists(args.write_candidate):
