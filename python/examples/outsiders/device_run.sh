@@ -71,6 +71,9 @@ jobs_until() {  # jobs_until DEADLINE: wait for the jobs; at the deadline (epoch
     pkill -KILL -f "cpgold.outsiders" ; pkill -KILL -f "cpgold shrink"; wait
   fi
 }
+threads() {  # threads ENV [ARGS...]: TE CP on thread ranks, flash backend with ENV's FlashAttention, tag
+             # te_cp_ENV_threads (FOLDERS, SPLIT and RUN_SUFFIX as set; the timeout leaves room for FA4's compiles)
+  local env=$1; shift; run te_cp_${env}_threads $env te_cp --backend flash --set timeout=120 "$@"; }
 run() {  # run TAG ENV ADAPTER ARGS...: one adapter over the folders, summary and table kept in $R
   local tag=$1${RUN_SUFFIX:-} env=$2; shift 2
   [ -n "${RUN_RESUME:-}" ] || : > $R/$tag.log   # a resumed run's log goes on after the stopped one's
@@ -286,7 +289,7 @@ multi)      # this machine's whole run, GPUs shared: the harness under NCCL (tor
     "ranks_fa4_w4|RANKS_GPUS=3,2,1,0 RANKS_TAG=te_ranks_fa4_w4 RANKS_ENV=fa4 RANKS_WORLD=4 bash $0 ranks te_cp --backend flash"
   job thread seq2 "threads_fused|CUDA_VISIBLE_DEVICES=3 bash -c 'source $0 __lib; run te_cp_fused_threads none te_cp --backend fused --set timeout=30'" \
     "threads_fa3|CUDA_VISIBLE_DEVICES=2 bash -c 'source $0 __lib; run te_cp_fa3_threads fa3 te_cp --backend flash --set timeout=30'" \
-    "threads_fa4|CUDA_VISIBLE_DEVICES=1 FOLDERS='quick edge' bash -c 'source $0 __lib; run te_cp_fa4_threads fa4 te_cp --backend flash --set timeout=120'"
+    "threads_fa4|CUDA_VISIBLE_DEVICES=1 FOLDERS='quick edge' bash -c 'source $0 __lib; threads fa4'"
   job shrink seq2 "shrink|bash $0 shrink"
   # TE non-CP with FA4 (three parts side by side), deterministic backward with FA3 and FA4, FusedAttention on edge
   job te_fa4a seq2 "te_fa4_a|CUDA_VISIBLE_DEVICES=2 FOLDERS='quick edge te golden' RUN_SUFFIX=_a TE_BACKENDS=fa4 DETERMINISTIC=0 bash $0 te"
@@ -310,16 +313,15 @@ sweeps)     # the one-GPU sweeps earlier machines left, side by side on every GP
   t0=$(date +%s); export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}   # a dozen processes share the cores
   while [ ! -f $W/prefix/env.sh ] || [ ! -f $W/prep.done ]; do sleep 5; done
   gpus=$(nvidia-smi --query-gpu=name --format=csv,noheader | wc -l); rm -f $W/stop_multi
-  threads() {  # threads GPU FOLDERS SUFFIX ENV [ARGS...]: TE CP on thread ranks, flash backend, FA of ENV
-    ( export CUDA_VISIBLE_DEVICES=$(( $1 % gpus )) FOLDERS="$2" RUN_SUFFIX=$3; local env=$4; shift 4
-      run te_cp_${env}_threads $env te_cp --backend flash --set timeout=120 "$@" ) }
-  job thr_te     seq2 "thr_te|threads 0 te _te fa4"
-  job thr_sg     seq2 "thr_sg|threads 1 'te_shapes golden' _shapes_golden fa4"
-  job thr_fills  seq2 "thr_fills|threads 2 fills _fills fa4"
-  for i in 0 1 2; do job thr_r$i seq2 "thr_r$i|SPLIT=$i/3 threads $((3 + i)) random _random$i fa4"; done
-  job thr_det_qe seq2 "thr_det_qe|threads 2 'quick edge' _det_quick_edge fa4 --deterministic"
-  job thr_det_tg seq2 "thr_det_tg|threads 3 'te golden' _det_te_golden fa4 --deterministic"
-  job thr_fa3det seq2 "thr_fa3det|threads 0 '${SWEEPS_FOLDERS:-quick edge te golden te_shapes random fills}' _det fa3 --deterministic"
+  on() {  # on GPU FOLDERS SUFFIX ENV [ARGS...]: threads ENV ARGS on that GPU over those folders
+    ( export CUDA_VISIBLE_DEVICES=$(( $1 % gpus )) FOLDERS="$2" RUN_SUFFIX=$3; shift 3; threads "$@" ) }
+  job thr_te     seq2 "thr_te|on 0 te _te fa4"
+  job thr_sg     seq2 "thr_sg|on 1 'te_shapes golden' _shapes_golden fa4"
+  job thr_fills  seq2 "thr_fills|on 2 fills _fills fa4"
+  for i in 0 1 2; do job thr_r$i seq2 "thr_r$i|SPLIT=$i/3 on $((3 + i)) random _random$i fa4"; done
+  job thr_det_qe seq2 "thr_det_qe|on 2 'quick edge' _det_quick_edge fa4 --deterministic"
+  job thr_det_tg seq2 "thr_det_tg|on 3 'te golden' _det_te_golden fa4 --deterministic"
+  job thr_fa3det seq2 "thr_fa3det|on 0 '${SWEEPS_FOLDERS:-quick edge te golden te_shapes random fills}' _det fa3 --deterministic"
   job te_det_r   seq2 "te_det_r|CUDA_VISIBLE_DEVICES=$((1 % gpus)) FOLDERS=random RUN_SUFFIX=_random TE_BACKENDS=fa4 NONDETERMINISTIC=0 bash $0 te"
   job te_det_sf  seq2 "te_det_sf|CUDA_VISIBLE_DEVICES=$((2 % gpus)) FOLDERS='te_shapes fills' RUN_SUFFIX=_shapes_fills TE_BACKENDS=fa4 NONDETERMINISTIC=0 bash $0 te"
   job te_det_fa3 seq2 "te_det_fa3|CUDA_VISIBLE_DEVICES=$((3 % gpus)) FOLDERS='random te_shapes fills' RUN_SUFFIX=_random_shapes_fills TE_BACKENDS=fa3 NONDETERMINISTIC=0 bash $0 te"
@@ -333,12 +335,12 @@ det_threads) # TE CP on thread ranks with FA4's deterministic backward over FOLD
   while [ ! -f $W/prefix/env.sh ] || [ ! -f $W/prep.done ]; do sleep 5; done
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} FOLDERS=${FOLDERS:-te_shapes random fills}; n=${DET_PARTS:-4}
   for i in $(seq 0 $((n - 1))); do
-    ( export SPLIT=$i/$n RUN_SUFFIX=_det_part$i; run te_cp_fa4_threads fa4 te_cp --backend flash --set timeout=120 --deterministic ) &
+    ( export SPLIT=$i/$n RUN_SUFFIX=_det_part$i; threads fa4 --deterministic ) &
   done
   ( export FOLDERS="random golden" RUN_SUFFIX=_lost_det
-    run te_cp_fa4_threads fa4 te_cp --backend flash --set timeout=120 --deterministic --only golden/p2p_w2_mla_bf16.h5
-    RUN_SUFFIX=_lost run te_cp_fa4_threads fa4 te_cp --backend flash --set timeout=120 --only random/random_s26_00098_a2ap2p_w6_fp16.h5
-    RUN_SUFFIX=_lost_det run te_cp_fa3_threads fa3 te_cp --backend flash --set timeout=120 --deterministic --only \
+    threads fa4 --deterministic --only golden/p2p_w2_mla_bf16.h5
+    RUN_SUFFIX=_lost threads fa4 --only random/random_s26_00098_a2ap2p_w6_fp16.h5
+    RUN_SUFFIX=_lost_det threads fa3 --deterministic --only \
       random_s26_00075_a2ap2p_w6_fp16.h5,random_s26_00076_a2a_w3_fp16.h5,random_s26_00077_all_gather_w3_bf16.h5,random_s26_00078_all_gather_w2_bf16.h5 ) &
   wait; stamp det_threads ;;
 fa3-check) # the FA3 wheel prep built from sources: installed apart and run directly over FA3_CHECK_FOLDERS
