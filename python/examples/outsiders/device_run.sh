@@ -331,13 +331,15 @@ sweeps)     # the one-GPU sweeps earlier machines left, side by side on every GP
   jobs_until $(( t0 + ${SWEEPS_DEADLINE:-600} ))
   stamp sweeps ;;
 det_threads) # TE CP on thread ranks with FA4's deterministic backward over FOLDERS (te_shapes random fills) in
-            # DET_PARTS runs side by side (4), and the 6 fixtures N5's harness lost (docs/flash-outsiders.md, "Run N5")
+            # DET_PARTS runs side by side (4) spread over the GPUs, and the 6 fixtures N5's harness lost
+            # (docs/flash-outsiders.md, "Run N5"; DET_LOST=0 leaves them out)
   while [ ! -f $W/prefix/env.sh ] || [ ! -f $W/prep.done ]; do sleep 5; done
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} FOLDERS=${FOLDERS:-te_shapes random fills}; n=${DET_PARTS:-4}
-  for i in $(seq 0 $((n - 1))); do
-    ( export SPLIT=$i/$n RUN_SUFFIX=_det_part$i; threads fa4 --deterministic ) &
+  gpus=$(nvidia-smi --query-gpu=name --format=csv,noheader | wc -l)
+  for i in $(seq 0 $((n - 1))); do   # part i on GPU i mod the GPU count
+    ( export SPLIT=$i/$n RUN_SUFFIX=_det_part$i CUDA_VISIBLE_DEVICES=$(( i % gpus )); threads fa4 --deterministic ) &
   done
-  ( export FOLDERS="random golden" RUN_SUFFIX=_lost_det
+  [ "${DET_LOST:-1}" = 1 ] && ( export FOLDERS="random golden" RUN_SUFFIX=_lost_det
     threads fa4 --deterministic --only golden/p2p_w2_mla_bf16.h5
     RUN_SUFFIX=_lost threads fa4 --only random/random_s26_00098_a2ap2p_w6_fp16.h5
     RUN_SUFFIX=_lost_det threads fa3 --deterministic --only \
