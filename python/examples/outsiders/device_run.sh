@@ -52,6 +52,7 @@ export CPGOLD_PYTHONPATH=$PWD/python:$PWD/python/examples PYTHONUNBUFFERED=1 NCC
   LD_LIBRARY_PATH=$B/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}   # the libraries of a carried CLI (prep, CPGOLD_CLI)
 HERE=python/examples/outsiders
 stamp() { echo "== $1 ($(date +%H:%M:%S))"; }
+gpu_count() { nvidia-smi --query-gpu=name --format=csv,noheader | wc -l; }
 folders() { for d in $(ls -d $FX/*/ 2>/dev/null | sed 's:/$::'); do
   [ -z "${FOLDERS:-}" ] || [[ " $FOLDERS " == *" $(basename $d) "* ]] && echo $d; done; }
 fixture_args() {  # the folders; with SPLIT=I/N only every N-th of their fixtures from the I-th (0-based), so N runs
@@ -110,7 +111,7 @@ ranks() {  # ranks TAG ENV W ADAPTER ARGS...: the harness under torchrun on W GP
            # restarted with --resume after a run a failing rank stopped or an abort ended (a device-side assert), so
            # every fixture runs (RANKS_ATTEMPTS runs at most)
   local tag=$1 env=$2 w=$3; shift 3
-  local gpus=$(nvidia-smi --query-gpu=name --format=csv,noheader | wc -l)
+  local gpus=$(gpu_count)
   if [ "$w" -gt "$gpus" ]; then echo "$tag: W=$w needs $w GPUs, this machine has $gpus: not run"; return; fi
   local resume= attempt
   if [ -n "${RANKS_RESUME:-}" ]; then resume=--resume; else rm -rf $R/ranks/$tag; fi   # RANKS_RESUME: go on
@@ -199,7 +200,7 @@ te_ranks)   # one process per GPU: the rank files, results.jsonl, summary.json a
 ranks)      # one run of the harness: RANKS_TAG RANKS_ENV RANKS_WORLD, then the adapter's arguments (multi uses it)
   shift; ranks $RANKS_TAG $RANKS_ENV $RANKS_WORLD "$@" ;;
 te_bench)   # TE's CP speed (bench/gpu/bench_te_cp.py) per W and backend, then cpgold's bench_cp_nccl, alone
-  gpus=$(nvidia-smi --query-gpu=name --format=csv,noheader | wc -l)
+  gpus=$(gpu_count)
   mkdir -p $R/bench $OUT/bench
   for w in ${BENCH_W:-2 4}; do
     [ "$w" -gt "$gpus" ] && { echo "te_bench: W=$w needs $w GPUs"; continue; }
@@ -232,7 +233,7 @@ shrink)     # cpgold shrink with TE as COMMAND, from failing fixtures (SHRINK_ST
             # i mod the GPU count (SHRINK_GPU: all on one); SHRINK_ARGS: more options of cpgold shrink (--same-tensors),
             # SHRINK_SET: more adapter options (--set poison=1)
   mkdir -p $R/shrink
-  gpus=$(nvidia-smi --query-gpu=name --format=csv,noheader | wc -l); i=0
+  gpus=$(gpu_count); i=0
   for item in ${SHRINK_START:-A_all_gather=edge/window_two_sided_w2 B_a2ap2p=random/random_s26_00016_a2ap2p_w4_bf16 \
       C_p2p_gqa=random/random_s26_00069_p2p_w4_bf16 D256_gqa=edge/d256_p2p_w2_gqa@none@64,128,256 \
       FA3_fa4_causal=fills/p2p_w2_causal_bf16_zero@fa4@32,64,128@te}; do
@@ -312,7 +313,7 @@ sweeps)     # the one-GPU sweeps earlier machines left, side by side on every GP
             # FA4 and FA3 directly, deterministic, over te_shapes (FA3: and golden); FA4 one process per GPU at W = 3
   t0=$(date +%s); export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}   # a dozen processes share the cores
   while [ ! -f $W/prefix/env.sh ] || [ ! -f $W/prep.done ]; do sleep 5; done
-  gpus=$(nvidia-smi --query-gpu=name --format=csv,noheader | wc -l); rm -f $W/stop_multi
+  gpus=$(gpu_count); rm -f $W/stop_multi
   on() {  # on GPU FOLDERS SUFFIX ENV [ARGS...]: threads ENV ARGS on that GPU over those folders
     ( export CUDA_VISIBLE_DEVICES=$(( $1 % gpus )) FOLDERS="$2" RUN_SUFFIX=$3; shift 3; threads "$@" ) }
   job thr_te     seq2 "thr_te|on 0 te _te fa4"
@@ -335,7 +336,7 @@ det_threads) # TE CP on thread ranks with FA4's deterministic backward over FOLD
             # (docs/flash-outsiders.md, "Run N5"; DET_LOST=0 leaves them out)
   while [ ! -f $W/prefix/env.sh ] || [ ! -f $W/prep.done ]; do sleep 5; done
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} FOLDERS=${FOLDERS:-te_shapes random fills}; n=${DET_PARTS:-4}
-  gpus=$(nvidia-smi --query-gpu=name --format=csv,noheader | wc -l)
+  gpus=$(gpu_count)
   for i in $(seq 0 $((n - 1))); do   # part i on GPU i mod the GPU count
     ( export SPLIT=$i/$n RUN_SUFFIX=_det_part$i CUDA_VISIBLE_DEVICES=$(( i % gpus )); threads fa4 --deterministic ) &
   done
