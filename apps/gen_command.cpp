@@ -23,6 +23,7 @@
 #include "fixtures/schema/fixture_schema.hpp"
 #include "fixtures/golden/fixture_writer.hpp"
 #include "fixtures/golden/gen_job.hpp"
+#include "fixtures/golden/given_inputs_file.hpp"
 #include "fixtures/golden/generate_admission.hpp"
 #include "fixtures/golden/golden_manifest.hpp"
 #include "fixtures/storage/output_file.hpp"
@@ -161,6 +162,8 @@ struct GenArgs {
   bool force = false, trace = false, manifest = false, yes = false;
   std::vector<std::string> only;  // --only
   int count = 0;           // --count (--suite random)
+  std::string inputs;      // --inputs FILE.h5: the case's q, k, v, dout given, not drawn from the seed
+  bool allow_nonfinite = false;  // --allow-nonfinite-inputs
 };
 
 int run_gen(GenArgs args) {
@@ -179,6 +182,10 @@ int run_gen(GenArgs args) {
   if (manifest && (suite.empty() || !only.empty()))
     fail_input("--manifest", "needs --suite and the whole suite (no --only)");
   if (output.empty()) fail_input("-o", "an output path is required (a file for a case, a folder for a suite)");
+  if (!args.inputs.empty() && !suite.empty())
+    fail_input("--inputs", "gives the tensors of one case: give a case (--case or case flags), not --suite");
+  if (args.allow_nonfinite && args.inputs.empty())
+    fail_input("--allow-nonfinite-inputs", "only with --inputs (seeded inputs are always finite in valid rows)");
   // Each job's case is validated once (sim::parse_case) and its cost, Plan and memory computed once (admit_gen_jobs).
   std::vector<fx::GenJob> jobs;
   if (!suite.empty()) {
@@ -207,6 +214,30 @@ int run_gen(GenArgs args) {
   for (const fx::GenJob& job : jobs) fx::check_destination(job.path, force);
   const std::string manifest_path = (fs::path(output) / fx::kManifestName).string();
   if (manifest) fx::check_destination(manifest_path, force);
+
+  // Given inputs: read and checked once the destination is known to be free, before any estimate or compute. The
+  // case's pad_fill becomes what their pad rows hold (sim::check_given_inputs).
+  std::shared_ptr<sim::CaseInputs> given;
+  sim::GivenInputsSummary given_summary;
+  if (!args.inputs.empty()) {
+    std::error_code same_ec;
+    if (fs::exists(output) && fs::equivalent(args.inputs, output, same_ec))
+      fail_input("--inputs", "'", args.inputs, "' is also the output (-o): a fixture never replaces its own inputs");
+    given = std::make_shared<sim::CaseInputs>(fx::read_given_inputs(args.inputs, jobs.front().spec));
+    jobs.front().given_inputs = true;
+    const sim::PadFill asked = jobs.front().spec.pad_fill;
+    given_summary = sim::check_given_inputs(jobs.front().spec, *given, args.allow_nonfinite);
+    std::fprintf(stderr, "inputs: given from %s (not drawn from the seed)%s\n", args.inputs.c_str(),
+                 asked == given_summary.pad_fill
+                     ? ""
+                     : ("; pad_fill " + std::string(sim::pad_fill_name(asked)) + " -> " +
+                        std::string(sim::pad_fill_name(given_summary.pad_fill)) + ", what their pad rows hold")
+                           .c_str());
+    if (given_summary.nonfinite_valid > 0)
+      std::fprintf(stderr, "inputs: FLAGGED: %lld NaN or infinite value(s) in valid rows, the first at %s "
+                   "(--allow-nonfinite-inputs); the fixture records it\n",
+                   static_cast<long long>(given_summary.nonfinite_valid), given_summary.first_nonfinite.c_str());
+  }
 
   // Refuse before any work when the estimates exceed what the machine has, with a margin (unless --yes):
   // fx::admit_gen_jobs, which cpgold.generate in Python goes through too.
@@ -245,6 +276,8 @@ int run_gen(GenArgs args) {
     fx::GenerateOptions options;
     options.trace = job_trace;
     options.progress = &progress;
+    options.given_inputs = given;
+    options.nonfinite_valid = given_summary.nonfinite_valid;
     fx::GoldenRun run = [&] {
       try {
         return fx::generate(job, options);
@@ -313,6 +346,12 @@ const RegisterCommand registered("gen", [](CLI::App& app) -> std::function<int()
   sub->add_option("--only", args->only, "with --suite: generate only these case names")->delimiter(',');
   sub->add_flag("--manifest", args->manifest,
                 "with --suite: also write MANIFEST.json (case JSON and SHA-256 of every dataset) into the folder");
+  sub->add_option("--inputs", args->inputs,
+                  "HDF5 file with datasets q, k, v, dout (the global padded THD layout of the case, values of its "
+                  "dtype): the fixture's golden, peer, per-rank and per-step data are computed from them instead of "
+                  "from the seed (docs/capture.md)");
+  sub->add_flag("--allow-nonfinite-inputs", args->allow_nonfinite,
+                "with --inputs: accept NaN or infinite values in valid rows (refused otherwise); the fixture is flagged");
   sub->add_flag("--yes", args->yes, "go ahead although the memory or disk estimate exceeds what is available");
   return [=] { return run_gen(*args); };
 });

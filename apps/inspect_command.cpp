@@ -34,6 +34,15 @@ int run_inspect(const std::string& path, bool verify) {
   else
     std::printf("inputs    sha256 %s (%s)\n", fixture.inputs_sha256.c_str(),
                 verify ? "verified against the stored inputs" : "not verified: --no-verify");
+  if (fixture.inputs_source == "given")
+    std::printf("          given (the tensors of a run, not drawn from the seed)%s\n",
+                fixture.inputs_nonfinite_valid == 0
+                    ? ""
+                    : ("; FLAGGED: " + std::to_string(fixture.inputs_nonfinite_valid) +
+                       " NaN or infinite value(s) in valid rows, accepted on request")
+                          .c_str());
+  else
+    std::printf("          drawn from the seed %llu\n", static_cast<unsigned long long>(fixture.spec.seed));
   const int unchecked = static_cast<int>(fixture.without_checksum.size());
   if (verify)
     std::printf("checksums verified: %d dataset(s) with Fletcher32 read in full; %d empty dataset(s) hold no data and no "
@@ -59,7 +68,7 @@ int run_inspect(const std::string& path, bool verify) {
   std::printf("  steps: forward %d, backward %d\n", fixture.plan.forward.steps, fixture.plan.backward.steps);
 
   std::printf("\n%-34s %-8s %-18s\n", "dataset", "type", "shape");
-  for (const fx::ExpectedDataset& d : fx::expected_datasets(fixture.spec, fixture.plan, fixture.traced)) {
+  for (const fx::ExpectedDataset& d : fx::expected_datasets(fixture.spec, fixture.plan, fixture.traced, fixture.inputs_source == "given")) {
     if (d.path.find("/steps/") != std::string::npos && d.path.find("cu_seqlens") != std::string::npos) continue;
     std::printf("%-34s %-8s %-18s\n", d.path.c_str(), std::string(fx::h5::element_name(d.element)).c_str(),
                 fx::h5::dims_text(d.dims).c_str());

@@ -206,6 +206,8 @@ CheckReport run_checks(const h5::Reader& golden, const FixtureFile& fixture, con
   report.warnings = cands.warnings;
   report.inputs = cands.inputs;
   report.inputs_sha256 = fixture.inputs_sha256;
+  report.inputs_source = fixture.inputs_source;
+  report.inputs_nonfinite_valid = fixture.inputs_nonfinite_valid;
   if (!report.inputs.empty() && report.inputs_sha256.empty()) report.inputs_sha256 = inputs_sha256(golden);
   for (InputsClaim& claim : report.inputs) claim.matches = claim.sha256 == report.inputs_sha256;
   if (cands.tensors.empty())

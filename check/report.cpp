@@ -239,15 +239,15 @@ std::string render_text(const CheckReport& report) {
         << "\n";
   out << "\n";
   char line[320];
-  const char* row_format = "%-14s %-11s %10s %10s %10s %10s %8s %8s  %-5s %8s %8s  %s\n";
+  const char* row_format = "%-14s %-11s %10s %10s %10s %10s %8s %8s %8s  %-5s %8s %8s  %s\n";
   std::snprintf(line, sizeof line, row_format, "tensor", "deciding", "max err", "max limit", "mean err", "mean limit",
-                "max/lim", "mean/lim", "other", "max/lim", "mean/lim", "verdict");
+                "max/lim", "p99/lim", "mean/lim", "other", "max/lim", "mean/lim", "verdict");
   out << line;
   for (const TensorResult& r : report.results) {
     const Evaluation& e = r.evaluation;
     if (r.missing) {
       std::snprintf(line, sizeof line, row_format, result_name(r).c_str(), deciding_name(r), "-", "-", "-", "-", "-",
-                    "-", other_name(r), "-", "-", "FAIL (missing in candidate)");
+                    "-", "-", other_name(r), "-", "-", "FAIL (missing in candidate)");
       out << line;
       continue;
     }
@@ -258,7 +258,8 @@ std::string render_text(const CheckReport& report) {
     else if (!e.mean_ok) verdict += " (mean)";
     std::snprintf(line, sizeof line, row_format, result_name(r).c_str(), deciding_name(r), fmt(e.max_err).c_str(),
                   fmt(e.limits.max).c_str(), fmt(e.mean_err).c_str(), fmt(e.limits.mean).c_str(),
-                  fmt_ratio(e.max_ratio).c_str(), fmt_ratio(e.mean_ratio).c_str(), other_name(r),
+                  fmt_ratio(e.max_ratio).c_str(), fmt_ratio(e.p99_ratio).c_str(), fmt_ratio(e.mean_ratio).c_str(),
+                  other_name(r),
                   r.has_other ? fmt_ratio(e.other_max_ratio).c_str() : "-",
                   r.has_other ? fmt_ratio(e.other_mean_ratio).c_str() : "-", verdict.c_str());
     out << line;
@@ -277,6 +278,14 @@ std::string render_text(const CheckReport& report) {
   } else {
     out << "pad and tail rows of o/dq/dk/dv: exactly 0 (the contract; --pad-rows zero)\n";
   }
+  if (report.inputs_nonfinite_valid > 0) {
+    int64_t skipped = 0;
+    for (const TensorResult& r : report.results)
+      if (!r.missing) skipped += r.evaluation.oracle_nonfinite;
+    out << "inputs: FLAGGED: the fixture's given inputs hold " << report.inputs_nonfinite_valid
+        << " NaN or infinite value(s) in valid rows (a finding about the run that produced them); " << skipped
+        << " output element(s) whose exact value is therefore not finite were not compared\n";
+  }
   for (const InputsClaim& claim : report.inputs) {
     if (claim.matches) {
       out << "inputs: " << claim.source << " states inputs_sha256 " << short_sha(claim.sha256)
@@ -289,8 +298,9 @@ std::string render_text(const CheckReport& report) {
         << ". Check it against the fixture it was computed from, or recompute it from this fixture's inputs.\n";
   }
   for (const std::string& w : report.warnings) out << "warning: " << w << "\n";
-  out << "(max/lim = max err / max limit, mean/lim = mean err / mean limit; first pair against the deciding budget,\n"
-         " second pair against the other one: ncp = non-CP peer, cp = CP peer; step partials carry the CP budget only)\n";
+  out << "(max/lim = max err / max limit, p99/lim = 99th percentile of err / max limit (within 2.2% above), mean/lim =\n"
+         " mean err / mean limit; first against the deciding budget, the last pair against the other one: ncp = non-CP\n"
+         " peer, cp = CP peer; step partials carry the CP budget only)\n";
   const Margins m = margins(report);
   out << "\n" << margin_line("margin to the deciding budget", m.deciding_max, m.deciding_max_at, m.deciding_mean, m.deciding_mean_at);
   out << margin_line("margin to the other budget   ", m.other_max, m.other_max_at, m.other_mean, m.other_mean_at);
@@ -360,6 +370,8 @@ nlohmann::ordered_json to_json(const CheckReport& report) {
         {{"source", claim.source}, {"sha256", claim.sha256},
          {"case_json", claim.case_json.empty() ? nlohmann::ordered_json(nullptr) : nlohmann::ordered_json(claim.case_json)},
          {"matches", claim.matches}});
+  inputs["fixture_source"] = report.inputs_source;
+  inputs["fixture_nonfinite_valid"] = report.inputs_nonfinite_valid;
   j["inputs"] = inputs;
   nlohmann::ordered_json results = nlohmann::ordered_json::array();
   for (const TensorResult& r : report.results) {
@@ -381,6 +393,8 @@ nlohmann::ordered_json to_json(const CheckReport& report) {
     t["other_max_limit"] = e.other.max;
     t["other_mean_limit"] = e.other.mean;
     put_number(t, "max_ratio", e.max_ratio);
+    // 99th percentile of |error| / max limit over the compared elements (a bin edge: within 2.2% above the true one)
+    put_number(t, "p99_ratio", e.p99_ratio);
     put_number(t, "mean_ratio", e.mean_ratio);
     t["other_budget"] = other_name(r);
     if (r.has_other) {
@@ -391,6 +405,7 @@ nlohmann::ordered_json to_json(const CheckReport& report) {
       t["other_mean_ratio"] = nullptr;
     }
     t["exact_violations"] = e.exact_violation_count;
+    t["oracle_nonfinite"] = e.oracle_nonfinite;
     if (report.pad_rows == PadRows::unwritten) {  // information only: rows the convention leaves out
       t["unwritten_nonzero"] = e.unwritten_nonzero;
       t["unwritten_nonfinite"] = e.unwritten_nonfinite;

@@ -54,6 +54,8 @@ struct CheckReport {
   PadRows pad_rows = PadRows::zero;                  // the convention for pad and tail rows
   std::vector<std::string> warnings;  // e.g. candidate datasets that look like outputs but are not read
   std::string inputs_sha256;          // the fixture's inputs digest (computed when the file predates the attribute)
+  std::string inputs_source = "seed"; // "seed" or "given" (the tensors of a run: cpgold gen --inputs, cpgold.capture)
+  int64_t inputs_nonfinite_valid = 0; // given inputs: NaN or infinite values in valid rows (the fixture is flagged)
   std::vector<InputsClaim> inputs;    // what the candidates state about their inputs; a mismatch fails the check
   std::string fixture_candidate;      // a candidate that is a cpgold fixture: its stored simulator outputs were checked
   std::vector<int> ranks;             // the ranks whose per-rank outputs were checked

@@ -82,18 +82,54 @@ def explain_text(case=None, summary=False, te=False, **keys):
     return text
 
 
-def generate(case=None, path=None, trace=False, force=False, yes=False, **keys):
+def _input_array(name, value):
+    """One given input as a C-ordered float32 or float64 numpy array, exactly (torch tensors on any device, bf16 and
+    float16 widened to float32, which holds every value of theirs); any other dtype is left for the core to refuse
+    with the tensor named."""
+    import numpy as np
+
+    if hasattr(value, "detach") and hasattr(value, "dtype") and not isinstance(value, np.ndarray):  # torch
+        import torch
+
+        t = value.detach().to("cpu")
+        if t.dtype in (torch.bfloat16, torch.float16):
+            t = t.float()
+        value = t.numpy()
+    a = np.asarray(value)
+    if a.dtype == np.float16:
+        a = a.astype(np.float32)
+    return np.ascontiguousarray(a)
+
+
+def generate(case=None, path=None, trace=False, force=False, yes=False, inputs=None, allow_nonfinite=False, **keys):
     """A golden fixture of the case, made by the code of `cpgold gen`.
     path: write it there (never over an existing file unless force) and return a Fixture open on it;
     None: keep it in memory and return a Fixture on its bytes (the same bytes `gen` writes; nothing stays on disk).
     trace: also store the per-step partials. Before any work the memory estimate (with gen's margin) and, with a path,
     the disk estimate are checked against what the machine has, as `cpgold gen` does; yes=True goes ahead anyway
     (`gen --yes`). cpgold's signal handlers are installed only while the file is written, and Python's are back
-    afterwards; Ctrl-C during the write removes the file and raises KeyboardInterrupt."""
+    afterwards; Ctrl-C during the write removes the file and raises KeyboardInterrupt.
+    inputs: {"q", "k", "v", "dout"} as numpy arrays or torch tensors in the global padded THD layout of the case
+    ([rows, heads, dim], values of the case dtype): the golden, peer, per-rank and per-step data are computed from
+    them instead of from the seed, exactly as `cpgold gen --inputs FILE` does (the same checks, the same fixture);
+    the fixture records inputs_source "given". NaN or infinity in a valid row is refused unless allow_nonfinite
+    (the fixture is then flagged). docs/capture.md."""
+    from .errors import InputError
     from .fixture import Fixture
 
     text = _case_text(case, **keys)
+    arrays = None
+    if inputs is not None:
+        if not hasattr(inputs, "keys"):
+            raise InputError(f"inputs: expected a dict of q, k, v, dout, got {type(inputs).__name__}", "inputs")
+        extra = sorted(set(inputs) - {"q", "k", "v", "dout"})
+        if extra:
+            raise InputError(f"inputs: unknown tensor(s) {extra}: give q, k, v and dout", "inputs")
+        arrays = {name: _input_array(name, value) for name, value in inputs.items()}
+    elif allow_nonfinite:
+        raise InputError("allow_nonfinite: only with inputs= (seeded inputs are always finite in valid rows)",
+                         "allow_nonfinite")
     if path is None:
-        return Fixture(core().generate(text, None, bool(trace), False, bool(yes)))
-    core().generate(text, os.fspath(path), bool(trace), bool(force), bool(yes))
+        return Fixture(core().generate(text, None, bool(trace), False, bool(yes), arrays, bool(allow_nonfinite)))
+    core().generate(text, os.fspath(path), bool(trace), bool(force), bool(yes), arrays, bool(allow_nonfinite))
     return Fixture(path)

@@ -91,6 +91,9 @@ class Fixture:
                                "case_json") from None
         self.generator = _text(attrs["generator"])
         self._inputs_sha256 = _text(attrs["inputs_sha256"]) if "inputs_sha256" in attrs else None
+        # "seed" or "given" (fixtures/SCHEMA.md, "Given inputs"); fixtures written before the attribute are seeded.
+        self.inputs_source = _text(attrs["inputs_source"]) if "inputs_source" in attrs else "seed"
+        self.inputs_nonfinite_valid = int(attrs["inputs_nonfinite_valid"]) if "inputs_nonfinite_valid" in attrs else 0
         self._layout = {name: np.asarray(self._file["layout"][name][()]) for name in self._file["layout"]}
 
     # -- the case ------------------------------------------------------------------------------------------------

@@ -31,6 +31,7 @@
 #include "fixtures/golden/suites.hpp"
 #include "reference/input_error.hpp"
 #include "sim/case/case_spec.hpp"
+#include "sim/case/given_inputs.hpp"
 #include "sim/explain/explain.hpp"
 #include "sim/explain/explain_request.hpp"
 #include "sim/explain/explain_summary.hpp"
@@ -239,16 +240,69 @@ PYBIND11_MODULE(_core, m) {
       py::arg("case_json"), py::arg("summary") = false, py::arg("te") = false,
       "(JSON text, text) of `cpgold explain` (te: `explain --te`)");
 
+  // The global row of every rank-local row (TransformerEngine's thd_get_partitioned_indices) of both sides of a case:
+  // how rank-local shards of a captured run become the case's global tensors (cpgold.capture).
+  m.def(
+      "rank_rows",
+      [](const std::string& json_text) {
+        const sim::CaseSpec spec = parse_case(json_text);
+        const sim::Partition partition =
+            sim::make_partition(sim::layout(spec), spec.cp_size,
+                                spec.causal || is_causal(sim::mask_window(spec)) || has_window(sim::mask_window(spec)));
+        py::dict out;
+        for (auto [name, side] : {std::pair{"q", &partition.q}, std::pair{"kv", &partition.kv}}) {
+          py::list ranks;
+          for (int r = 0; r < spec.cp_size; ++r) {
+            const std::vector<int64_t> rows = side->gather_indices(r);
+            py::array_t<int64_t> a(static_cast<py::ssize_t>(rows.size()));
+            std::copy(rows.begin(), rows.end(), a.mutable_data());
+            ranks.append(a);
+          }
+          out[name] = ranks;
+        }
+        return out;
+      },
+      py::arg("case_json"), "{'q': [rows of rank r], 'kv': [...]}: the global row of every rank-local row");
+
   m.def(
       "generate",
-      [](const std::string& json_text, std::optional<std::string> path, bool trace, bool force, bool yes) -> py::object {
+      [](const std::string& json_text, std::optional<std::string> path, bool trace, bool force, bool yes,
+         std::optional<py::dict> inputs, bool allow_nonfinite) -> py::object {
         std::vector<fx::GenJob> jobs{{"case", path.value_or(""), parse_case(json_text), trace}};
         if (path) fx::check_destination(*path, force);  // before any compute, as `cpgold gen`
+        // Given inputs (float32 or float64 arrays, C order, from cpgold.generate): the checks of `gen --inputs`.
+        std::shared_ptr<sim::CaseInputs> given;
+        sim::GivenInputsSummary given_summary;
+        if (inputs) {
+          given = std::make_shared<sim::CaseInputs>();
+          for (sim::InputTensor which : {sim::InputTensor::q, sim::InputTensor::k, sim::InputTensor::v, sim::InputTensor::dout}) {
+            const char* name = sim::input_tensor_name(which);
+            if (!inputs->contains(name))
+              fail_input("inputs", "missing tensor '", name, "': give q, k, v and dout");
+            const py::array array = py::reinterpret_borrow<py::array>((*inputs)[name]);
+            std::vector<int64_t> dims(array.shape(), array.shape() + array.ndim());
+            Tensor3<float>& t = which == sim::InputTensor::q   ? given->q
+                                : which == sim::InputTensor::k ? given->k
+                                : which == sim::InputTensor::v ? given->v
+                                                               : given->dout;
+            if (py::isinstance<py::array_t<float, py::array::c_style>>(array))
+              t = sim::given_tensor(jobs.front().spec, which, dims, static_cast<const float*>(array.data()));
+            else if (py::isinstance<py::array_t<double, py::array::c_style>>(array))
+              t = sim::given_tensor(jobs.front().spec, which, dims, static_cast<const double*>(array.data()));
+            else
+              fail_input(std::string("inputs.") + name, "expected a C-ordered float32 or float64 array, got ",
+                         std::string(py::str(array.dtype())));
+          }
+          given_summary = sim::check_given_inputs(jobs.front().spec, *given, allow_nonfinite);
+          jobs.front().given_inputs = true;
+        }
         // The memory (with its margin) and disk estimates of `cpgold gen`, before any work.
         const std::string folder = path ? std::filesystem::absolute(*path).parent_path().string() : std::string(".");
         (void)fx::admit_gen_jobs(jobs, folder, yes, "yes=True");
         fx::GenerateOptions options;
         options.trace = trace;
+        options.given_inputs = given;
+        options.nonfinite_valid = given_summary.nonfinite_valid;
         fx::GoldenRun run;
         {
           py::gil_scoped_release release;
@@ -269,7 +323,7 @@ PYBIND11_MODULE(_core, m) {
         return py::bytes(reinterpret_cast<const char*>(image.data()), image.size());
       },
       py::arg("case_json"), py::arg("path") = py::none(), py::arg("trace") = false, py::arg("force") = false,
-      py::arg("yes") = false,
+      py::arg("yes") = false, py::arg("inputs") = py::none(), py::arg("allow_nonfinite") = false,
       "a fixture of the case: written to `path` as `cpgold gen` writes it, or (path None) the bytes of the same file");
 
   // The destination rules of every file cpgold writes, for the Python candidate writers: check_destination before
@@ -337,6 +391,8 @@ PYBIND11_MODULE(_core, m) {
         d["datasets"] = f.datasets;
         d["inputs_sha256"] = digest;
         d["inputs_sha256_stored"] = !f.inputs_sha256.empty();
+        d["inputs_source"] = f.inputs_source;
+        d["inputs_nonfinite_valid"] = f.inputs_nonfinite_valid;
         return d;
       },
       py::arg("fixture"), py::arg("verify") = false,
