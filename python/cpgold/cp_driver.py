@@ -19,7 +19,8 @@ import numpy as np
 
 from . import _arrays
 from .candidate import lse_to_ht
-from .check import check_outputs, summary
+from .check import check_outputs, summary, tensor_names
+from .errors import InputError
 from .fixture import OUTPUT_NAMES, SIDE, Fixture
 
 __all__ = ["run_cp", "RankContext", "CPResult"]
@@ -88,15 +89,29 @@ class CPResult:
 
 
 def _as_dict(out, rank):
+    """The function's return value of one rank as {name: tensor}; InputError naming the rank and the key otherwise."""
+    expected = f"(o, lse) or a dict of some of {', '.join(OUTPUT_NAMES)}"
     if isinstance(out, dict):
+        if not out:
+            raise InputError(f"rank {rank}: the function returned an empty dict: expected {expected}", "fn")
         unknown = [n for n in out if n not in OUTPUT_NAMES]
         if unknown:
-            raise ValueError(f"rank {rank}: the function returned {unknown}, not among {OUTPUT_NAMES}")
-        return dict(out)
-    if isinstance(out, (tuple, list)) and len(out) == 2:
-        return {"o": out[0], "lse": out[1]}
-    raise ValueError(f"rank {rank}: the function must return (o, lse) or a dict of some of {OUTPUT_NAMES}, got "
-                     f"{type(out).__name__}")
+            raise InputError(f"rank {rank}: the function returned the key(s) {', '.join(map(repr, unknown))}: "
+                             f"expected {expected}", "fn")
+        out = dict(out)
+    elif isinstance(out, (tuple, list)) and len(out) == 2:
+        out = {"o": out[0], "lse": out[1]}
+    else:
+        what = f"a {type(out).__name__} of {len(out)}" if isinstance(out, (tuple, list)) else type(out).__name__
+        raise InputError(f"rank {rank}: the function must return {expected}, got {what}", "fn")
+    for name, t in out.items():
+        if t is None:
+            raise InputError(f"rank {rank}: {name!r} is None: expected a torch tensor or a numpy array", name)
+        device = getattr(t, "device", None)
+        if getattr(device, "type", None) == "meta":
+            raise InputError(f"rank {rank}: {name!r} is a meta tensor (a shape without values, shape "
+                             f"{tuple(t.shape)}): expected a tensor that holds values, on the CPU or a GPU", name)
+    return out
 
 
 def _run_rank(fn, fixture, ctx, backward):
@@ -109,9 +124,9 @@ def _run_rank(fn, fixture, ctx, backward):
     if backward and not all(n in out for n in BACKWARD_NAMES):
         o = out.get("o")
         if o is None or not getattr(o, "requires_grad", False):
-            raise ValueError(f"rank {ctx.rank}: backward=True, but o {'is missing' if o is None else 'does not require grad'}"
+            raise InputError(f"rank {ctx.rank}: backward=True, but o {'is missing' if o is None else 'does not require grad'}"
                              " (it is not computed from q, k, v under autograd): return dq, dk, dv from the function, "
-                             "or check the forward alone with backward=False (tensors o, lse)")
+                             "or check the forward alone with backward=False (tensors o, lse)", "o")
         grads = torch.autograd.grad(o, (q, k, v), x["dout"].to(o.dtype), allow_unused=True)
         for name, g, ref in zip(BACKWARD_NAMES, grads, (q, k, v)):
             out[name] = g if g is not None else torch.zeros_like(ref)
@@ -121,11 +136,33 @@ def _run_rank(fn, fixture, ctx, backward):
 def _float32(fixture, out, rank, lse_layout):
     res = {}
     for name, t in out.items():
-        if name == "lse":
-            res[name] = lse_to_ht(t, fixture.heads_q, lse_layout)
-        else:
-            res[name] = _arrays.to_float32(t, f"rank {rank}: {name}")
+        try:
+            if name == "lse":
+                res[name] = lse_to_ht(t, fixture.heads_q, lse_layout)
+            else:
+                res[name] = _arrays.to_float32(t, name)
+        except ValueError as e:
+            raise InputError(f"rank {rank}: {e}", name) from None
     return res
+
+
+def _same_names(names, tensors):
+    """names: the tensor names every rank returned, in rank order. InputError naming the rank and the key when the
+    ranks differ, or when a tensor `tensors` asks for is missing."""
+    every = [n for n in OUTPUT_NAMES if any(n in got for got in names)]
+    for r, got in enumerate(names):
+        absent = [n for n in every if n not in got]
+        if absent:
+            other = next(i for i, g in enumerate(names) if absent[0] in g)
+            raise InputError(f"rank {r}: the function returned no {absent[0]!r} (it returned "
+                             f"{', '.join(n for n in OUTPUT_NAMES if n in got)}), rank {other} did: every rank must "
+                             "return the same tensors", absent[0])
+    for n in tensor_names(tensors) or ():
+        if n not in every:
+            ranks = "rank 0" if len(names) == 1 else f"ranks 0 to {len(names) - 1}"
+            raise InputError(f"{ranks}: the function returned no {n!r} (it returned {', '.join(every)}), which "
+                             f"tensors= checks ({','.join(tensor_names(tensors))}): return it, or leave it out of "
+                             "tensors=", n)
 
 
 def _gather(fixture, outputs):
@@ -140,8 +177,8 @@ def _gather(fixture, outputs):
         for r, out in enumerate(outputs):
             idx = fixture.partitioned_indices(r, side)
             if out[name].shape[axis] != len(idx):
-                raise ValueError(f"rank {r}: {name} has {out[name].shape[axis]} rows on axis {axis}, the fixture's "
-                                 f"partition gives the rank {len(idx)} (shape {tuple(out[name].shape)})")
+                raise InputError(f"rank {r}: {name} has {out[name].shape[axis]} rows on axis {axis}, the fixture's "
+                                 f"partition gives the rank {len(idx)} (shape {tuple(out[name].shape)})", name)
             if axis == 0:
                 g[idx] = out[name]
             else:
@@ -169,11 +206,20 @@ def run_cp(fn, fixture, backward=True, tensors=None, device=None, group=None, ti
     forward alone (tensors "o,lse"). tensors: what is checked (default: all five, or o and lse without backward).
     device: "cpu", "cuda", ... (default: cuda when torch has a GPU, else cpu). group: run under this process group
     (one process per rank) instead of thread ranks; an initialized torch.distributed selects that mode as well.
+    timeout (thread ranks): seconds a rank waits for its peers at one torch.distributed call, default 120; None waits
+    without bound; anything but None or a positive finite number is an InputError. Past it the run raises
+    ThreadRankError naming the rank that never arrived and what it was last doing, and stops every rank thread
+    (cpgold.thread_ranks: "Stopping"); so does KeyboardInterrupt, which is raised again.
+    Unusable returns (an empty dict, a tensor that is None or a meta tensor, ranks returning different tensors, a
+    tensor `tensors` names that no rank returned) are an InputError naming the rank and the key.
     check: raise AssertionError (summary line first) when a check fails; False returns the result either way.
     Returns a CPResult (outputs per rank, gathered outputs, the two reports)."""
     __tracebackhide__ = True
     import torch
 
+    from .thread_ranks import timeout_seconds
+
+    timeout = timeout_seconds(timeout)
     if not isinstance(fixture, Fixture):
         with Fixture(fixture) as opened:
             return run_cp(fn, opened, backward, tensors, device, group, timeout, lse_layout, empty_row_lse, diagnosis,
@@ -187,12 +233,18 @@ def run_cp(fn, fixture, backward=True, tensors=None, device=None, group=None, ti
         rank = dist.get_rank(group) if group is not None else dist.get_rank()
         size = dist.get_world_size(group) if group is not None else dist.get_world_size()
         if size != w:
-            raise ValueError(f"group: the process group has {size} ranks, the fixture {fixture.path} has cp_size {w}: "
-                             "pass the CP group (group=) or a fixture of that many ranks")
+            raise InputError(f"group: the process group has {size} ranks, the fixture {fixture.path} has cp_size {w}: "
+                             "pass the CP group (group=) or a fixture of that many ranks", "group")
         if device is None:
             device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
         ctx = RankContext(fixture, rank, w, group if group is not None else dist.group.WORLD, torch.device(device))
         mine = _run_rank(fn, fixture, ctx, backward)
+        # Which tensors every rank returned, first: a rank that returned other tensors is then the same InputError on
+        # every process, not all-gathers that never match.
+        have = torch.tensor([int(n in mine) for n in OUTPUT_NAMES], dtype=torch.int32, device=ctx.device)
+        parts = [torch.empty_like(have) for _ in range(w)]
+        dist.all_gather(parts, have, group=group)
+        _same_names([[n for n, b in zip(OUTPUT_NAMES, p.tolist()) if b] for p in parts], tensors)
         raw = [dict() for _ in range(w)]
         for name in sorted(mine):
             t = mine[name].contiguous()
@@ -218,7 +270,11 @@ def run_cp(fn, fixture, backward=True, tensors=None, device=None, group=None, ti
                 raise
             if hasattr(cause, "add_note"):
                 cause.add_note(f"cpgold.run_cp: raised on {str(e).split(':')[0]}")
+                if ranks.left_running:
+                    cause.add_note(f"cpgold.run_cp: rank threads still running after the run stopped (inside C code): "
+                                   f"{', '.join(ranks.left_running)}")
             raise cause from None
+        _same_names([list(out) for out in raw], tensors)
     outputs = [_float32(fixture, out, r, lse_layout) for r, out in enumerate(raw)]
     gathered = _gather(fixture, outputs)
     options = dict(tensors=tensors, empty_row_lse=empty_row_lse, lse_layout="ht", diagnosis=diagnosis)

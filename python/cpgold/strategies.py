@@ -38,6 +38,13 @@ def _bound(name, value, low):
     return value
 
 
+def _min_cp_size(comms):
+    """The least W drawn for any of the comm types: a2a+p2p is drawn with a2a groups of a2a_size >= 2 dividing W (the
+    case parser takes a2a_size 1 or W = 1 too, but a2a groups of one rank split no heads: that is p2p), so it needs
+    W >= 2; the others take W = 1."""
+    return min(2 if c == "a2a+p2p" else 1 for c in comms)
+
+
 def _divisors(n):
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -45,11 +52,9 @@ def _divisors(n):
 @st.composite
 def _cases(draw, cp_size, comm, max_cp_size, min_sequences, max_sequences, max_seqlen, zero_length, max_heads_q, gqa,
            dims, mla, masks, windows, pad_fills, dtypes, extra_padding, tail_rows, cross, max_seed, empty_batch):
-    w = cp_size if cp_size is not None else draw(st.integers(1, max_cp_size))
-    comms = [c for c in comm if c != "a2a+p2p" or w > 1]
-    if not comms:
-        raise InputError(f"comm: a2a+p2p needs cp_size > 1, got cp_size {w}", "comm")
-    c = draw(st.sampled_from(comms))
+    # Only a W some comm type of `comm` takes: a2a+p2p alone needs W >= 2 (cases() checked that one exists).
+    w = cp_size if cp_size is not None else draw(st.integers(_min_cp_size(comm), max_cp_size))
+    c = draw(st.sampled_from([c for c in comm if w >= _min_cp_size((c,))]))
     case = {"cp_size": w, "comm": c}
     unit = 1  # heads_q and heads_kv are multiples of it
     if c == "a2a":
@@ -122,10 +127,19 @@ def cases(*, cp_size=None, comm=COMMS, max_cp_size=4, min_sequences=1, max_seque
     left and right up to max_seqlen), pad_fills, dtypes, extra_padding (up to two more chunks of 2W rows of padding
     after a sequence), tail_rows (rows past the last sequence, where the comm type takes them), cross (seqlens_kv !=
     seqlens_q where the mask allows it under CP), max_seed, empty_batch (allow a batch whose every sequence is empty:
-    its check compares nothing, which `cpgold check` counts as a failure)."""
+    its check compares no element and passes, the report saying `no_valid_element`).
+    Every W drawn is one the comm type drawn takes (a2a+p2p: W >= 2, with an a2a_size >= 2 dividing it); a cp_size or
+    max_cp_size that no comm type of `comm` takes is an InputError here, not while drawing."""
+    comms = _choices("comm", comm, COMMS)
     if cp_size is not None:
         _bound("cp_size", cp_size, 1)
+        if cp_size < _min_cp_size(comms):
+            raise InputError(f"comm: a2a+p2p is drawn with a2a groups of >= 2 ranks, so it needs cp_size >= 2, got "
+                             f"cp_size {cp_size}", "comm")
     _bound("max_cp_size", max_cp_size, 1)
+    if cp_size is None and max_cp_size < _min_cp_size(comms):
+        raise InputError(f"max_cp_size: comm a2a+p2p is drawn with a2a groups of >= 2 ranks, so it needs cp_size >= 2, "
+                         f"got max_cp_size {max_cp_size}", "max_cp_size")
     _bound("min_sequences", min_sequences, 1)
     _bound("max_sequences", max_sequences, min_sequences)
     _bound("max_seqlen", max_seqlen, 0 if zero_length and empty_batch else 1)
@@ -136,7 +150,7 @@ def cases(*, cp_size=None, comm=COMMS, max_cp_size=4, min_sequences=1, max_seque
         _bound("dims", d, 1)
     if not dims:
         raise InputError("dims: expected at least one head dim", "dims")
-    return _cases(cp_size, _choices("comm", comm, COMMS), max_cp_size, min_sequences, max_sequences, max_seqlen,
+    return _cases(cp_size, comms, max_cp_size, min_sequences, max_sequences, max_seqlen,
                   zero_length, max_heads_q, gqa, dims, mla, _choices("masks", masks, MASKS), windows,
                   _choices("pad_fills", pad_fills, PAD_FILLS), _choices("dtypes", dtypes, DTYPES), extra_padding,
                   tail_rows, cross, max_seed, empty_batch)

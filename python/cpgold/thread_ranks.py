@@ -25,9 +25,20 @@ Ordering follows NCCL's contract: sends and receives between two ranks of one gr
 posted, and the k-th collective of a group on one rank meets the k-th on every other. A transfer is enqueued on a
 stream of its own as soon as both sides have posted, after the events recorded on each poster's current stream;
 `Work.wait()` (or a synchronous call) makes the caller's current stream wait for it. Nothing buffers silently:
-a send whose receive never comes, or a collective a rank never joins, fails after `timeout` seconds with the rank,
-the operation and the peer; an exception on one rank stops every other rank at its next wait. Reductions sum in
-rank order in the tensor's dtype, so a rerun gives the same bits.
+a send whose receive never comes, or a collective a rank never joins, fails after `timeout` seconds (default 120;
+None waits without bound) naming the rank, the operation, the rank that never arrived and what that rank was last
+doing (its last thread-rank call, or none, and where its code is now). A rank that returned waits for the others the
+same way: when no rank has made a thread-rank call for `timeout` seconds while another rank is still running outside
+one, the run stops naming it. Reductions sum in rank order in the tensor's dtype, so a rerun gives the same bits.
+
+Stopping: a timeout (or another failed communication) or KeyboardInterrupt in the main thread stops the run at
+once: every rank waiting in a thread-rank call raises ThreadRankError, and a rank busy outside one (computing,
+sleeping, looping in Python) gets RankStopped raised asynchronously in its thread, so it unwinds at its next Python
+instruction. After an exception of a rank's own code, the waiting ranks raise at once and the busy ones run on to
+their next thread-rank call (which raises) or their return, for up to `timeout` seconds before they are stopped the
+same way: the lowest rank whose code raises is the one reported, whichever raised first. Rank threads are daemon
+threads: `run` waits up to STOP_GRACE seconds for them to end, then raises anyway, naming any rank thread still
+running (one inside a long C call) and where it is.
 
 Backward passes run on the calling thread (`torch.autograd.set_multithreading_enabled(False)` in every rank
 thread): the autograd engine's one worker thread per GPU would otherwise run the ranks' backwards one after the
@@ -35,17 +46,53 @@ other, and a ring backward waiting for its neighbour would never finish.
 """
 import collections
 import contextlib
+import ctypes
+import math
+import numbers
+import os
+import sys
 import threading
 import time
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["ThreadRanks", "RankGroup", "ThreadRankError"]
+from .errors import InputError
+
+__all__ = ["ThreadRanks", "RankGroup", "ThreadRankError", "RankStopped", "STOP_GRACE"]
+
+# Seconds `run` waits for the rank threads to end once the run stops (an exception, a timeout, KeyboardInterrupt).
+STOP_GRACE = 5.0
 
 
 class ThreadRankError(RuntimeError):
     """A communication between thread ranks that cannot complete (timeout, aborted peer, mismatched call)."""
+
+
+class RankStopped(BaseException):
+    """Raised asynchronously in a rank thread that is busy outside any thread-rank call when the run stops (another
+    rank failed, a timeout, KeyboardInterrupt in the main thread), so that it unwinds. A BaseException, as
+    KeyboardInterrupt is, so that `except Exception` in the rank's code does not keep it running."""
+
+
+def timeout_seconds(timeout, field="timeout"):
+    """None (no bound) or a positive finite number of seconds as a float; InputError naming `field` otherwise."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not math.isfinite(timeout) \
+            or timeout <= 0:
+        raise InputError(f"{field}: expected None or a positive finite number of seconds, got {timeout!r}", field)
+    return float(timeout)
+
+
+def _where(thread, depth=3):
+    """Where a thread's Python code is now: its innermost frames, innermost first."""
+    frame = sys._current_frames().get(thread.ident) if thread is not None and thread.ident is not None else None
+    parts = []
+    while frame is not None and len(parts) < depth:
+        parts.append(f"{frame.f_code.co_name} ({os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno})")
+        frame = frame.f_back
+    return " <- ".join(parts) if parts else "not running Python code"
 
 
 def _process_group_base():
@@ -107,8 +154,12 @@ class _Work:
     def _ready(self):
         return self.done_event is not None or self.error is not None
 
+    def missing(self):
+        """Global ranks whose matching call has not come (set by the poster)."""
+        return []
+
     def wait(self, timeout=None):
-        self._world.wait_for(self._ready, self._what)
+        self._world.wait_for(self._ready, self._what, self.missing)
         if self.error is not None:
             raise ThreadRankError(f"{self._what}: {self.error}")
         if self.done_event is not True:
@@ -161,8 +212,12 @@ class ThreadRanks:
     have ended."""
 
     def __init__(self, world_size, device=None, timeout=120.0):
+        """timeout: seconds a rank waits for its peers at one thread-rank call (and a rank that returned for the
+        others' next call), default 120; None waits without bound. InputError for anything but None or a positive
+        finite number."""
         if not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size: expected an integer >= 1, got {world_size!r}")
+        self.timeout = timeout_seconds(timeout)
         self.world_size = world_size
         if device is None:  # a CPU-only torch runs the ranks on the CPU
             device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -172,13 +227,19 @@ class ThreadRanks:
                              "False): use device='cpu' with CPU tensors")
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
-        self.timeout = float(timeout)
         self._cond = threading.Condition()
         self._comms = {}
         self._local = threading.local()
-        self._abort = None
+        self._abort = None          # why the run stops (a sentence), or None
+        self._abort_now = False     # stop the busy ranks at once (else once they had `timeout` to get to a call)
+        self._abort_at = None
         self._transfer_stream = None
         self.transfers = collections.Counter()   # operation -> count, for the record of a run
+        self._threads = []
+        self._doing = {}          # rank -> [last thread-rank call, since (monotonic), waiting in it, returned]
+        self._activity = 0.0      # monotonic time of the last thread-rank call of any rank, or of a rank's return
+        self._stop_sent = set()   # ranks RankStopped was raised in
+        self.left_running = []    # names of rank threads still running when the last run returned or raised
 
     # ---------------------------------------------------------------- groups
     def rank(self):
@@ -207,16 +268,43 @@ class ThreadRanks:
         return RankGroup(comm, comm.members.index(r))
 
     # ---------------------------------------------------------------- waiting
-    def wait_for(self, predicate, what):
-        deadline = time.monotonic() + self.timeout
+    def _note(self, rank, what, waiting=False):
+        """Records what a rank does (its last thread-rank call); called with self._cond held."""
+        now = time.monotonic()
+        self._doing[rank] = [what, now, waiting, False]
+        self._activity = now
+
+    def describe(self, rank):
+        """What a rank was last doing, for an error: its last thread-rank call (or none), and where its code is."""
+        what, since, waiting, returned = self._doing.get(rank, (None, time.monotonic(), False, False))
+        age = time.monotonic() - since
+        if returned:
+            return f"rank {rank} returned from the rank function {age:.1f} s ago"
+        if waiting:
+            return f"rank {rank} is waiting in {what} (for {age:.1f} s)"
+        thread = self._threads[rank] if rank < len(self._threads) else None
+        last = f"since {what}, {age:.1f} s ago" if what else f"yet ({age:.1f} s into the run)"
+        return f"rank {rank} has made no thread-rank call {last}; its code is now at {_where(thread)}"
+
+    def wait_for(self, predicate, what, missing=None):
+        me = self.rank()
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
         with self._cond:
-            while not predicate():
-                if self._abort is not None:
-                    raise ThreadRankError(f"rank {self.rank()}: {what}: stopped because {self._abort}")
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise ThreadRankError(f"rank {self.rank()}: {what}: no matching call within {self.timeout:g} s")
-                self._cond.wait(min(left, 1.0))
+            self._note(me, what, waiting=True)
+            ended = "gave up on"
+            try:
+                while not predicate():
+                    if self._abort is not None:
+                        raise ThreadRankError(f"rank {me}: {what}: stopped because {self._abort}")
+                    left = 1.0 if deadline is None else deadline - time.monotonic()
+                    if left <= 0:
+                        absent = [r for r in (missing() if missing else []) if r != me]
+                        raise ThreadRankError(f"rank {me}: {what}: no matching call within {self.timeout:g} s" +
+                                              "".join(f"; rank {r} never arrived: {self.describe(r)}" for r in absent))
+                    self._cond.wait(min(left, 1.0))
+                ended = "returned from"
+            finally:
+                self._note(me, f"{ended} {what}")
 
     def _event(self):
         if self.device.type != "cuda":
@@ -255,8 +343,10 @@ class ThreadRanks:
         src, dst = (me, other) if kind == "send" else (other, me)
         what = f"{kind} {'to' if kind == 'send' else 'from'} rank {comm.members[other]} in group {list(comm.members)}"
         work = _Work(self, what)
+        work.missing = lambda: [comm.members[other]]
         half = _Half(tensor, work, self._event())
         with self._cond:
+            self._note(self.rank(), f"posted {what}")
             mine, theirs = (comm.sends, comm.recvs) if kind == "send" else (comm.recvs, comm.sends)
             if theirs[(src, dst)]:
                 other_half = theirs[(src, dst)].popleft()
@@ -307,8 +397,11 @@ class ThreadRanks:
         half = _Half(tensor_in, work, self._event(), extra)
         half.out = tensor_out
         with self._cond:
+            self._note(self.rank(), f"joined {work._what}")
             seq = comm.collective_count[me]
             comm.collective_count[me] += 1
+            work.missing = lambda: [comm.members[r] for r in range(len(comm.members))
+                                    if r not in comm.rounds.get(seq, {})]
             parts = comm.rounds.setdefault(seq, {})
             parts[me] = (name, half)
             if len(parts) == len(comm.members):
@@ -415,52 +508,152 @@ class ThreadRanks:
     # ---------------------------------------------------------------- running
     def run(self, fn):
         """fn(rank, self) in one thread per rank; returns [results]. Raises ThreadRankError naming the first rank
-        that failed (with its exception chained)."""
+        that failed (with its exception chained), or the rank that never arrived (timeout). KeyboardInterrupt in the
+        main thread stops every rank and is raised again. Either way no rank thread is left running, but one stuck in
+        C code past STOP_GRACE seconds: those are named in the error (and in `left_running`)."""
         __tracebackhide__ = True
         if self.device.type == "cuda":
             self._transfer_stream = torch.cuda.Stream(self.device)
         results = [None] * self.world_size
         errors = [None] * self.world_size
+        with self._cond:   # a fresh world: nothing of an earlier run (its abort, its half-posted calls) carries over
+            self._abort = None
+            self._abort_now = False
+            self._abort_at = None
+            self._comms = {}
+            self._activity = time.monotonic()
+            self._doing = {r: [None, self._activity, False, False] for r in range(self.world_size)}
+            self._stop_sent = set()
+            self.left_running = []
+
+        def finished(rank):
+            with self._cond:
+                e = errors[rank]
+                self._doing[rank] = [None, time.monotonic(), False, True]
+                self._activity = time.monotonic()
+                if e is not None and not isinstance(e, RankStopped) and self._abort is None:
+                    first = str(e).splitlines()[0][:300] if str(e) else ""
+                    self._abort = f"rank {rank} raised {type(e).__name__}: {first}"
+                    self._abort_at = time.monotonic()
+                    # A communication that failed (a timeout names a rank that never came) stops the busy ranks at
+                    # once; after an exception of the rank's own code they run on to their next thread-rank call,
+                    # which raises, or to their return (up to `timeout`), so that the lowest rank whose code raises
+                    # is the one reported, whichever raised first.
+                    self._abort_now = isinstance(e, ThreadRankError)
+                self._cond.notify_all()
 
         def main(rank):
             __tracebackhide__ = True
-            self._local.rank = rank
-            ctx = getattr(torch.autograd, "set_multithreading_enabled", None)
             try:
-                if self.device.type == "cuda":
-                    torch.cuda.set_device(self.device)
-                with (ctx(False) if ctx else contextlib.nullcontext()):
-                    results[rank] = fn(rank, self)
-            except BaseException as e:  # noqa: B902 - reported to the caller with its rank
-                errors[rank] = e
-                with self._cond:
-                    if self._abort is None:
-                        self._abort = f"rank {rank} raised {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
-                    self._cond.notify_all()
+                try:
+                    self._local.rank = rank
+                    ctx = getattr(torch.autograd, "set_multithreading_enabled", None)
+                    if self.device.type == "cuda":
+                        torch.cuda.set_device(self.device)
+                    with (ctx(False) if ctx else contextlib.nullcontext()):
+                        results[rank] = fn(rank, self)
+                except BaseException as e:  # noqa: B902 - reported to the caller with its rank
+                    errors[rank] = e
+                finally:
+                    finished(rank)
+            except RankStopped as e:  # the one stop request of this thread, arriving during the bookkeeping above
+                if errors[rank] is None:
+                    errors[rank] = e
+                finished(rank)
 
         with _routing(self):
-            threads = [threading.Thread(target=main, args=(r,), name=f"cpgold-rank-{r}") for r in range(self.world_size)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
+            self._threads = [threading.Thread(target=main, args=(r,), name=f"cpgold-rank-{r}", daemon=True)
+                             for r in range(self.world_size)]
+            try:
+                for t in self._threads:
+                    t.start()
+                self._supervise()
+            except KeyboardInterrupt as e:
+                left = self._stop("the main thread got KeyboardInterrupt")
+                if left and hasattr(e, "add_note"):
+                    e.add_note(f"cpgold.thread_ranks: {left}")
+                raise
+            left = self._stop()
         sync_error = None
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and not self.left_running:
             try:
                 torch.cuda.synchronize(self.device)
             except Exception as e:  # noqa: BLE001 - a rank's own error, if any, is the one to report
                 sync_error = e
-        first = next((r for r in range(self.world_size) if errors[r] is not None
-                      and not isinstance(errors[r], ThreadRankError)), None)
-        if first is None:
-            first = next((r for r in range(self.world_size) if errors[r] is not None), None)
+        real = [r for r in range(self.world_size) if errors[r] is not None and not isinstance(errors[r], RankStopped)]
+        first = next((r for r in real if not isinstance(errors[r], ThreadRankError)), real[0] if real else None)
+        tail = f"; {left}" if left else ""
         if first is not None:
             raise ThreadRankError(f"rank {first} of {self.world_size} failed: {type(errors[first]).__name__}: "
-                                  f"{errors[first]}") from errors[first]
+                                  f"{errors[first]}{tail}") from errors[first]
+        if self._abort is not None or left:   # stopped by the main thread (a rank that never returned)
+            raise ThreadRankError(f"{self._abort}{tail}")
         if sync_error is not None:
             raise ThreadRankError(f"every rank returned, then the device reported {type(sync_error).__name__}: "
                                   f"{sync_error}") from sync_error
         return results
+
+    def _supervise(self):
+        """The main thread's wait for the rank threads: returns when every rank has ended or the run must stop (an
+        abort, or ranks that returned waiting more than `timeout` on a rank busy outside any thread-rank call). Waits
+        in short slices, so that KeyboardInterrupt (a signal, or _thread.interrupt_main) is raised at once."""
+        with self._cond:
+            while any(t.is_alive() for t in self._threads):
+                if self._abort is not None:
+                    if self._abort_now or (self.timeout is not None and
+                                           time.monotonic() - self._abort_at >= self.timeout):
+                        break
+                else:
+                    stalled = self._stalled()
+                    if stalled:
+                        self._abort, self._abort_now = stalled, True
+                        self._cond.notify_all()
+                        break
+                self._cond.wait(0.1)
+
+    def _stalled(self):
+        """The message for ranks that returned while others run outside any thread-rank call and no rank has made a
+        call for `timeout` seconds, or None. Called with self._cond held."""
+        if self.timeout is None or time.monotonic() - self._activity < self.timeout:
+            return None
+        returned = [r for r, d in self._doing.items() if d[3]]
+        busy = [r for r, t in enumerate(self._threads)
+                if t.is_alive() and not self._doing.get(r, (None, 0, False, False))[2]]
+        if not returned or not busy:
+            return None
+        ranks = ", ".join(str(r) for r in returned)
+        return (f"rank{'s' if len(returned) > 1 else ''} {ranks} returned and waited {self.timeout:g} s (timeout) "
+                f"without a thread-rank call from any rank; " + "; ".join(
+                    f"rank {r} never arrived: {self.describe(r)}" for r in busy))
+
+    def _stop(self, reason=None):
+        """Stops every rank thread still running: waiting ranks raise at the abort, a rank busy outside any
+        thread-rank call gets RankStopped raised in its thread. Waits up to STOP_GRACE seconds for them; returns a
+        sentence naming the threads still running after that ("" when none), also kept in `left_running`."""
+        with self._cond:
+            if reason is not None and self._abort is None:
+                self._abort, self._abort_at = reason, time.monotonic()
+            self._cond.notify_all()
+        deadline = time.monotonic() + STOP_GRACE
+        while True:
+            with self._cond:
+                alive = [(r, t) for r, t in enumerate(self._threads) if t.is_alive()]
+                if self._abort is not None:
+                    for r, t in alive:
+                        waiting = self._doing.get(r, (None, 0, False, False))[2]
+                        if not waiting and r not in self._stop_sent and t.ident is not None:
+                            self._stop_sent.add(r)
+                            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(t.ident),
+                                                                       ctypes.py_object(RankStopped))
+            if not alive or time.monotonic() >= deadline:
+                break
+            alive[0][1].join(min(0.05, max(0.0, deadline - time.monotonic())))
+        self.left_running = [t.name for _, t in alive]
+        if not alive:
+            return ""
+        return (f"rank threads still running {STOP_GRACE:g} s after the run stopped (daemon threads, left behind; "
+                f"inside C code, which no exception interrupts): " +
+                "; ".join(f"{t.name} at {_where(t)}" for _, t in alive))
 
 
 # -------------------------------------------------------------------- routing torch.distributed

@@ -52,6 +52,25 @@ def test_seqused_arguments_are_padded_offsets_and_true_lengths():
         assert a["causal"] == fx.causal and a["softmax_scale"] == pytest.approx(fx.softmax_scale)
 
 
+class EmptyK:
+    """A fixture's layout without a file: 16 queries on one sequence whose K range is empty (no rows at all)."""
+    softmax_scale, causal = 0.125, False
+
+    def cu_seqlens(self, side, padded=False):
+        return np.asarray([0, 16] if side == "q" else [0, 0], dtype=np.int32)
+
+    def seqlens(self, side):
+        return np.asarray([16] if side == "q" else [0], dtype=np.int32)
+
+
+def test_max_seqlen_k_is_the_true_one_and_zero_without_keys():
+    a = flash.seqused_arguments(EmptyK())
+    assert a["max_seqlen_k"] == 0 and a["max_seqlen_q"] == 16
+    assert a["cu_seqlens_k"].tolist() == [0, 0] and a["seqused_k"].tolist() == [0]
+    with cpgold.Fixture(golden_path("p2p_w2_window_tail_fp16")) as fx:
+        assert flash.seqused_arguments(fx)["max_seqlen_k"] == int(np.diff(fx.cu_seqlens("kv", padded=True)).max())
+
+
 def test_te_arguments_and_groups():
     assert te.mask_type(Case(causal=True)) == "padding_causal"
     assert te.mask_type(Case(causal=True, seqlens_kv=(4, 5))) == "padding_causal_bottom_right"
@@ -315,7 +334,8 @@ def test_the_command_writes_summary_and_tables(monkeypatch, torch_cpu, tmp_path,
     monkeypatch.setattr(flash.FlashAttn3, "__init__", lambda self, deterministic=False, **o:
                         flash._FlashAdapter.__init__(self, deterministic, device="cpu"))
     code = main(["fa3", golden_path("p2p_w2_window_tail_fp16"), golden_path("allgather_w3_full_mqa_fp32"),
-                 "--cpgold", cpgold_bin, "--summary", str(tmp_path / "s.json"), "--table", str(tmp_path / "t.md")])
+                 "--in-process", "--cpgold", cpgold_bin, "--summary", str(tmp_path / "s.json"),
+                 "--table", str(tmp_path / "t.md")])
     assert code == 0
     summary = json.load(open(tmp_path / "s.json"))
     assert summary["counts"]["pass"] == 1 and summary["counts"]["unsupported"] == 1
@@ -489,7 +509,8 @@ TWO = ["p2p_w2_window_tail_fp16", "allgather_w2_window_bf16"]
 def test_resume_runs_only_what_a_stopped_run_did_not_record(monkeypatch, torch_cpu, tmp_path, cpgold_bin, capsys):
     calls = []
     main = _main_with_fake_fa3(monkeypatch, torch_cpu, calls)
-    args = ["fa3", *map(golden_path, TWO), "--cpgold", cpgold_bin, "--summary", str(tmp_path / "s.json")]
+    args = ["fa3", *map(golden_path, TWO), "--cpgold", cpgold_bin, "--summary", str(tmp_path / "s.json"),
+            "--in-process"]    # the fake library is in this process only
     assert main(args) == 0 and len(calls) == 2
     results = tmp_path / "s.json.jsonl"
     first = results.read_text().splitlines()[0]
@@ -511,7 +532,8 @@ def test_resume_runs_only_what_a_stopped_run_did_not_record(monkeypatch, torch_c
 def test_resume_refuses_the_results_of_another_run(monkeypatch, torch_cpu, tmp_path, cpgold_bin, capsys):
     calls = []
     main = _main_with_fake_fa3(monkeypatch, torch_cpu, calls)
-    args = ["fa3", golden_path(TWO[0]), "--cpgold", cpgold_bin, "--summary", str(tmp_path / "s.json")]
+    args = ["fa3", golden_path(TWO[0]), "--cpgold", cpgold_bin, "--summary", str(tmp_path / "s.json"),
+            "--in-process"]    # the fake library is in this process only
     assert main(args) == 0
     before = (tmp_path / "s.json.jsonl").read_text()
     calls.clear()
@@ -546,7 +568,8 @@ def test_resume_drops_an_unfinished_last_line_and_runs_its_fixture_again(monkeyp
                                                                          capsys):
     calls = []
     main = _main_with_fake_fa3(monkeypatch, torch_cpu, calls)
-    args = ["fa3", *map(golden_path, TWO), "--cpgold", cpgold_bin, "--summary", str(tmp_path / "s.json")]
+    args = ["fa3", *map(golden_path, TWO), "--cpgold", cpgold_bin, "--summary", str(tmp_path / "s.json"),
+            "--in-process"]    # the fake library is in this process only
     assert main(args) == 0
     results = tmp_path / "s.json.jsonl"
     lines = results.read_text().splitlines()
@@ -564,3 +587,80 @@ def test_resume_drops_an_unfinished_last_line_and_runs_its_fixture_again(monkeyp
         main(args + ["--resume"])
     assert stop.value.code == 2 and "is not a results file of this command" in capsys.readouterr().err
     assert results.read_text() == "not json\n"
+
+
+# ------------------------------------------------------------------ a library that crashes the process
+FAKE_CRASHING_FA3 = """
+import os, signal, sys
+sys.path.insert(0, {tests!r})
+import torch
+from test_outsiders import fake_fa3_module
+
+_honest = fake_fa3_module(torch, []).flash_attn_varlen_func
+
+
+def flash_attn_varlen_func(q, k, v, *args, **kwargs):
+    if str(list(q.shape)) + " " + str(q.dtype) == os.environ["FAKE_SEGV_Q"]:   # this fixture's Q: die as a kernel would
+        os.kill(os.getpid(), signal.SIGSEGV)
+    return _honest(q, k, v, *args, **kwargs)
+"""
+CRASH_SUITE = ["a2a_w2_full_gqa_fp16_nan_pads", "allgather_w2_window_bf16", "p2p_w2_window_tail_fp16"]
+
+
+def _crashing_fa3_run(tmp_path, cpgold_bin, *extra):
+    """`python3 -m cpgold.outsiders fa3 SUITE/` in a child process with a fake flash_attn_interface that dies by
+    SIGSEGV on the middle fixture of three: (completed process, summary path)."""
+    import os
+    import shutil
+    import subprocess
+    suite = tmp_path / "suite"
+    suite.mkdir()
+    rows = {}
+    for name in CRASH_SUITE:
+        shutil.copy(golden_path(name), suite / f"{name}.h5")
+        with cpgold.Fixture(golden_path(name)) as fx:
+            dtype = {"bf16": "torch.bfloat16", "fp16": "torch.float16"}[fx.dtype]
+            rows[name] = f"{[fx.total_rows('q'), fx.heads_q, fx.dim_qk]} {dtype}"
+    assert len(set(rows.values())) == len(rows)       # Q's shape and dtype tell the crashing fixture apart
+    fake = tmp_path / "fake"
+    fake.mkdir()
+    (fake / "flash_attn_interface.py").write_text(FAKE_CRASHING_FA3.format(tests=os.path.dirname(__file__)))
+    package = os.path.dirname(os.path.dirname(cpgold.__file__))
+    env = dict(os.environ, FAKE_SEGV_Q=rows[CRASH_SUITE[1]],
+               PYTHONPATH=os.pathsep.join([str(fake), package] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    summary = tmp_path / "fa3.json"
+    proc = subprocess.run([sys.executable, "-m", "cpgold.outsiders", "fa3", str(suite), "--set", "device=cpu",
+                           "--cpgold", cpgold_bin, "--summary", str(summary), *extra],
+                          env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    return proc, summary
+
+
+def test_a_crash_of_fa3_loses_only_its_fixture_by_default(tmp_path, cpgold_bin):
+    proc, summary = _crashing_fa3_run(tmp_path, cpgold_bin)
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]     # an error, reported: not a crash
+    entries = {e["fixture"]: e for e in json.load(open(summary))["fixtures"]}
+    assert sorted(entries) == [n + ".h5" for n in CRASH_SUITE]
+    crashed = entries[CRASH_SUITE[1] + ".h5"]
+    assert crashed["status"] == "error" and "killed by signal SIGSEGV (11)" in crashed["reason"], crashed
+    assert "flash_attn_varlen_func" in crashed["reason"]         # the child's Python stack, from faulthandler
+    assert [entries[n + ".h5"]["status"] for n in (CRASH_SUITE[0], CRASH_SUITE[2])] == ["pass", "pass"]
+    assert json.load(open(summary))["counts"] == {"pass": 2, "fail": 0, "empty": 0, "error": 1, "unsupported": 0}
+    assert "killed by signal SIGSEGV" in proc.stdout and '"error": 1' in proc.stdout
+
+
+def test_in_process_is_the_opt_out_and_a_crash_then_ends_the_run(tmp_path, cpgold_bin):
+    import signal
+    proc, summary = _crashing_fa3_run(tmp_path, cpgold_bin, "--in-process")
+    assert proc.returncode == -signal.SIGSEGV and not summary.exists()
+
+
+def test_flash_adapters_isolate_by_default_and_the_flags_exclude_each_other(monkeypatch, torch_cpu, capsys):
+    assert flash.FlashAttn3.isolate and flash.FlashAttn4.isolate and flash.VarlenAttn.isolate
+    main = _main_with_fake_fa3(monkeypatch, torch_cpu, [])
+    with pytest.raises(SystemExit) as stop:
+        main(["fa3", golden_path(TWO[0]), "--isolate", "--in-process"])
+    assert stop.value.code == 2 and "--isolate and --in-process: give one of them" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["fa3", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "the default for fa3, fa4, te_cp, varlen" in text and "--in-process" in text

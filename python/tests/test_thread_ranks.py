@@ -1,7 +1,10 @@
 """cpgold.thread_ranks: torch.distributed with W ranks as threads. The collectives are checked with coded values
 (every element names its source rank and position), the routing leaves other groups to torch, failures name the
 rank and the call, and a ring attention written against torch.distributed passes `cpgold check` per rank."""
+import _thread
 import os
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -283,3 +286,131 @@ def test_ring_attention_with_one_rank_rows_reversed_fails(tmp_path, cpgold_bin):
     report = cpgold.check(golden_path(name), tmp_path / "ring.h5", tensors=("o", "lse"), cpgold=cpgold_bin)
     assert not report["pass"]
     assert {(r["tensor"], r["rank"]) for r in report["results"] if not r["pass"]} == {("o", 1)}
+
+
+# ---------------------------------------------------------------- a rank busy outside any thread-rank call
+def rank_threads():
+    return [t.name for t in threading.enumerate() if t.name.startswith("cpgold-rank-") and t.is_alive()]
+
+
+@pytest.fixture
+def stop_busy():
+    """Ends busy_loop at teardown, so that a rank nobody stopped cannot outlive the test by more than its bound."""
+    stop = threading.Event()
+    yield stop
+    stop.set()
+
+
+def busy_loop(stop, bound=20.0):
+    """Pure Python, short sleeps, no thread-rank call: a rank computing (or stuck) outside torch.distributed."""
+    t0 = time.monotonic()
+    while not stop.is_set() and time.monotonic() - t0 < bound:
+        time.sleep(0.02)
+
+
+def test_a_rank_busy_outside_any_call_is_named_after_the_timeout_and_stopped(stop_busy):
+    def fn(q, k, v, ctx):
+        if ctx.rank == 1:
+            busy_loop(stop_busy)
+        dist.all_reduce(torch.zeros(1), group=ctx.group)
+        return q[:, :, :1] * 0, torch.zeros(q.shape[1], q.shape[0])
+
+    t0 = time.monotonic()
+    with pytest.raises(ThreadRankError) as raised:
+        cpgold.run_cp(fn, golden_path("p2p_w2_causal_gqa_bf16"), backward=False, device="cpu", timeout=0.5)
+    elapsed = time.monotonic() - t0
+    text = str(raised.value)
+    assert elapsed < 5, f"run_cp took {elapsed:.1f} s with timeout 0.5 s"
+    assert "rank 0" in text and "all_reduce" in text and "rank 1 never arrived" in text, text
+    assert "busy_loop" in text and "no thread-rank call" in text, text   # what rank 1 was doing
+    assert not rank_threads(), "a rank thread outlived run_cp"
+
+
+def test_timeout_none_waits_without_bound_and_bad_timeouts_are_refused():
+    def rank_main(rank, ranks):
+        if rank == 1:
+            time.sleep(0.3)
+        dist.barrier(group=ranks.group())
+        return rank
+
+    assert ThreadRanks(2, device="cpu", timeout=None).run(rank_main) == [0, 1]
+    for bad in (-1, 0, float("nan"), float("inf"), "5", True):
+        with pytest.raises(cpgold.InputError, match=r"timeout: expected None or a positive finite number of seconds"):
+            ThreadRanks(2, device="cpu", timeout=bad)
+
+
+def test_a_rank_that_returned_waits_for_a_busy_rank_at_most_the_timeout(stop_busy):
+    def rank_main(rank, ranks):
+        if rank == 1:
+            busy_loop(stop_busy)
+        return rank
+
+    t0 = time.monotonic()
+    with pytest.raises(ThreadRankError, match=r"rank 1 .*no thread-rank call.*busy_loop"):
+        ThreadRanks(2, device="cpu", timeout=0.5).run(rank_main)
+    assert time.monotonic() - t0 < 5
+    assert not rank_threads()
+
+
+def test_keyboard_interrupt_while_waiting_leaves_no_rank_thread(stop_busy):
+    def rank_main(rank, ranks):
+        if rank == 1:
+            busy_loop(stop_busy)
+        dist.barrier(group=ranks.group())
+
+    timer = threading.Timer(0.3, _thread.interrupt_main)
+    t0 = time.monotonic()
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            ThreadRanks(2, device="cpu", timeout=5).run(rank_main)
+    finally:
+        timer.cancel()
+    assert time.monotonic() - t0 < 3, "the interrupt waited for the ranks"
+    assert not rank_threads(), "a rank thread outlived the KeyboardInterrupt"
+
+
+def test_an_exception_on_one_rank_stops_a_busy_rank_within_the_timeout(stop_busy):
+    def rank_main(rank, ranks):
+        if rank == 1:
+            raise ValueError("planted failure")
+        busy_loop(stop_busy)          # never reaches a thread-rank call
+
+    t0 = time.monotonic()
+    with pytest.raises(ThreadRankError, match="rank 1 of 2 failed: ValueError: planted failure"):
+        ThreadRanks(2, device="cpu", timeout=0.5).run(rank_main)
+    assert time.monotonic() - t0 < 5
+    assert not rank_threads()
+
+
+def test_the_lowest_rank_whose_code_raises_is_reported_whichever_raised_first():
+    def rank_main(rank, ranks):
+        time.sleep(0.2 if rank == 0 else 0.0)     # rank 1 raises first
+        raise ValueError(f"planted on rank {rank}")
+
+    with pytest.raises(ThreadRankError, match="rank 0 of 2 failed: ValueError: planted on rank 0"):
+        ThreadRanks(2, device="cpu", timeout=10).run(rank_main)
+
+
+def test_a_rank_stuck_in_c_code_is_named_not_waited_for(monkeypatch):
+    """time.sleep(3) is one C call: no exception reaches the thread before it returns. The run raises after the
+    timeout and STOP_GRACE, naming the thread still running and where, instead of waiting for it."""
+    import cpgold.thread_ranks as tr
+    monkeypatch.setattr(tr, "STOP_GRACE", 0.3)
+
+    def rank_main(rank, ranks):
+        if rank == 1:
+            time.sleep(3)
+        dist.barrier(group=ranks.group())
+
+    world = ThreadRanks(2, device="cpu", timeout=0.5)
+    t0 = time.monotonic()
+    with pytest.raises(ThreadRankError, match=r"rank 1 never arrived.*rank threads still running 0.3 s after the run "
+                                              r"stopped .*cpgold-rank-1 at rank_main \(test_thread_ranks.py:\d+\)"):
+        world.run(rank_main)
+    assert time.monotonic() - t0 < 2.5
+    assert world.left_running == ["cpgold-rank-1"]
+    for t in threading.enumerate():          # let the sleeping thread end before the next test counts threads
+        if t.name == "cpgold-rank-1":
+            t.join(5)
+    assert not rank_threads()

@@ -5,6 +5,8 @@ With --write-candidate PATH and one fixture it only runs the implementation and 
 `cpgold check`, or as the COMMAND of `cpgold shrink FIXTURE --run "python3 -m cpgold.outsiders fa3 {fixture}
 --write-candidate {candidate}"`): exit 0 written, 3 refused or not expressible, 1 on an error."""
 import argparse
+import faulthandler
+import importlib
 import json
 import os
 import sys
@@ -13,6 +15,16 @@ import time
 
 from . import ADAPTERS, make
 from .runner import counts, fixture_list, isolated, markdown, read_results, report_line, run_and_write, worker
+
+
+def _isolates(name):
+    """Whether the adapter runs its fixtures in a child process by default (its class's `isolate`), read without
+    importing the implementation."""
+    module, cls, _ = ADAPTERS[name]
+    try:
+        return bool(getattr(getattr(importlib.import_module(f"cpgold.outsiders.{module}"), cls), "isolate", False))
+    except ImportError:   # an adapter module that imports its implementation at once (not installed here)
+        return False
 
 
 def parse_sets(items):
@@ -72,7 +84,13 @@ def main(argv=None):
     ap.add_argument("--only", type=lambda s: [x for x in s.split(",") if x], help="comma-separated fixtures to run")
     ap.add_argument("--first", action="append", default=[], metavar="SUITE=N",
                     help="only the first N fixtures (by name) of the folder named SUITE")
-    ap.add_argument("--isolate", action="store_true", help="each run of fixtures in a child process (default for te_cp)")
+    ap.add_argument("--isolate", action="store_true",
+                    help="run the fixtures in a child process, started again after a fixture that crashed it (a "
+                         "signal such as SIGSEGV, a device-side assert), so that a crash loses only that fixture; "
+                         "the default for " + ", ".join(sorted(n for n in ADAPTERS if _isolates(n))))
+    ap.add_argument("--in-process", action="store_true",
+                    help="run the fixtures in this process even where isolation is the default (a crash of the "
+                         "implementation then ends the whole run, without its summary)")
     ap.add_argument("--title", help="title of the tables (default: adapter and options)")
     ap.add_argument("--resume", action="store_true",
                     help="go on from a run that stopped: the fixtures recorded in SUMMARY.jsonl (beside --summary) are "
@@ -83,6 +101,8 @@ def main(argv=None):
     ap.add_argument("--skip", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--results", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.isolate and args.in_process:
+        ap.error("--isolate and --in-process: give one of them")
     options = parse_sets(args.set)
     if args.deterministic:
         options["deterministic"] = True
@@ -119,6 +139,7 @@ def main(argv=None):
               f"{entry['pad_rows']}, tensors {','.join(entry['tensors'])})")
         return 0
     if args.worker:
+        faulthandler.enable()   # a crash (SIGSEGV, SIGABRT) leaves the Python stack on stderr, which the parent records
         worker(make(args.adapter, **options), items, args.results, workdir, args.cpgold, args.skip, child=True)
         return 0
     summary_path = args.summary or f"{args.adapter}.json"
@@ -137,7 +158,7 @@ def main(argv=None):
     print(f"{args.adapter}: " + ", ".join(f"{k} {v}" for k, v in versions.items()), flush=True)
     if not items:
         print(f"{args.adapter}: every fixture is recorded already", flush=True)
-    elif args.isolate or adapter.isolate:
+    elif (args.isolate or adapter.isolate) and not args.in_process:
         only = [f"{s}/{os.path.basename(p)}" for s, p in items] if recorded else args.only
         child = [sys.executable, "-m", "cpgold.outsiders", args.adapter, *args.fixtures] + \
                 sum((["--set", s] for s in args.set), []) + (["--deterministic"] if args.deterministic else []) + \

@@ -38,11 +38,17 @@ def fa4_window(fx):
 
 def seqused_arguments(fx):
     """The varlen arguments of FA3 and FA4 for padding between sequences, as int32 numpy arrays and ints:
-    padded offsets as cu_seqlens, true lengths as seqused, max_seqlen the longest padded range (at least 1)."""
+    padded offsets as cu_seqlens, true lengths as seqused, max_seqlen the longest padded range.
+
+    max_seqlen_k is the true longest K range, 0 when every K range is empty (it was raised to 1 before, describing a
+    key that is not there). FlashAttention-3's varlen entry (built by python/examples/outsiders/build_fa3.sh) takes it
+    as the K length for its tile sizes and window normalisation, with no lower bound, and starts no kernel for a K
+    without rows. python/examples/outsiders/fa3_empty_k_repro.py runs 16 queries on no keys with 1 and with 0 on a
+    GPU, each in a child process, so that a crash of either shows as such. max_seqlen_q is kept at least 1."""
     return {"cu_seqlens_q": fx.cu_seqlens("q", padded=True), "cu_seqlens_k": fx.cu_seqlens("kv", padded=True),
             "seqused_q": fx.seqlens("q"), "seqused_k": fx.seqlens("kv"),
             "max_seqlen_q": max(int(padded_lengths(fx, "q").max(initial=0)), 1),
-            "max_seqlen_k": max(int(padded_lengths(fx, "kv").max(initial=0)), 1),
+            "max_seqlen_k": int(padded_lengths(fx, "kv").max(initial=0)),
             "softmax_scale": float(fx.softmax_scale), "causal": bool(fx.causal)}
 
 
@@ -100,6 +106,7 @@ def _run_padded(fx, call, device, deterministic):
 class _FlashAdapter(Adapter):
     module_name = ""
     dtypes = ("bf16", "fp16")
+    isolate = True   # a crash of the library (SIGSEGV, a device-side assert) costs only its fixture (--in-process: not)
 
     def __init__(self, deterministic=False, device="cuda", **options):
         super().__init__(deterministic, **options)
@@ -163,6 +170,7 @@ class VarlenAttn(Adapter):
     scattered back with zeros on pad rows. Not expressible: fp32, dim_qk != dim_v, head dims not a multiple of 8 or
     above 256, windows or a softmax scale when the installed varlen_attn has no such argument."""
     name = "varlen"
+    isolate = True   # FlashAttention-2 kernels: a crash costs only its fixture, as for FA3/FA4
 
     def __init__(self, deterministic=False, device="cuda", **options):
         super().__init__(deterministic, **options)

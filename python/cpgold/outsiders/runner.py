@@ -10,6 +10,7 @@ a child process that is restarted after the fixture that killed it.
 """
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -199,6 +200,17 @@ def run_child(argv):
         return code, err.read()
 
 
+def exit_text(code):
+    """How a child ended: "exit N", or "signal SIGSEGV (11)" for one killed by a signal (a negative return code)."""
+    if code >= 0:
+        return f"exit {code}"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = "an unknown signal"
+    return f"killed by signal {name} ({-code})"
+
+
 def isolated(child_argv, items, results):
     """Runs the fixtures in child processes (child_argv + --worker --skip N), restarting after a crash, which is
     recorded as an error of the fixture that was running. RESULTS may hold entries of an earlier run (--resume):
@@ -211,9 +223,11 @@ def isolated(child_argv, items, results):
             continue
         if code != 0 and done < len(items):
             suite, path = items[done]
-            tail = "\n".join(ln for ln in stderr.splitlines() if "Warning" not in ln and "warnings.warn" not in ln)
+            # faulthandler's stack of the crash is the part worth keeping; its list of extension modules is not
+            tail = "\n".join(ln for ln in stderr.splitlines() if "Warning" not in ln and "warnings.warn" not in ln
+                             and not ln.startswith("Extension modules:"))
             e = {"fixture": os.path.basename(path), "suite": suite, "status": "error",
-                 "reason": f"the process died (exit {code}) running this fixture: {tail[-1500:]}"}
+                 "reason": f"the process died ({exit_text(code)}) running this fixture: {tail[-1500:]}"}
             with Fixture(path) as fx:
                 describe_entry(e, fx)
             with open(results, "a") as f:
