@@ -43,8 +43,9 @@ __all__ = ["Fixture", "FixtureError", "INPUT_NAMES", "OUTPUT_NAMES", "write_glob
 
 def __getattr__(name):
     # cpgold.strategies needs Hypothesis: imported on first use, so the package works without it.
-    if name == "strategies":
+    # cpgold.capture (docs/capture.md) is imported on first use as well.
+    if name in ("strategies", "capture"):
         import importlib
 
-        return importlib.import_module(".strategies", __name__)
+        return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
