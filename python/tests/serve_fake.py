@@ -1,6 +1,7 @@
 """A fake implementation for the resident-adapter tests (test_serve.py): the fixture's oracle outputs, with dK
 doubled when heads_q != heads_kv (a planted GQA bug); it kills its own process when the fixture's name holds "die",
-sleeps when it holds "slow", raises when it holds "raise", and refuses when it holds "refuse"."""
+sleeps 30 s when it holds "slow" (first writing FIXTURE.running), raises when it holds "raise", and refuses when it
+holds "refuse"."""
 import os
 import time
 
@@ -18,6 +19,7 @@ class Planted(Adapter):
         if "die" in base:
             os._exit(9)
         if "slow" in base:
+            open(fx.path + ".running", "w").close()  # the tests wait for it before they kill the server
             time.sleep(30)
         if "raise" in base:
             raise RuntimeError("planted error")

@@ -232,7 +232,7 @@ shrink)     # cpgold shrink with TE as COMMAND, from failing fixtures (SHRINK_ST
             # ranks, default) or te (TE non-CP: FA4 cannot run under thread ranks)), all side by side, item i on GPU
             # i mod the GPU count (SHRINK_GPU: all on one); SHRINK_ARGS: more options of cpgold shrink (--same-tensors),
             # SHRINK_SET: more adapter options (--set poison=1)
-  mkdir -p $R/shrink
+  mkdir -p $R/shrink && chmod 700 $R/shrink   # serve refuses a socket folder others can write
   gpus=$(gpu_count); i=0
   for item in ${SHRINK_START:-A_all_gather=edge/window_two_sided_w2 B_a2ap2p=random/random_s26_00016_a2ap2p_w4_bf16 \
       C_p2p_gqa=random/random_s26_00069_p2p_w4_bf16 D256_gqa=edge/d256_p2p_w2_gqa@none@64,128,256 \
