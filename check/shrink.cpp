@@ -4,6 +4,7 @@
 #include <array>
 #include <chrono>
 #include <cmath>
+#include <iomanip>
 #include <map>
 #include <numeric>
 #include <set>
@@ -398,6 +399,28 @@ std::string compact_case_json(const sim::CaseSpec& s) {
   return j.dump();
 }
 
+double shrink_work(const sim::CaseSpec& spec, bool trace) {
+  const sim::CaseCost cost = sim::case_cost(spec, trace, 1);
+  return 1 + cost.pairs * (spec.dim_qk + sim::dim_v(spec)) + cost.tensor_bytes + (trace ? cost.trace_bytes : 0);
+}
+
+bool shrink_same_way(const ShrinkResult& r, const ShrinkVerdict& v) {
+  if (v.status != ShrinkStatus::fails) return false;
+  for (const std::string& k : r.kinds)
+    if (std::find(v.kinds.begin(), v.kinds.end(), k) == v.kinds.end()) return false;
+  return !r.same_tensors || v.tensors == r.original_verdict.tensors;
+}
+
+namespace {
+
+std::string seconds_text(double s) {
+  std::ostringstream o;
+  o << std::fixed << std::setprecision(1) << s << " s";
+  return o.str();
+}
+
+}  // namespace
+
 ShrinkResult shrink(const sim::CaseSpec& original, const ShrinkRunner& runner, const ShrinkOptions& options) {
   using Clock = std::chrono::steady_clock;
   const auto start = Clock::now();
@@ -408,27 +431,52 @@ ShrinkResult shrink(const sim::CaseSpec& original, const ShrinkRunner& runner, c
   if (!explicit_scale(original)) r.original.softmax_scale.reset(), r.smallest.softmax_scale.reset();
   std::map<std::string, ShrinkVerdict> seen;  // normalised case -> its verdict (a case is run once)
 
-  // The same-way rule: a failure naming every kind of r.kinds (any failure when that is empty).
-  auto same_way = [&](const ShrinkVerdict& v) {
-    if (v.status != ShrinkStatus::fails) return false;
-    for (const std::string& k : r.kinds)
-      if (std::find(v.kinds.begin(), v.kinds.end(), k) == v.kinds.end()) return false;
-    return !r.same_tensors || v.tensors == r.original_verdict.tensors;
+  // The time model without options.estimate_seconds: the runs made so far, the longest run of the largest case
+  // scaled by work, never below the shortest run made.
+  struct Timing {
+    double work, seconds;
   };
-  auto run = [&](const std::string& change, const sim::CaseSpec& spec, bool keep_if_same) -> const ShrinkVerdict& {
+  std::vector<Timing> timings;
+  auto estimate = [&](const sim::CaseSpec& spec) {
+    if (options.estimate_seconds) return options.estimate_seconds(spec);
+    if (timings.empty()) return 0.0;
+    const Timing* largest = &timings.front();
+    double shortest = timings.front().seconds;
+    for (const Timing& t : timings) {
+      if (t.work > largest->work || (t.work == largest->work && t.seconds > largest->seconds)) largest = &t;
+      shortest = std::min(shortest, t.seconds);
+    }
+    return std::max(shortest, largest->seconds * shrink_work(spec) / largest->work);
+  };
+
+  auto same_way = [&](const ShrinkVerdict& v) { return shrink_same_way(r, v); };
+  // One run of the search; false when the runner stopped the search instead (r.stopped set).
+  auto run = [&](const std::string& change, const sim::CaseSpec& spec, bool keep_if_same, ShrinkVerdict& out) {
     ++r.runs;
+    const double before = elapsed();
     ShrinkVerdict v = runner(spec, r.runs);
+    if (!v.stop.empty()) {
+      --r.runs;
+      r.stopped = v.stop;
+      r.stop_detail = v.detail;
+      return false;
+    }
+    if (!options.estimate_seconds) timings.push_back({shrink_work(spec), elapsed() - before});
     const bool kept = keep_if_same && same_way(v);
     if (v.status == ShrinkStatus::passes) ++r.passed;
     else if (v.status == ShrinkStatus::no_candidate) ++r.no_candidate;
     else if (!kept && r.runs > 1) ++r.failed_otherwise;
     if (kept) r.smallest = spec, r.smallest_verdict = v;
     if (options.progress) options.progress({r.runs, elapsed(), change, spec, v, kept, r.smallest});
-    return seen[sim::normalized_json(spec)] = std::move(v);
+    out = seen[sim::normalized_json(spec)] = std::move(v);
+    return true;
   };
 
   r.same_tensors = options.same_tensors;
-  r.original_verdict = run("the original", r.original, false);
+  if (!run("the original", r.original, false, r.original_verdict)) {
+    r.seconds = elapsed();
+    return r;  // original_fails false: the caller names the stop
+  }
   r.original_fails = r.original_verdict.status == ShrinkStatus::fails;
   r.smallest_verdict = r.original_verdict;
   if (!r.original_fails) {
@@ -448,10 +496,33 @@ ShrinkResult shrink(const sim::CaseSpec& original, const ShrinkRunner& runner, c
                    }(), ")");
   }
 
-  auto out_of_bounds = [&] {
-    if (options.max_runs > 0 && r.runs >= options.max_runs) return r.stopped = "max_runs", true;
-    if (options.budget_seconds > 0 && elapsed() >= options.budget_seconds) return r.stopped = "budget", true;
+  // Before each run of the search: the bounds, and whether the run's estimated time fits the budget left.
+  auto out_of_bounds = [&](const sim::CaseSpec& next) {
+    if (options.max_runs > 0 && r.runs >= options.max_runs) {
+      r.stopped = "max_runs";
+      r.stop_detail = "the " + std::to_string(options.max_runs) + " runs of --max-runs were made";
+      return true;
+    }
+    if (options.budget_seconds > 0) {
+      const double left = options.budget_seconds - elapsed();
+      const double need = left > 0 ? estimate(next) : 0;
+      if (left <= 0 || need > left) {
+        r.stopped = "budget";
+        r.stop_detail = "the budget of " + seconds_text(options.budget_seconds) +
+                        (left <= 0 ? std::string(" was spent")
+                                   : " had " + seconds_text(left) + " left, and the next run (generation, run and " +
+                                         "check) needs about " + seconds_text(need));
+        return true;
+      }
+    }
     return false;
+  };
+  auto keep = [&](const std::string& change, const sim::CaseSpec& spec, const ShrinkVerdict& v) {
+    r.smallest = spec;
+    r.smallest_verdict = v;
+    r.steps.push_back(change);
+    r.kept.push_back(spec);
+    r.kept_verdicts.push_back(v);
   };
   // Tries one candidate (and, when it passes, its reseeded twins); true when one is kept.
   auto attempt = [&](const Candidate& c) {
@@ -467,31 +538,31 @@ ShrinkResult shrink(const sim::CaseSpec& original, const ShrinkRunner& runner, c
     const auto known = seen.find(key);
     if (known != seen.end()) {
       if (!same_way(known->second)) return false;
-    } else {
-      if (out_of_bounds()) return false;
-      const ShrinkVerdict& v = run(c.change, spec, true);
-      if (same_way(v)) {
-        r.steps.push_back(c.change);
+      keep(c.change, spec, known->second);  // a case run before (as a reseeded twin) that failed the same way
+      return true;
+    }
+    if (out_of_bounds(spec)) return false;
+    ShrinkVerdict v;
+    if (!run(c.change, spec, true, v)) return false;
+    if (same_way(v)) {
+      keep(c.change, spec, v);
+      return true;
+    }
+    if (v.status == ShrinkStatus::no_candidate || options.reseed <= 0) return false;
+    for (int i = 1; i <= options.reseed; ++i) {
+      sim::CaseSpec other = spec;
+      other.seed = splitmix64(options.seed * 0x9E3779B97F4A7C15ull + static_cast<uint64_t>(i)) >> 1;
+      if (other.seed == spec.seed || seen.count(sim::normalized_json(other))) continue;
+      if (!smaller(size_of(other), now, true)) continue;
+      if (out_of_bounds(other)) return false;
+      ShrinkVerdict w;
+      if (!run(c.change + ", seed " + std::to_string(other.seed), other, true, w)) return false;
+      if (same_way(w)) {
+        keep(c.change + ", seed " + std::to_string(spec.seed) + " -> " + std::to_string(other.seed), other, w);
         return true;
       }
-      if (v.status == ShrinkStatus::no_candidate || options.reseed <= 0) return false;
-      for (int i = 1; i <= options.reseed; ++i) {
-        sim::CaseSpec other = spec;
-        other.seed = splitmix64(options.seed * 0x9E3779B97F4A7C15ull + static_cast<uint64_t>(i)) >> 1;
-        if (other.seed == spec.seed || seen.count(sim::normalized_json(other))) continue;
-        if (!smaller(size_of(other), now, true)) continue;
-        if (out_of_bounds()) return false;
-        if (same_way(run(c.change + ", seed " + std::to_string(other.seed), other, true))) {
-          r.steps.push_back(c.change + ", seed " + std::to_string(spec.seed) + " -> " + std::to_string(other.seed));
-          return true;
-        }
-      }
-      return false;
     }
-    r.smallest = spec;  // a case run before (as a reseeded twin) that failed the same way
-    r.smallest_verdict = known->second;
-    r.steps.push_back(c.change);
-    return true;
+    return false;
   };
 
   bool progress = true;
@@ -512,9 +583,70 @@ ShrinkResult shrink(const sim::CaseSpec& original, const ShrinkRunner& runner, c
     }
   }
   if (r.stopped.empty()) r.stopped = "minimal";
-  if (r.smallest_verdict.status != ShrinkStatus::fails) r.smallest_verdict = seen[sim::normalized_json(r.smallest)];
+  r.search_smallest = r.smallest;
   r.seconds = elapsed();
+  if (options.confirm > 0 && r.stopped != "interrupted") {
+    confirm_smallest(r, runner, options.confirm, options);
+    r.seconds = elapsed();
+  }
   return r;
+}
+
+void confirm_smallest(ShrinkResult& r, const ShrinkRunner& runner, int reruns, const ShrinkOptions& options) {
+  r.confirm = std::max(reruns, 0);
+  r.search_smallest = r.smallest;
+  if (r.confirm == 0 || !r.original_fails) return;
+  const auto start = std::chrono::steady_clock::now();
+  // From the search's answer back to the original: the first case every rerun of which fails the same way.
+  for (int64_t i = static_cast<int64_t>(r.kept.size()) - 1; i >= -1; --i) {
+    const bool original = i < 0;
+    const sim::CaseSpec& spec = original ? r.original : r.kept[static_cast<size_t>(i)];
+    ShrinkConfirmation c;
+    c.spec = spec;
+    c.original = original;
+    c.step = i + 1;
+    for (int k = 1; k <= r.confirm; ++k) {
+      ++r.confirmation_runs;
+      const int64_t number = r.runs + r.confirmation_runs;
+      const ShrinkVerdict v = runner(spec, number);
+      if (!v.stop.empty()) {
+        --r.confirmation_runs;
+        r.confirmation_stopped = v.stop;
+        r.stop_detail = v.detail;
+        if (c.reruns > 0) r.confirmations.push_back(c);
+        return;  // not confirmed: the answer stays the search's, said unconfirmed
+      }
+      ++c.reruns;
+      const bool same = shrink_same_way(r, v);
+      c.failed_same_way += same;
+      if (options.progress) {
+        const std::string which = original                                        ? "the original"
+                                  : i + 1 == static_cast<int64_t>(r.kept.size()) ? "the search's smallest"
+                                                                                  : "step " + std::to_string(i + 1);
+        const double since = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+        options.progress({number, r.seconds + since,
+                          "confirmation " + std::to_string(k) + " of " + std::to_string(r.confirm) + " of " + which,
+                          spec, v, same, r.smallest});
+      }
+    }
+    r.confirmations.push_back(c);
+    if (c.failed_same_way == c.reruns) {
+      r.confirmed = true;
+      r.smallest = spec;
+      r.smallest_verdict = original ? r.original_verdict : r.kept_verdicts[static_cast<size_t>(i)];
+      r.steps.resize(static_cast<size_t>(i + 1));
+      r.kept.resize(static_cast<size_t>(i + 1));
+      r.kept_verdicts.resize(static_cast<size_t>(i + 1));
+      return;
+    }
+    r.flaky = true;
+  }
+  // Nothing reproduced, the original included: no case is the answer.
+  r.smallest = r.original;
+  r.smallest_verdict = r.original_verdict;
+  r.steps.clear();
+  r.kept.clear();
+  r.kept_verdicts.clear();
 }
 
 }  // namespace cpgold::fx

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <exception>
 #include <limits>
 #include <set>
@@ -182,11 +183,51 @@ ReplayOutcome replay_mistakes(const FixtureFile& fixture, const sim::CaseInputs&
   bool any_backward = false;
   for (const ReplaySubject& s : subjects) any_backward |= !is_forward(s.quantity);
 
+  // What one simulator run of the sub-case takes: measured on the runs made (every mistake runs the same sub-case),
+  // and before the first, when the sub-case is past max_pairs (one long sequence), timed on a sub-case of one
+  // sequence of at most 512 rows and scaled by the (query x key) pairs. A mistake whose run is expected to take
+  // longer than what is left of the budget is not started: the budget bounds the replay, not only its start.
+  auto padded_pairs = [](const sim::CaseSpec& c) {
+    const ThdLayout l = sim::layout(c);
+    double p = 0;
+    for (int b = 0; b < l.batch(); ++b) p += static_cast<double>(l.q.padded_length(b)) * l.kv.padded_length(b);
+    return p;
+  };
+  double forward_seconds = 0, backward_seconds = 0;  // the last runs measured (0: none yet)
+  if (padded_pairs(sub.spec) > options.max_pairs && options.budget_seconds > 0) {
+    try {
+      sim::CaseSpec small = sub.spec;
+      const int32_t rows = static_cast<int32_t>(std::min<int64_t>(512, sim::layout(sub.spec).q.total_rows));
+      small.seqlens_q = {rows}, small.seqlens_kv = {rows};
+      small.padded_q.clear(), small.padded_kv.clear();
+      small.total_tokens_q = small.total_tokens_kv = -1;
+      const sim::CaseInputs small_inputs = sim::make_case_inputs(small);
+      sim::ExecutorOptions run_options;
+      run_options.record_trace = false;
+      run_options.backward = false;
+      const auto t0 = std::chrono::steady_clock::now();
+      (void)sim::run_cp_oracle(sim::make_plan(small), small_inputs, run_options);
+      const double t = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      forward_seconds = t * padded_pairs(sub.spec) / std::max(1.0, padded_pairs(small));
+    } catch (const std::exception&) {
+      forward_seconds = 0;  // no estimate: the budget bounds the start of each mistake only
+    }
+  }
+  auto seconds_text = [](double s) {
+    char buffer[32];
+    std::snprintf(buffer, sizeof buffer, "%.2g s", s);
+    return std::string(buffer);
+  };
+
   for (const std::string& name : sim::mistake_catalogue(plan)) {
     std::optional<sim::Mistake> mistake = sim::make_mistake(plan, name);
     if (!mistake) continue;  // changes nothing for this case
     if (elapsed() > options.budget_seconds) {
       outcome.not_replayed.push_back(name);
+      continue;
+    }
+    if (forward_seconds > options.budget_seconds - elapsed()) {
+      outcome.not_replayed.push_back(name + " (about " + seconds_text(forward_seconds) + ")");
       continue;
     }
     ReplayResult result;
@@ -303,12 +344,23 @@ ReplayOutcome replay_mistakes(const FixtureFile& fixture, const sim::CaseInputs&
       run_options.record_trace = false;
       run_options.backward = false;
       ++outcome.runs;
+      auto t0 = std::chrono::steady_clock::now();
       compare(sim::run_cp_oracle(mistake->plan, sub.inputs, run_options), true);
-      if (any_backward && worst <= 1 && elapsed() <= options.budget_seconds) {
+      forward_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      // A backward costs about two forwards more (dQ, dK and dV) until one is measured.
+      const double backward_estimate = backward_seconds > 0 ? backward_seconds : 3 * forward_seconds;
+      if (any_backward && worst <= 1 && elapsed() + backward_estimate > options.budget_seconds) {
+        // The forward matches and the budget leaves no time for the backward: not replayed, not a mismatch.
+        outcome.not_replayed.push_back(name + " (its backward, about " + seconds_text(backward_estimate) + ")");
+        continue;
+      }
+      if (any_backward && worst <= 1) {
         run_options.backward = true;
         ++outcome.runs;
         result.backward_run = true;
+        t0 = std::chrono::steady_clock::now();
         compare(sim::run_cp_oracle(mistake->plan, sub.inputs, run_options), false);
+        backward_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       }
     } catch (const std::exception&) {
       continue;  // a mistake the simulator cannot run for this case (a call its checks refuse): not a candidate

@@ -139,7 +139,8 @@ void Diagnoser::test_replay() {
   }
   if (!outcome.not_replayed.empty())
     not_tested_.push_back("replay of " + std::to_string(outcome.not_replayed.size()) +
-                          " mistakes past the diagnosis budget (" + list_text(outcome.not_replayed, 3) + ")");
+                          " mistakes past the diagnosis budget, or expected to take longer than was left of it (" +
+                          list_text(outcome.not_replayed, 3) + ")");
 }
 
 }  // namespace cpgold::fx::diagnosis_detail

@@ -2,23 +2,31 @@
 
 `cpgold.shrink(case, fn)` runs the search of `cpgold shrink` (the same C++ reducer, so the same steps in the same
 order) with a Python callable instead of a command: every step generates the candidate case's fixture in memory,
-calls `fn(fixture)` and checks what it returns with the engine of `cpgold check`.
+calls `fn(fixture)` and checks what it returns with the engine of `cpgold check`. The answer is then confirmed as
+`cpgold shrink` confirms it (`confirm` reruns; check/shrink.hpp, confirm_smallest).
 """
 import json
+import math
+import numbers
 import os
+import threading
+import time
 
 from ._core_loader import core
-from .cases import _case_text, generate
+from .cases import _case_text, generate, normalize_case
 from .check import check_outputs
 from .errors import CheckInputError, InputError
 from .fixture import OUTPUT_NAMES, Fixture
+
+_SEED_MAX = 2 ** 64 - 1
 
 
 class ShrinkResult(dict):
     """What the search found (a dict, as `cpgold shrink --format json` gives it, plus the report of the smallest):
     original / smallest (case JSON text, as `cpgold gen --case` takes it), kinds, steps, runs, passed,
-    failed_otherwise, no_candidate, seconds, stopped ("minimal", "budget", "max_runs"), report (the check report of the
-    smallest case's outputs), reproduce."""
+    failed_otherwise, no_candidate, seconds, stopped ("minimal", "budget", "max_runs", "run_timeout"), stop_detail,
+    confirm, confirmed, flaky, not_reproduced, search_smallest, confirmations, confirmation_runs,
+    confirmation_stopped, notes, report (the check report of the smallest case's outputs), reproduce."""
 
     @property
     def smaller(self):
@@ -29,11 +37,33 @@ class ShrinkResult(dict):
         """The smallest failing case as a dict."""
         return json.loads(self["smallest"])
 
+    def headline(self):
+        stop = self["stopped"] + (f": {self['stop_detail']}" if self.get("stop_detail") else "")
+        if self.get("not_reproduced"):
+            return ("the failure does not reproduce: no case of the search, the original included, failed the same "
+                    "way in every confirmation run (flaky); the original")
+        if self.smaller:
+            return ("smallest failing case" + (" (confirmed)" if self.get("confirmed") else
+                                               " (not confirmed)" if self.get("confirm") else ""))
+        if self.get("flaky"):
+            return "no smaller case failed the same way in every confirmation run (flaky); the original"
+        if self["stopped"] == "minimal":
+            return "the original is already minimal"
+        if self["runs"] <= 1:
+            return f"no smaller case was tried: the search stopped before its first step ({stop}); the original"
+        return f"no smaller case failed the same way before the search stopped ({stop}); the original"
+
     def __str__(self):
-        lines = [f"smallest failing case ({self['rows_q']} q rows, {self['tokens_q']} tokens; "
+        lines = [f"{self.headline()} ({self['rows_q']} q rows, {self['tokens_q']} tokens; "
                  f"{len(self['steps'])} steps kept, {self['runs']} runs in {self['seconds']:.1f} s, "
                  f"stopped: {self['stopped']}):", self["smallest"]]
+        lines += [f"note: {n}" for n in self.get("notes", [])]
         lines += ["steps kept:"] + [f"  {s}" for s in self["steps"]] if self["steps"] else []
+        if self.get("confirmations"):
+            lines.append(f"confirmation ({self['confirm']} reruns of each case):")
+            for c in self["confirmations"]:
+                lines.append(f"  {c['which']} ({c['rows_q']} q rows) failed the same way in {c['failed_same_way']} of "
+                             f"{c['reruns']} reruns")
         if self.get("report") is not None:
             lines.append(self["report"].text)
         lines.append(f"reproduce: {self['reproduce']}")
@@ -49,9 +79,25 @@ def _start_case(start):
     return _case_text(start)
 
 
+def _count(name, value, low=0, high=None):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low or \
+            (high is not None and value > high):
+        bound = f"from {low} to {high}" if high is not None else f">= {low}"
+        raise InputError(f"{name}: expected an integer {bound}, got {value!r}", name)
+    return value
+
+
+def _rows_q(case_json):
+    return normalize_case(json.loads(case_json))["total_tokens_q"]
+
+
+def _tokens_q(case_json):
+    return sum(json.loads(case_json)["seqlens_q"])
+
+
 def shrink(start, fn, *, kind=None, any_failure=False, same_tensors=False, budget=None, max_runs=None, reseed=0, seed=0,
            dims=None, trace=False, scope="global", tensors=None, empty_row_lse=None, lse_layout=None, progress=None,
-           pad_rows=None):
+           pad_rows=None, confirm=2, run_timeout=None):
     """Searches for the smallest case whose outputs fail the same way as those of `start`.
 
     start: a case (dict or JSON text), a Fixture or the path of a fixture (its case).
@@ -61,21 +107,75 @@ def shrink(start, fn, *, kind=None, any_failure=False, same_tensors=False, budge
     kind: a diagnosis kind (or a list) every kept failure must name; default: the kinds of the original's failure.
     any_failure: keep any failure. same_tensors: keep a failure only when it fails exactly the tensors the
     original fails (for a wide diagnosis such as "unexplained", under which a smaller case can fail another way).
-    budget (seconds) and max_runs bound the search (the original's run included).
-    reseed: a smaller case that passes is tried again with that many other input seeds (drawn from `seed`).
+    budget (seconds: generation, fn and check included; a step whose estimated time does not fit what is left is not
+    started) and max_runs bound the search (the original's run included).
+    reseed: a smaller case that passes is tried again with that many other input seeds (drawn from `seed`, an integer
+    from 0 to 2**64 - 1).
+    confirm: the answer is run again this many times (default 2; 0: none); a case that does not fail the same way
+    every time gives way to the case before it, back to the original (result: confirmed, flaky, not_reproduced,
+    confirmations). The confirmation runs are not bounded by budget or max_runs.
+    run_timeout (seconds, None: no limit): fn runs in a worker thread; one still running after run_timeout counts as
+    no candidate, and since a Python callable cannot be stopped it is left running (a daemon thread) and the search
+    stops there (stopped "run_timeout"): the smallest case so far is the answer.
     dims: the head dims fn supports (default any). trace: generate traced fixtures. pad_rows: "unwritten" for an
     implementation that leaves pad rows unwritten (FlashAttention-3/4), as for check().
     progress: called with a dict after every run (run, seconds, change, case, verdict, kept, smallest).
     Raises InputError when the original does not fail (or gives no candidate)."""
+    began = time.monotonic()
     reports = {}
+    kinds = [kind] if isinstance(kind, str) else list(kind or [])
+    if any_failure and kinds:
+        raise InputError("kind: cannot be combined with any_failure: give one of them", "kind")
+    for name, value in (("budget", budget), ("max_runs", max_runs)):
+        if value is not None and not value >= 0:
+            raise InputError(f"{name}: expected a value >= 0 (None: no bound), got {value!r}", name)
+    _count("seed", seed, 0, _SEED_MAX)
+    _count("reseed", reseed)
+    _count("confirm", confirm)
+    if run_timeout is not None and (isinstance(run_timeout, bool) or not isinstance(run_timeout, (int, float))
+                                    or not math.isfinite(run_timeout) or run_timeout <= 0):
+        raise InputError(f"run_timeout: expected seconds > 0 (None: no limit), got {run_timeout!r}", "run_timeout")
+
+    # A run past run_timeout stops the search: the reducer is then answered "no candidate" at once, without running
+    # anything, until it ends; those answers are taken out of the counts below.
+    state = {"stopped": None, "detail": "", "not_run": 0, "confirming": False}
+
+    def call(fixture):
+        if run_timeout is None:
+            return fn(fixture), True
+        box = {}
+
+        def work():
+            try:
+                box["outputs"] = fn(fixture)
+            except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+                box["error"] = e
+
+        worker = threading.Thread(target=work, name="cpgold.shrink fn", daemon=True)
+        worker.start()
+        worker.join(run_timeout)
+        if worker.is_alive():
+            return None, False
+        if "error" in box:
+            raise box["error"]
+        return box["outputs"], True
 
     def runner(case_json, run):
+        if state["stopped"]:
+            state["not_run"] += 1
+            return ("no_candidate", [], "not run: the search stopped")
         fixture = generate(json.loads(case_json), trace=trace)
+        finished = True
         try:
             try:
-                outputs = fn(fixture)
+                outputs, finished = call(fixture)
             except Exception as e:  # the implementation under test failed: no candidate
                 return ("no_candidate", [], f"fn raised {type(e).__name__}: {e}")
+            if not finished:
+                state["stopped"] = "run_timeout"
+                state["detail"] = (f"fn was still running after run_timeout {run_timeout:g} s (run {run}); a Python "
+                                   "callable cannot be stopped, so it was left running in a daemon thread")
+                return ("no_candidate", [], state["detail"])
             if outputs is None:
                 return ("no_candidate", [], "fn returned None")
             try:
@@ -85,30 +185,111 @@ def shrink(start, fn, *, kind=None, any_failure=False, same_tensors=False, budge
                 return ("no_candidate", [], f"the outputs are unusable: {e}")
             if report.passed:
                 return ("passes", [], "check passed")
-            kinds = [d["kind"] for d in report.get("diagnosis", [])]
+            kinds_found = [d["kind"] for d in report.get("diagnosis", [])]
             reports[case_json] = report
             failing = {r["tensor"] for r in report["results"] if not r.get("pass")}
-            return ("fails", kinds, "check failed: " + (", ".join(kinds) or "no diagnosis"),
+            return ("fails", kinds_found, "check failed: " + (", ".join(kinds_found) or "no diagnosis"),
                     [t for t in OUTPUT_NAMES if t in failing])
         finally:
-            fixture.close()
+            if finished:  # a fn still running keeps its fixture
+                fixture.close()
 
-    kinds = [kind] if isinstance(kind, str) else list(kind or [])
-    if any_failure and kinds:
-        raise InputError("kind: cannot be combined with any_failure: give one of them", "kind")
-    for name, value in (("budget", budget), ("max_runs", max_runs)):
-        if value is not None and not value >= 0:
-            raise InputError(f"{name}: expected a value >= 0 (None: no bound), got {value!r}", name)
+    kept = []  # (case JSON, verdict) of every step kept, in order: what the confirmation walks back through
+
+    def on_progress(p):
+        if state["stopped"] and p["verdict"]["detail"] == "not run: the search stopped":
+            return
+        if p["kept"]:
+            kept.append((p["case"], p["verdict"]))
+        if progress is not None:
+            progress(p)
+
     result = core().shrink(_start_case(start), runner, kinds, bool(any_failure), float(budget or 0),
-                           int(max_runs or 0), int(reseed), int(seed), [int(d) for d in (dims or [])], progress,
+                           int(max_runs or 0), int(reseed), int(seed), [int(d) for d in (dims or [])], on_progress,
                            bool(same_tensors))
     out = ShrinkResult(result)
+    out["runs"] -= state["not_run"]
+    out["no_candidate"] -= state["not_run"]
     if not out["original_fails"]:
         verdict = out["original_verdict"]
         if verdict["status"] == "passes":
             raise InputError("start: the outputs of the original case pass their check: there is no failure to "
                              "shrink", "start")
         raise InputError(f"fn: no candidate for the original case ({verdict['detail']})", "fn")
+    if state["stopped"]:
+        out["stopped"], out["stop_detail"] = state["stopped"], state["detail"]
+    elif out["stopped"] == "budget":
+        out["stop_detail"] = (f"the budget of {budget:.1f} s was spent, or the next run's estimated time did not fit "
+                              "what was left")
+    elif out["stopped"] == "max_runs":
+        out["stop_detail"] = f"the {max_runs} runs of max_runs were made"
+    else:
+        out["stop_detail"] = ""
+    _confirm(out, runner, confirm, kept if len(kept) == len(out["steps"]) else None, progress, state,
+             lambda: time.monotonic() - began)
+    out["seconds"] = time.monotonic() - began
+    if out["stopped"] != "minimal" and (out.smaller or out["not_reproduced"]):
+        out["notes"].insert(0, f"the search stopped early ({out['stopped']}: {out['stop_detail']}): this is the "
+                               "smallest failing case found so far")
+    out["rows_q"], out["tokens_q"] = _rows_q(out["smallest"]), _tokens_q(out["smallest"])
     out["report"] = reports.get(out["smallest"])
     out["reproduce"] = f"cpgold gen --case '{out['smallest']}' -o case.h5"
     return out
+
+
+def _confirm(out, runner, confirm, kept, progress, state, seconds):
+    """The confirmation of `cpgold shrink` (check/shrink.cpp, confirm_smallest) over the runner: the search's answer
+    rerun `confirm` times, and while a case does not fail the same way every time, the case before it."""
+    out.update(confirm=confirm, confirmed=False, flaky=False, not_reproduced=False, search_smallest=out["smallest"],
+               confirmations=[], confirmation_runs=0, confirmation_stopped="", notes=[])
+    if confirm == 0 or state["stopped"]:
+        if state["stopped"] and confirm:
+            out["notes"].append(f"not confirmed: {state['stopped']}")
+        return
+    if kept is None:  # the steps could not be followed back: the answer alone, then the original
+        kept = [(out["smallest"], out["smallest_verdict"])] if out["steps"] else []
+        out["steps"] = out["steps"][:len(kept)]
+
+    def same_way(v):
+        if v[0] != "fails" or not all(k in v[1] for k in out["kinds"]):
+            return False
+        tensors = list(v[3]) if len(v) > 3 else []
+        return not out["same_tensors"] or tensors == list(out["original_verdict"]["tensors"])
+
+    for i in range(len(kept) - 1, -2, -1):
+        original = i < 0
+        case = out["original"] if original else kept[i][0]
+        which = "the original" if original else "the search's smallest" if i == len(kept) - 1 else f"step {i + 1}"
+        c = {"case_json": case, "rows_q": _rows_q(case), "original": original, "reruns": 0, "failed_same_way": 0,
+             "which": which}
+        for k in range(1, confirm + 1):
+            number = out["runs"] + out["confirmation_runs"] + 1
+            v = runner(case, number)
+            if state["stopped"]:  # fn ran past run_timeout: the answer stays the search's, unconfirmed
+                out["confirmation_stopped"] = state["stopped"]
+                out["stop_detail"] = state["detail"]
+                out["notes"].append(f"the confirmation runs stopped early ({state['stopped']}: {state['detail']}): "
+                                    "the answer is not confirmed")
+                if c["reruns"]:
+                    out["confirmations"].append(c)
+                return
+            out["confirmation_runs"] += 1
+            c["reruns"] += 1
+            same = same_way(v)
+            c["failed_same_way"] += same
+            if progress is not None:
+                progress({"run": number, "seconds": seconds(),
+                          "change": f"confirmation {k} of {confirm} of {which}", "case": case,
+                          "verdict": {"status": v[0], "kinds": list(v[1]), "detail": v[2],
+                                      "tensors": list(v[3]) if len(v) > 3 else []},
+                          "kept": same, "smallest": out["smallest"]})
+        out["confirmations"].append(c)
+        if c["failed_same_way"] == c["reruns"]:
+            out["confirmed"] = True
+            out["smallest"] = case
+            out["smallest_verdict"] = out["original_verdict"] if original else kept[i][1]
+            out["steps"] = out["steps"][:i + 1]
+            return
+        out["flaky"] = True
+    out["not_reproduced"] = True
+    out["smallest"], out["smallest_verdict"], out["steps"] = out["original"], out["original_verdict"], []

@@ -123,8 +123,12 @@ def test_same_answer_twice_and_bounds():
     bounded = shrink(fn, max_runs=4)
     assert bounded["runs"] == 4 and bounded["stopped"] == "max_runs"
     seen = []
-    shrink(fn, max_runs=3, progress=seen.append)
-    assert [p["run"] for p in seen] == [1, 2, 3] and seen[0]["change"] == "the original"
+    r = shrink(fn, max_runs=3, progress=seen.append)
+    assert [p["run"] for p in seen] == [1, 2, 3, 4, 5] and seen[0]["change"] == "the original"
+    # after the search, the confirmation runs of its answer (confirm=2 by default), outside max_runs
+    assert [p["change"] for p in seen[3:]] == ["confirmation 1 of 2 of the search's smallest",
+                                               "confirmation 2 of 2 of the search's smallest"]
+    assert r["runs"] == 3 and r["confirmation_runs"] == 2 and r["confirmed"]
 
 
 def test_original_must_fail():

@@ -45,6 +45,7 @@ def test_planted_chunk_order_shrinks_and_is_deterministic(golden):
     assert a["kinds"] == ["chunk_order"] and a["smallest"]["diagnosis"] == ["chunk_order"]
     assert a["original"]["rows_q"] == 240 and a["smallest"]["rows_q"] <= 4
     assert a["smaller"] and a["stopped"] == "minimal"
+    assert a["confirmed"] and not a["flaky"] and a["confirmation_runs"] == 2  # confirmed by default (--confirm 2)
     assert "shrink: run 1 " in err and "the original: fails (chunk_order)" in err  # progress lines
     assert a["reproduce"][0].startswith("cpgold gen --case '") and a["reproduce"][2].startswith("cpgold check case.h5")
     assert a["smallest"]["report"]["diagnosis"][0]["kind"] == "chunk_order"
@@ -127,7 +128,7 @@ def test_one_process_per_rank(golden):
     runner = f"{shlex.quote(sys.executable)} {shlex.quote(os.path.join(HERE, 'fake_rank_runner.py'))}"
     env = dict(os.environ)
     code, j, err = shrink(golden, f"{runner} {{fixture}} {{candidate}} {{rank}}", "--tensors", "o,lse",
-                          "--max-runs", "12")
+                          "--max-runs", "12", "--confirm", "0")
     assert code == 0, err
     assert j["kinds"] == ["head_mapping"]
     assert j["smallest"]["case"]["heads_q"] == 2 and j["smallest"]["case"].get("heads_kv") == 1
@@ -164,11 +165,12 @@ def test_same_tensors_keeps_the_failing_tensors(golden, tmp_path):
     script = tmp_path / "two_defects.py"
     script.write_text(TWO_DEFECTS)
     command = f"{shlex.quote(sys.executable)} {shlex.quote(str(script))} {{fixture}} {{candidate}}"
-    code, loose, err = shrink(golden, command, "--tensors", "o,lse", "--any-failure")
+    code, loose, err = shrink(golden, command, "--tensors", "o,lse", "--any-failure", "--confirm", "0")
     assert code == 0, err
     assert loose["same_tensors"] is False
     assert loose["smallest"]["case"].get("cp_size", 1) == 1 and loose["smallest"]["failing_tensors"] == ["lse"]
-    code, strict, err = shrink(golden, command, "--tensors", "o,lse", "--any-failure", "--same-tensors")
+    code, strict, err = shrink(golden, command, "--tensors", "o,lse", "--any-failure", "--same-tensors", "--confirm",
+                               "0")
     assert code == 0, err
     assert strict["same_tensors"] is True and strict["original"]["failing_tensors"] == ["o"]
     assert strict["smallest"]["failing_tensors"] == ["o"]
@@ -185,6 +187,7 @@ def test_same_tensors_keeps_the_failing_tensors(golden, tmp_path):
         if fx.cp_size == 1:
             out["lse"] = np.where(np.isfinite(out["lse"]), out["lse"] + np.float32(np.log(2.0)), out["lse"])
         return out
-    py = cpgold.shrink(START, fn, tensors=("o", "lse"), lse_layout="ht", any_failure=True, same_tensors=True)
+    py = cpgold.shrink(START, fn, tensors=("o", "lse"), lse_layout="ht", any_failure=True, same_tensors=True,
+                       confirm=0)
     assert py["smallest"] == strict["smallest"]["case_json"] and py["runs"] == strict["runs"]
     assert py["smallest_verdict"]["tensors"] == strict["smallest"]["failing_tensors"] == ["o"]
