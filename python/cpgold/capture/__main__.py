@@ -23,6 +23,9 @@ def _parser():
     c.add_argument("--keep-golden", action="store_true", help="write each call's golden fixture as golden.h5")
     c.add_argument("--format", choices=("text", "json"), default="text")
     c.add_argument("--progress", action="store_true", help="a line per call on stderr as it is checked")
+    c.add_argument("--pad-rows", choices=("zero", "unwritten"), default=None,
+                   help="the convention for pad and tail rows of every call (default: what each call recorded; "
+                        "unwritten for TransformerEngine's FlashAttention path, which leaves them unwritten)")
     return p
 
 
@@ -39,7 +42,8 @@ def main(argv=None):
 
         diagnosis = False if args.no_diagnosis else (args.diagnosis_budget if args.diagnosis_budget is not None
                                                      else True)
-        report = check(args.folder, diagnosis=diagnosis, keep_golden=args.keep_golden, progress=args.progress)
+        report = check(args.folder, diagnosis=diagnosis, keep_golden=args.keep_golden, progress=args.progress,
+                       pad_rows=args.pad_rows)
         print(report_json(report) if args.format == "json" else report.text, end="" if args.format == "text" else "\n")
         return report.exit_code
     except InputError as e:

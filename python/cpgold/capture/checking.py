@@ -112,11 +112,14 @@ def reproduce_command(call_dir, record):
             f"cpgold check golden.h5 {os.path.join(call_dir, 'candidate.h5')}" + "".join(" " + o for o in options))
 
 
-def check_call(call_dir, diagnosis=True, keep_golden=False):
-    """The check report of one joined call folder (a cpgold check report dict) and its join record."""
+def check_call(call_dir, diagnosis=True, keep_golden=False, pad_rows=None):
+    """The check report of one joined call folder (a cpgold check report dict) and its join record. pad_rows: the
+    convention for pad and tail rows ("zero" or "unwritten"), instead of the one the call recorded."""
     from ..check import check as check_files
 
     record, case, inputs = load_joined(call_dir)
+    if pad_rows is not None:
+        record = dict(record, pad_rows=pad_rows)
     nonfinite = None
     fixture = _golden(call_dir, case, inputs, keep_golden)
     try:
@@ -130,13 +133,18 @@ def check_call(call_dir, diagnosis=True, keep_golden=False):
     return report, record, nonfinite
 
 
-def check(folder, diagnosis=True, keep_golden=False, progress=None):
+def check(folder, diagnosis=True, keep_golden=False, progress=None, pad_rows=None):
     """Joins the folder's calls not joined yet, then checks every joined call (see the module docstring). Returns a
     CaptureReport; its `text` is what `python3 -m cpgold.capture check FOLDER` prints and its `exit_code` what the
     command exits with. InputError when the folder is not a capture folder (exit 2).
     diagnosis: as cpgold.check (False skips it, seconds bound its replay). keep_golden: write each call's golden
     fixture as golden.h5 in its folder (kept, and used by later checks). progress: True prints a line per call on
-    stderr as it is checked; a callable gets each call's entry."""
+    stderr as it is checked; a callable gets each call's entry. pad_rows: "unwritten" checks every call under the
+    convention of `cpgold check --pad-rows unwritten` (TransformerEngine's FlashAttention path, like FlashAttention-3/4
+    with seqused, leaves pad and tail rows unwritten, which a capture of TransformerEngine cannot tell); "zero" the
+    contract; None (default) what each call recorded."""
+    if pad_rows not in (None, "zero", "unwritten"):
+        raise InputError(f"pad_rows: expected None, 'zero' or 'unwritten', got {pad_rows!r}", "pad_rows")
     folder = _folder.require_capture_folder(os.fspath(folder))
     joined = join(folder)
     calls = []
@@ -148,7 +156,7 @@ def check(folder, diagnosis=True, keep_golden=False, progress=None):
             e.update(status="unusable", reason=entry["reason"], ranks=[])
         else:
             try:
-                report, record, nonfinite = check_call(call_dir, diagnosis, keep_golden)
+                report, record, nonfinite = check_call(call_dir, diagnosis, keep_golden, pad_rows)
             except (InputError, OSError, ValueError, KeyError) as err:
                 e.update(status="unusable", reason=f"{type(err).__name__}: {err}", ranks=[])
             else:
