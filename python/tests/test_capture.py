@@ -528,3 +528,23 @@ def test_command_line_join_and_check(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "cpgold.capture", "check", str(fine), "--format", "json"],
                           capture_output=True, text=True, env=env)
     assert proc.returncode == 0 and json.loads(proc.stdout)["exit_code"] == 0
+
+
+def test_check_pad_rows_convention_for_every_call(tmp_path):
+    """check(pad_rows=...) and `check --pad-rows` hold every call to one pad-row convention (TransformerEngine's
+    FlashAttention path leaves pad rows unwritten, which a TE capture cannot tell): the failing layer still fails,
+    the reproduce lines carry the option, and a bad value is refused naming pad_rows."""
+    folder = tmp_path / "cap"
+    run_step(2, folder, bugs={1: "chunks_swapped@r1"}, n_layers=2)
+    report = capture.check(folder, pad_rows="unwritten")
+    assert report.exit_code == 1
+    failing = [c for c in report["calls"] if c["status"] == "fail"]
+    assert [c["layer"] for c in failing] == ["layers.1"]
+    assert all("--pad-rows unwritten" in c["reproduce"] for c in report["calls"])
+    assert all("--pad-rows" not in c["reproduce"] for c in capture.check(folder)["calls"])
+    with pytest.raises(cpgold.InputError, match="pad_rows"):
+        capture.check(folder, pad_rows="sometimes")
+    env = dict(os.environ, PYTHONPATH=PYTHONPATH)
+    proc = subprocess.run([sys.executable, "-m", "cpgold.capture", "check", str(folder), "--pad-rows", "unwritten"],
+                          capture_output=True, text=True, env=env)
+    assert proc.returncode == 1 and proc.stdout == report.text
