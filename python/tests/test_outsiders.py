@@ -12,6 +12,7 @@ import pytest
 import cpgold
 from conftest import golden_path
 from cpgold.outsiders import ADAPTERS, Refused, flash, make, runner, te
+from cpgold.outsiders.environment import digest
 
 
 class Case:
@@ -369,7 +370,7 @@ def test_a_refusal_in_the_backward_is_a_refusal(monkeypatch, torch_cpu, tmp_path
     assert entry["reason"].startswith("backward: AssertionError: GQA backward requires head_dim == head_dim_v")
 
 
-def test_write_candidate_for_one_fixture(monkeypatch, torch_cpu, tmp_path, cpgold_bin):
+def test_write_candidate_for_one_fixture(monkeypatch, torch_cpu, tmp_path, cpgold_bin, capsys):
     from cpgold.outsiders.__main__ import main
     monkeypatch.setitem(sys.modules, "flash_attn_interface", fake_fa3_module(torch_cpu, []))
     monkeypatch.setattr(flash.FlashAttn3, "__init__", lambda self, deterministic=False, **o:
@@ -377,6 +378,9 @@ def test_write_candidate_for_one_fixture(monkeypatch, torch_cpu, tmp_path, cpgol
     name = golden_path("p2p_w2_window_tail_fp16")
     out = tmp_path / "c.h5"
     assert main(["fa3", name, "--write-candidate", str(out)]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("fa3: versions "))
+    printed = json.loads(line[len("fa3: versions "):])   # in COMMAND's output, as `serve run` prints them
+    assert set(COMMON) <= set(printed) and printed["cudnn"] == "not used" and "flash-attn-3 build" in printed
     report = cpgold.check(name, out, pad_rows="unwritten", cpgold=cpgold_bin)
     assert report["pass"]
     before = out.read_bytes()
@@ -529,6 +533,84 @@ def test_resume_runs_only_what_a_stopped_run_did_not_record(monkeypatch, torch_c
     assert json.load(open(tmp_path / "s.json"))["counts"]["pass"] == 2
 
 
+COMMON = ("python", "platform", "torch", "cuda", "cudnn_torch", "nccl", "device", "compute_capability", "driver",
+          "libcudnn_mapped", "variables")
+
+
+def test_the_run_file_records_the_versions_before_any_fixture_runs(monkeypatch, torch_cpu, tmp_path, cpgold_bin):
+    seen = []
+    main = _main_with_fake_fa3(monkeypatch, torch_cpu, [])
+    honest = sys.modules["flash_attn_interface"].flash_attn_varlen_func
+
+    def reading_the_run_file(*args, **kwargs):   # what a run stopped from outside at this moment would leave
+        seen.append(json.loads((tmp_path / "s.json.run.json").read_text()))
+        return honest(*args, **kwargs)
+
+    monkeypatch.setattr(sys.modules["flash_attn_interface"], "flash_attn_varlen_func", reading_the_run_file)
+    args = ["fa3", *map(golden_path, TWO), "--cpgold", cpgold_bin, "--summary", str(tmp_path / "s.json"),
+            "--in-process"]
+    assert main(args) == 0 and len(seen) == 2
+    run = seen[0]
+    assert run["adapter"] == "fa3" and run["options"] == {"deterministic": False} and run["resumes"] == []
+    v = run["versions"]
+    assert set(COMMON) <= set(v) and v["cudnn"] == "not used" and v["library"].startswith("flash-attn-3 ")
+    assert "flash-attn-3 build" in v and run["versions_digest"] == digest(v)
+    lines = runner.read_results(str(tmp_path / "s.json.jsonl"))
+    assert [e["versions_digest"] for e in lines] == [run["versions_digest"]] * 2
+    assert not any("versions" in e for e in lines)     # the same versions as the run's: named, not repeated
+    summary = json.load(open(tmp_path / "s.json"))
+    assert summary["versions"] == v and summary["versions_digest"] == run["versions_digest"]
+    assert [e["versions_digest"] for e in summary["fixtures"]] == [run["versions_digest"]] * 2
+
+
+def test_resume_refuses_other_versions_unless_told(monkeypatch, torch_cpu, tmp_path, cpgold_bin, capsys):
+    calls = []
+    main = _main_with_fake_fa3(monkeypatch, torch_cpu, calls)
+    args = ["fa3", *map(golden_path, TWO), "--cpgold", cpgold_bin, "--summary", str(tmp_path / "s.json"),
+            "--in-process"]    # the fake library is in this process only
+    assert main(args) == 0
+    results, run_file = tmp_path / "s.json.jsonl", tmp_path / "s.json.run.json"
+    run = json.loads(run_file.read_text())
+    run["versions"].update(torch="0.0.1", driver="1.0")                # the stopped run ran on other versions
+    start_digest = run["versions_digest"] = digest(run["versions"])
+    first = dict(json.loads(results.read_text().splitlines()[0]), versions_digest=start_digest)
+    results.write_text(json.dumps(first) + "\n")                      # and stopped after its first fixture
+    run_file.write_text(json.dumps(run))
+    kept = results.read_text(), run_file.read_text()
+    calls.clear()
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stop:
+        main(args + ["--resume"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and not calls
+    assert "--resume: the versions are not those the stopped run started with" in err
+    assert f'torch "{torch_cpu.__version__}" (recorded "0.0.1")' in err and '(recorded "1.0")' in err
+    assert "nothing was run" in err and "--resume-any-versions" in err
+    assert (results.read_text(), run_file.read_text()) == kept          # nothing overwritten
+    without = dict(run)
+    del without["versions"]                                             # a run file that records no versions
+    run_file.write_text(json.dumps(without))
+    with pytest.raises(SystemExit) as stop:
+        main(args + ["--resume"])
+    assert stop.value.code == 2 and "records no versions of the stopped run" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as stop:
+        main(args + ["--resume-any-versions"])
+    assert stop.value.code == 2 and "--resume-any-versions: only with --resume" in capsys.readouterr().err
+    run_file.write_text(json.dumps(run))
+    assert main(args + ["--resume", "--resume-any-versions"]) == 0 and len(calls) == 1
+    assert "going on with other versions than the stopped run's: " in capsys.readouterr().err
+    after = json.loads(run_file.read_text())
+    assert after["versions"]["torch"] == "0.0.1"                        # what the run started with stays
+    (resumed,) = after["resumes"]
+    assert resumed["resumed_with"] == 1 and resumed["versions"]["torch"] == torch_cpu.__version__
+    assert any(d.startswith("torch ") for d in resumed["differences"]) and resumed["versions_digest"] != start_digest
+    lines = runner.read_results(str(results))
+    assert [e["versions_digest"] for e in lines] == [start_digest, resumed["versions_digest"]]
+    summary = json.load(open(tmp_path / "s.json"))
+    assert summary["versions"]["torch"] == "0.0.1" and summary["resumes"] == after["resumes"]
+    assert summary["counts"]["pass"] == 2
+
+
 def test_resume_refuses_the_results_of_another_run(monkeypatch, torch_cpu, tmp_path, cpgold_bin, capsys):
     calls = []
     main = _main_with_fake_fa3(monkeypatch, torch_cpu, calls)
@@ -646,12 +728,22 @@ def test_a_crash_of_fa3_loses_only_its_fixture_by_default(tmp_path, cpgold_bin):
     assert [entries[n + ".h5"]["status"] for n in (CRASH_SUITE[0], CRASH_SUITE[2])] == ["pass", "pass"]
     assert json.load(open(summary))["counts"] == {"pass": 2, "fail": 0, "empty": 0, "error": 1, "unsupported": 0}
     assert "killed by signal SIGSEGV" in proc.stdout and '"error": 1' in proc.stdout
+    # the children computed their own versions: the same as the parent recorded, so each line names them only
+    tag = json.load(open(summary))["versions_digest"]
+    assert tag and all(e["versions_digest"] == tag and "versions" not in e for e in entries.values())
 
 
 def test_in_process_is_the_opt_out_and_a_crash_then_ends_the_run(tmp_path, cpgold_bin):
     import signal
     proc, summary = _crashing_fa3_run(tmp_path, cpgold_bin, "--in-process")
     assert proc.returncode == -signal.SIGSEGV and not summary.exists()
+    # the run died on its second fixture: what it ran on was recorded at its start, and its first result names it
+    run = json.loads((tmp_path / "fa3.json.run.json").read_text())
+    v = run["versions"]
+    assert set(COMMON) <= set(v) and v["cudnn"] == "not used" and v["module"].endswith("flash_attn_interface.py")
+    assert v["torch"] != "not installed" and run["adapter"] == "fa3"
+    (first,) = runner.read_results(str(tmp_path / "fa3.json.jsonl"))
+    assert first["fixture"] == CRASH_SUITE[0] + ".h5" and first["versions_digest"] == run["versions_digest"]
 
 
 def test_flash_adapters_isolate_by_default_and_the_flags_exclude_each_other(monkeypatch, torch_cpu, capsys):

@@ -6,6 +6,7 @@ without NCCL_NVLS_ENABLE=0 is refused. TransformerEngine over NCCL runs on a GPU
 (python/examples/outsiders/device_run.sh, phase te_ranks)."""
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -123,6 +124,19 @@ def test_reference_passes_every_rank_and_the_gathered_outputs(core, cpgold_bin, 
     table = (out / "summary.md").read_text()
     assert "| small | a2a_p2p_w4_causal_window.h5 | a2a+p2p | 4 | skipped |" in table
     assert len((out / "results.jsonl").read_text().splitlines()) == 4
+    # every rank's versions and device, recorded at the start; each result names them by their digest
+    run = json.loads((out / "run.json").read_text())
+    ranks = run["rank_versions"]
+    assert [v["rank"] for v in ranks] == [0, 1] and [v["tensors_on"] for v in ranks] == ["cpu", "cpu"]
+    for v in ranks:
+        assert {"python", "torch", "cuda", "nccl", "device", "driver", "variables", "gloo_available"} <= set(v)
+        assert "NCCL_NVLS_ENABLE" in v["variables"] and v["device"]
+    assert ranks[0]["pid"] != ranks[1]["pid"]                 # each rank's own process, not rank 0's twice
+    assert run["versions_digest"].startswith("sha256:") and run["resumes"] == []
+    with open(out / "summary.json") as f:
+        summary = json.load(f)
+    assert summary["rank_versions"] == ranks and summary["versions"] == ranks[0]
+    assert {e["versions_digest"] for e in summary["fixtures"]} == {run["versions_digest"]}
 
 
 def test_a2a_p2p_groups_at_four_ranks(core, fixture_dir, tmp_path):
@@ -193,6 +207,9 @@ def test_a_rank_that_raises_stops_every_rank(core, fixture_dir, tmp_path, rank, 
     assert skipped["fixture"] == "a2a_p2p_w4_causal_window.h5" and skipped["status"] == "skipped"
     assert e["status"] == "error" and e["failing_ranks"] == [rank] and planted in e["reason"]
     assert "The run was stopped" in (out / "summary.md").read_text()
+    run = json.loads((out / "run.json").read_text())   # written before the first fixture: a stopped run keeps it
+    assert [v["rank"] for v in run["rank_versions"]] == [0, 1]
+    assert e["versions_digest"] == skipped["versions_digest"] == run["versions_digest"]
 
 
 def test_resume_after_a_stopped_run_runs_the_rest_once(core, fixture_dir, tmp_path):
@@ -200,6 +217,18 @@ def test_resume_after_a_stopped_run_runs_the_rest_once(core, fixture_dir, tmp_pa
     rc, text, _ = launch(2, ["torch_allgather", fixture_dir, "--out", out, "--set", "fail_rank=1",
                              "--timeout", 30, "--grace", 2], timeout=60)
     assert rc != 0 and "stopped at small/a2a_w2_window.h5" in text
+    run_file = out / "run.json"
+    recorded = run_file.read_text()
+    run = json.loads(recorded)
+    run["rank_versions"][1]["torch"] = "0.0.1"                # rank 1 of the stopped run had another torch
+    run_file.write_text(json.dumps(run))
+    kept = (out / "results.jsonl").read_text(), run_file.read_text()
+    rc, text, _ = launch(2, ["torch_allgather", fixture_dir, "--out", out, "--resume", "--timeout", 30], timeout=90)
+    assert rc != 0 and re.search(r"exitcode\s*:\s*2\b", text), text     # each process exits 2; torchrun says so
+    assert "--resume: the versions are not those the stopped run started with: rank 1: torch" in text
+    assert '(recorded "0.0.1")' in text and "nothing was run" in text and "[1/4]" not in text
+    assert ((out / "results.jsonl").read_text(), run_file.read_text()) == kept
+    run_file.write_text(recorded)
     rc, text, _ = launch(2, ["torch_allgather", fixture_dir, "--out", out, "--resume", "--timeout", 30], timeout=90)
     assert "resuming: 2 fixture(s) already recorded" in text, text
     assert "a2a_w2_window" not in text.split("resuming")[1], text   # the stopped fixture is not run again
@@ -213,6 +242,11 @@ def test_resume_after_a_stopped_run_runs_the_rest_once(core, fixture_dir, tmp_pa
     assert [x["fixture"][:-3] for x in lines] == ["a2a_p2p_w4_causal_window", "a2a_w2_window", "all_gather_w2_cross",
                                                   "p2p_w2_causal_nan"]
     assert rc == 1   # the recorded error still counts
+    after = json.loads(run_file.read_text())
+    (resumed,) = after["resumes"]
+    assert resumed["differences"] == [] and resumed["resumed_with"] == 2
+    assert [v["rank"] for v in resumed["rank_versions"]] == [0, 1]
+    assert summary["resumes"] == after["resumes"] and summary["rank_versions"] == after["rank_versions"]
 
 
 def test_resume_records_the_fixture_the_processes_died_in(core, fixture_dir, tmp_path):
@@ -222,7 +256,13 @@ def test_resume_records_the_fixture_the_processes_died_in(core, fixture_dir, tmp
     out.mkdir()
     (out / "results.jsonl").write_text("")
     (out / "current").write_text(json.dumps({"suite": "small", "fixture": "all_gather_w2_cross.h5"}))
+    # no DIR/run.json: the stopped run's versions cannot be told, which only --resume-any-versions accepts
     rc, text, _ = launch(2, ["torch_allgather", fixture_dir, "--out", out, "--resume", "--timeout", 30], timeout=90)
+    assert rc != 0 and re.search(r"exitcode\s*:\s*2\b", text), text
+    assert "does not say which versions the stopped run had" in text
+    assert (out / "results.jsonl").read_text() == "" and (out / "current").exists() and not (out / "run.json").exists()
+    rc, text, _ = launch(2, ["torch_allgather", fixture_dir, "--out", out, "--resume", "--resume-any-versions",
+                             "--timeout", 30], timeout=90)
     e = entries(out)
     assert e["all_gather_w2_cross"]["status"] == "error", text
     assert "ended while running this fixture" in e["all_gather_w2_cross"]["reason"]
@@ -230,6 +270,9 @@ def test_resume_records_the_fixture_the_processes_died_in(core, fixture_dir, tmp
     assert e["p2p_w2_causal_nan"]["status"] == "pass" and e["a2a_w2_window"]["status"] == "pass"
     assert not (out / "current").exists()   # a run that ends normally leaves none
     assert rc == 1
+    run = json.loads((out / "run.json").read_text())
+    assert run["rank_versions"] is None and len(run["resumes"]) == 1   # unknown before, this run's as a resume's
+    assert "versions_digest" not in e["all_gather_w2_cross"]            # the processes that died in it: unknown
 
 
 def test_nccl_without_nvls_off_is_refused(tmp_path):

@@ -25,6 +25,7 @@ import pytest
 
 import cpgold
 from cpgold.outsiders import serve
+from cpgold.outsiders.environment import digest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 BIN = os.environ.get("CPGOLD_BIN")
@@ -127,6 +128,48 @@ def test_a_broken_run_answers_error_and_the_next_gets_a_fresh_process(server, tm
     assert r.returncode == 0, r.stderr
     assert p.poll() is None
     assert open(log).read().count("loaded in") == 2
+
+
+COMMON = ("python", "torch", "cuda", "cudnn_torch", "nccl", "device", "compute_capability", "driver",
+          "libcudnn_mapped", "variables")
+
+
+def test_answers_carry_the_versions_of_the_process_that_ran_them(server, tmp_path):
+    sock, _, log = server
+    good = gen(MHA, tmp_path / "ok.h5")
+    first = raw(sock, frame({"op": "run", "fixture": good, "candidate": str(tmp_path / "c1.h5")}), wait=120)
+    assert "status" not in first and first["pad_rows"] == "zero"
+    v = first["versions"]
+    assert set(COMMON) <= set(v) and v["planted"] == "1"   # the environment under the adapter's own fields
+    assert v["pid"] == adapter_pids(log)[0] and first["versions_digest"].startswith("sha256:")
+    died = raw(sock, frame({"op": "run", "fixture": gen(MHA, tmp_path / "die.h5"),
+                            "candidate": str(tmp_path / "c2.h5")}), wait=120)
+    assert died["status"] == "error" and died["versions"]["pid"] == v["pid"]   # the process that died in it
+    r = client("run", sock, good, str(tmp_path / "c3.h5"))
+    assert r.returncode == 0, r.stderr
+    line = next(x for x in r.stdout.splitlines() if x.startswith("serve run: versions "))
+    fresh = json.loads(line[len("serve run: versions "):])
+    assert fresh["pid"] == adapter_pids(log)[1] != v["pid"] and fresh["planted"] == "1"
+    assert digest(fresh) == first["versions_digest"]   # the same versions: only the process (pid) differs
+    r = client("run", sock, gen(MHA, tmp_path / "refuse.h5"), str(tmp_path / "c4.h5"))
+    assert r.returncode == 3 and '"planted": "1"' in r.stdout   # a refusal names its versions too
+
+
+def test_shrink_keeps_the_versions_in_its_records(server, tmp_path):
+    sock, _, _ = server
+    start = gen(GQA, tmp_path / "start.h5")
+    work = tmp_path / "work"
+    via = subprocess.run([BIN, "shrink", start, "--run",
+                          f"{sys.executable} -m cpgold.outsiders.serve run {sock} {{fixture}} {{candidate}}",
+                          "--tensors", "o,dq,dk,dv", "--format", "json", "--max-runs", "2", "--keep",
+                          "--work-dir", str(work)], capture_output=True, text=True, env=env(), timeout=600)
+    assert via.returncode == 0, via.stderr[-2000:]
+    logs = sorted(work.glob("shrink-*/run-*/command.log"))
+    assert logs, sorted(str(p) for p in work.rglob("*"))
+    for path in logs:
+        line = next(x for x in path.read_text().splitlines() if x.startswith("serve run: versions "))
+        kept = json.loads(line[len("serve run: versions "):])
+        assert set(COMMON) <= set(kept) and kept["planted"] == "1", path
 
 
 def test_refusal_exits_3(server, tmp_path):
@@ -480,6 +523,7 @@ def test_an_unusable_fixture_or_an_existing_candidate_is_named(server, tmp_path)
     existing.write_text("kept")
     good = gen(MHA, tmp_path / "a.h5")
     answer = raw(sock, frame({"op": "run", "fixture": good, "candidate": str(existing)}))
-    assert answer == {"status": "unusable", "reason": f"candidate exists: {existing}; nothing was written"}
+    assert answer["status"] == "unusable" and answer["reason"] == f"candidate exists: {existing}; nothing was written"
+    assert answer["versions"]["planted"] == "1"   # which process answered, even when it wrote nothing
     assert existing.read_text() == "kept"
     assert open(log).read().count("loaded in") == 1  # neither needed a fresh adapter

@@ -14,6 +14,7 @@ import tempfile
 import time
 
 from . import ADAPTERS, make
+from .environment import describe, differences, digest, process_versions
 from .runner import counts, fixture_list, isolated, markdown, read_results, report_line, run_and_write, worker
 
 
@@ -37,23 +38,36 @@ def parse_sets(items):
     return options
 
 
-def resume(ap, wanted, results, run_file, identity):
-    """{(suite, fixture)} that a stopped run recorded in RESULTS when --resume goes on from it (RUN_FILE names its
-    adapter and options, which must be this run's); otherwise RESULTS starts empty and the set is empty."""
+def resume(ap, wanted, results, run_file, identity, versions, any_versions=False):
+    """(recorded, record): {(suite, fixture)} that a stopped run recorded in RESULTS when --resume goes on from it,
+    and RUN_FILE's record of that run. Its adapter and options must be this run's, and so must the versions it
+    started with (environment.differences), unless any_versions: then the differences are named and the run goes on.
+    Otherwise RESULTS starts empty, the set is empty and the record None."""
     if not wanted or not os.path.exists(results):
         if wanted:
             print(f"--resume: no {results} yet: nothing to go on from, every fixture runs", file=sys.stderr)
         open(results, "w").close()
-        return set()
+        return set(), None
     try:
         with open(run_file) as f:
             before = json.load(f)
+        if not isinstance(before, dict):
+            raise ValueError(f"a JSON {type(before).__name__}, not an object")
     except (OSError, ValueError) as e:
         ap.error(f"--resume: {run_file} does not say which run {results} belongs to ({e}); nothing was run")
     for key in ("adapter", "options"):
         if before.get(key) != identity[key]:
             ap.error(f"--resume: {key} {json.dumps(identity[key])} is not the stopped run's {json.dumps(before.get(key))} "
                      f"({run_file}); nothing was run")
+    then = before.get("versions")
+    differ = differences(then, versions) if isinstance(then, dict) else \
+        [f"{run_file} records no versions of the stopped run"]
+    if differ and not any_versions:
+        ap.error(f"--resume: the versions are not those the stopped run started with ({run_file}): "
+                 f"{'; '.join(differ)}; nothing was run (--resume-any-versions goes on, recording both)")
+    if differ:
+        print(f"--resume-any-versions: going on with other versions than the stopped run's: {'; '.join(differ)}",
+              file=sys.stderr)
     with open(results) as f:
         text = f.read()
     if text and not text.endswith("\n"):   # a run killed while writing its last line: that fixture runs again
@@ -63,9 +77,22 @@ def resume(ap, wanted, results, run_file, identity):
         with open(results, "w") as f:
             f.write(kept)
     try:
-        return {(e["suite"], e["fixture"]) for e in read_results(results)}
-    except (ValueError, KeyError) as e:
+        done = {(e["suite"], e["fixture"]) for e in read_results(results)}
+    except (ValueError, KeyError, TypeError) as e:
         ap.error(f"--resume: {results} is not a results file of this command ({type(e).__name__}: {e}); nothing was run")
+    resumes = before.get("resumes") if isinstance(before.get("resumes"), list) else []
+    record = dict(before, resumes=resumes + [{"resumed_with": len(done), "versions": versions,
+                                              "versions_digest": digest(versions), "differences": differ}])
+    return done, record
+
+
+def write_run_file(run_file, record):
+    """RUN_FILE replaced at once (a file of this process's beside it, then renamed): a run killed meanwhile leaves
+    the old record or the new, never half of one."""
+    tmp = f"{run_file}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(record, f, indent=1, default=str)
+    os.replace(tmp, run_file)
 
 
 def main(argv=None):
@@ -94,15 +121,23 @@ def main(argv=None):
     ap.add_argument("--title", help="title of the tables (default: adapter and options)")
     ap.add_argument("--resume", action="store_true",
                     help="go on from a run that stopped: the fixtures recorded in SUMMARY.jsonl (beside --summary) are "
-                         "not run again; the adapter and its options must be the stopped run's")
+                         "not run again; the adapter, its options and the versions (SUMMARY.run.json) must be the "
+                         "stopped run's")
+    ap.add_argument("--resume-any-versions", action="store_true",
+                    help="with --resume: go on even where the versions differ from those the stopped run started "
+                         "with; SUMMARY.run.json keeps both, and every line of SUMMARY.jsonl names its process's "
+                         "versions by their digest")
     ap.add_argument("--write-candidate", metavar="PATH",
                     help="one fixture: write the implementation's candidate file to PATH, no check, no tables")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--skip", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--results", help=argparse.SUPPRESS)
+    ap.add_argument("--versions-digest", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.isolate and args.in_process:
         ap.error("--isolate and --in-process: give one of them")
+    if args.resume_any_versions and not args.resume:
+        ap.error("--resume-any-versions: only with --resume")
     options = parse_sets(args.set)
     if args.deterministic:
         options["deterministic"] = True
@@ -130,7 +165,9 @@ def main(argv=None):
             ap.error(f"--write-candidate: give exactly one fixture, got {len(items)}")
         if os.path.lexists(args.write_candidate):
             ap.error(f"--write-candidate: {args.write_candidate} exists; nothing was written")
-        entry = run_and_write(make(args.adapter, **options), items[0][1], items[0][0], args.write_candidate)
+        adapter = make(args.adapter, **options)
+        print(f"{args.adapter}: versions {json.dumps(process_versions(adapter), sort_keys=True)}", flush=True)
+        entry = run_and_write(adapter, items[0][1], items[0][0], args.write_candidate)
         status = entry.get("status")
         if status:
             print(f"{args.adapter}: {status}: {entry.get('reason', '')}", file=sys.stderr)
@@ -140,22 +177,25 @@ def main(argv=None):
         return 0
     if args.worker:
         faulthandler.enable()   # a crash (SIGSEGV, SIGABRT) leaves the Python stack on stderr, which the parent records
-        worker(make(args.adapter, **options), items, args.results, workdir, args.cpgold, args.skip, child=True)
+        worker(make(args.adapter, **options), items, args.results, workdir, args.cpgold, args.skip, child=True,
+               expected=args.versions_digest)
         return 0
     summary_path = args.summary or f"{args.adapter}.json"
     results, run_file = summary_path + ".jsonl", summary_path + ".run.json"
     t0 = time.time()
     adapter = make(args.adapter, **options)  # in the parent too: versions, and an import error before any child
     identity = json.loads(json.dumps({"adapter": args.adapter, "options": adapter.options()}, default=str))
-    recorded = resume(ap, args.resume, results, run_file, identity)
+    versions = process_versions(adapter)
+    tag = digest(versions)
+    recorded, run = resume(ap, args.resume, results, run_file, identity, versions, args.resume_any_versions)
     if recorded:
         items = [(s, p) for s, p in items if (s, os.path.basename(p)) not in recorded]
         print(f"{args.adapter}: resuming from {results}: {len(recorded)} fixtures recorded, {len(items)} to run",
               flush=True)
-    with open(run_file, "w") as f:
-        json.dump(identity, f)
-    versions = adapter.versions()
-    print(f"{args.adapter}: " + ", ".join(f"{k} {v}" for k, v in versions.items()), flush=True)
+    if run is None:   # a run that starts: what it runs on is recorded before any fixture runs
+        run = dict(identity, versions=versions, versions_digest=tag, resumes=[])
+    write_run_file(run_file, run)
+    print(f"{args.adapter}: {describe(versions)} ({tag})", flush=True)
     if not items:
         print(f"{args.adapter}: every fixture is recorded already", flush=True)
     elif (args.isolate or adapter.isolate) and not args.in_process:
@@ -164,15 +204,17 @@ def main(argv=None):
                 sum((["--set", s] for s in args.set), []) + (["--deterministic"] if args.deterministic else []) + \
                 (["--backend", args.backend] if args.backend else []) + (["--cpgold", args.cpgold] if args.cpgold else []) + \
                 (["--only", ",".join(only)] if only else []) + \
-                ([] if recorded else sum((["--first", f] for f in args.first), []))   # the list says it all
-        isolated(child, items, results)
+                ([] if recorded else sum((["--first", f] for f in args.first), [])) + \
+                ["--versions-digest", tag]   # the list says it all
+        isolated(child, items, results, tag)
     else:
-        worker(adapter, items, results, workdir, args.cpgold)
+        worker(adapter, items, results, workdir, args.cpgold, versions=versions, expected=tag)
     entries = read_results(results)
     title = args.title or f"{args.adapter} {json.dumps(adapter.options())}"
     text = markdown(entries, title)
     summary = {"adapter": args.adapter, "options": adapter.options(), "pad_rows": adapter.pad_rows,
-               "versions": versions, "seconds": round(time.time() - t0, 1), "counts": counts(entries),
+               "versions": run.get("versions"), "versions_digest": run.get("versions_digest"),
+               "resumes": run["resumes"], "seconds": round(time.time() - t0, 1), "counts": counts(entries),
                "resumed_with": len(recorded), "fixtures": entries}
     with open(summary_path, "w") as f:
         json.dump(summary, f, indent=1, default=str)

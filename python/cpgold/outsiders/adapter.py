@@ -52,8 +52,13 @@ class Adapter:
         return {"deterministic": self.deterministic}
 
     def versions(self):
-        """Versions and device as the implementation reports them."""
-        return {}
+        """What the process runs on: the common environment (environment.py: Python, torch, CUDA, cuDNN, NCCL, the
+        device, the driver, the libcudnn mapped, the variables that select behaviour). A subclass adds its
+        libraries' versions to this ({**super().versions(), ...}). The runner, the rank harness and the server record
+        environment() with what this returns on top (environment.process_versions), so an override that leaves the
+        environment out loses nothing."""
+        from .environment import environment
+        return environment()
 
     def unsupported(self, fixture):
         """Why the fixture's case cannot be expressed in the implementation's API (a string), or None. Only what the

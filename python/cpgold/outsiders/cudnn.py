@@ -8,6 +8,7 @@ fused attention takes fp16/bf16), head dims that are not a multiple of 8; whatev
 built comes back as Refused with cuDNN's message.
 """
 from .adapter import Adapter, Outcome, Refused
+from .environment import CUDNN_DISTRIBUTIONS, packages
 
 
 class CudnnThd(Adapter):
@@ -23,8 +24,14 @@ class CudnnThd(Adapter):
         self.graphs = {}
 
     def versions(self):
-        return {"cudnn": self.cudnn.backend_version_string(), "frontend": self.cudnn.__version__,
-                "torch": self.torch.__version__, "device": self.torch.cuda.get_device_name(0)}
+        """The environment (CUDA, the device, the driver, the libcudnn files mapped, torch's own cuDNN), the cuDNN
+        the frontend runs (its backend version) and the frontend's version, with their distributions."""
+        try:
+            backend = self.cudnn.backend_version_string()
+        except Exception as e:  # noqa: BLE001 - recorded, not fatal
+            backend = f"error: {type(e).__name__}: {e}"
+        return {**super().versions(), "cudnn": backend, "frontend": self.cudnn.__version__,
+                **packages("nvidia-cudnn-frontend", *CUDNN_DISTRIBUTIONS)}
 
     def unsupported(self, fx):
         if fx.dtype not in ("bf16", "fp16"):

@@ -17,6 +17,7 @@ import inspect
 import numpy as np
 
 from .adapter import Adapter, Outcome, Refused
+from .environment import FA4_RUNS_ON, build_of, packages
 
 
 def padded_lengths(fx, side):
@@ -105,6 +106,7 @@ def _run_padded(fx, call, device, deterministic):
 
 class _FlashAdapter(Adapter):
     module_name = ""
+    runs_on = ()   # distributions the library runs on, recorded with their versions
     dtypes = ("bf16", "fp16")
     isolate = True   # a crash of the library (SIGSEGV, a device-side assert) costs only its fixture (--in-process: not)
 
@@ -128,12 +130,11 @@ class _FlashAdapter(Adapter):
         return Outcome(outputs=outputs, backend=self.label)
 
     def versions(self):
-        torch = _torch()
-        v = {"torch": torch.__version__, "library": f"{self.distribution} {_distribution_version(self.distribution)}",
-             "module": getattr(self.module, "__file__", "?")}
-        if torch.cuda.is_available():
-            v["device"] = torch.cuda.get_device_name(0)
-        return v
+        """The environment, the library's distribution (and its build where the wheel records one), the packages it
+        runs on (FA4: the CuTe DSL, quack, TVM FFI), the module's file; cuDNN is not used by these kernels."""
+        return {**super().versions(), "library": f"{self.distribution} {_distribution_version(self.distribution)}",
+                f"{self.distribution} build": build_of(self.distribution), **packages(*self.runs_on),
+                "module": getattr(self.module, "__file__", "?"), "cudnn": "not used"}
 
 
 def _distribution_version(name):
@@ -159,6 +160,7 @@ class FlashAttn4(_FlashAdapter):
     """FlashAttention-4 (`flash_attn.cute.flash_attn_varlen_func`), padded offsets plus seqused_q/k."""
     name, label, module_name, distribution = "fa4", "FlashAttention-4", "flash_attn.cute", "flash-attn-4"
     pad_rows = "unwritten"
+    runs_on = FA4_RUNS_ON
 
     def call(self, fx, q, k, v, args, deterministic):
         return self.function(q, k, v, window_size=fa4_window(fx), deterministic=deterministic, return_lse=True,
@@ -181,9 +183,8 @@ class VarlenAttn(Adapter):
         self.signature = str(inspect.signature(torch_varlen.varlen_attn))
 
     def versions(self):
-        torch = _torch()
-        return {"torch": torch.__version__, "varlen_attn": self.signature,
-                "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"}
+        """The environment (torch, its CUDA and cuDNN, the device, the driver) and varlen_attn's signature."""
+        return {**super().versions(), "varlen_attn": self.signature}
 
     def unsupported(self, fx):
         if fx.dtype not in ("bf16", "fp16"):

@@ -7,7 +7,9 @@ checked by rank 0 (docs/outsiders-nccl.md).
     torchrun --nproc-per-node 2 -m cpgold.outsiders.ranks torch_allgather fx/ --out DIR --dist-backend gloo
 
 Every process: refuses to start without NCCL_NVLS_ENABLE=0 in its environment under NCCL; initializes
-torch.distributed (the process group's timeout is --timeout); for every fixture whose cp_size is the world size
+torch.distributed (the process group's timeout is --timeout); sends its versions and device to rank 0, which records
+every rank's in DIR/run.json before any fixture runs (and in summary.json; each line of results.jsonl names them by
+their digest); for every fixture whose cp_size is the world size
 (others are recorded as skipped, with the reason) creates the CP groups (every group, on every process, in the same
 order), runs the adapter's rank (`run_rank`, rank_adapter.py) and writes DIR/<suite>/<fixture>.r<rank>.h5; then the
 ranks exchange their statuses (a gloo group of their own). Rank 0 checks every rank's file (`cpgold check FIXTURE
@@ -19,10 +21,11 @@ fixture --grace seconds after a peer failed (waiting on a peer that will never c
 fixture began. Every rank then stops naming the failing rank(s); rank 0 first records the fixture as an error (the
 fixtures done so far stay recorded). When every rank raised (or refused) on a fixture, nobody waits on a peer: the
 fixture is recorded as an error (or refused) and the run goes on. `--resume` starts again after a stopped run: the
-fixtures results.jsonl already records are kept and skipped, the rest run. Exit: 0 every fixture that ran passed (skipped and refused ones aside), 1 one
-failed or errored, 2 bad usage or environment, 3 no fixture had cp_size = the world size; when a rank fails the run
-stops: 1 on the rank that raised, 75 (CONTEXT_LOST) on a rank whose CUDA context was lost (a device-side assert), 4
-on the ranks stopped because of it.
+fixtures results.jsonl already records are kept and skipped, the rest run; it is refused (exit 2, nothing run) when
+a rank's versions differ from those DIR/run.json recorded, unless --resume-any-versions. Exit: 0 every fixture that
+ran passed (skipped and refused ones aside), 1 one failed or errored, 2 bad usage or environment, 3 no fixture had
+cp_size = the world size; when a rank fails the run stops: 1 on the rank that raised, 75 (CONTEXT_LOST) on a rank
+whose CUDA context was lost (a device-side assert), 4 on the ranks stopped because of it.
 """
 import argparse
 import json
@@ -68,7 +71,11 @@ def parse_args(argv):
     ap.add_argument("--title", help="title of the tables (default: adapter, world size and options)")
     ap.add_argument("--resume", action="store_true",
                     help="go on after a stopped run: the fixtures DIR/results.jsonl records are kept and not run again "
-                         "(the fixture that stopped the run stays recorded as its error)")
+                         "(the fixture that stopped the run stays recorded as its error); every rank's versions must "
+                         "be those DIR/run.json recorded")
+    ap.add_argument("--resume-any-versions", action="store_true",
+                    help="with --resume: go on even where the versions differ from those the stopped run started "
+                         "with (or were not recorded); DIR/run.json keeps both")
     return ap.parse_args(argv)
 
 
@@ -334,6 +341,8 @@ class Harness:
         self.ctl = None
         self.groups = None
         self.done, self.died = {}, None
+        self.tag = None            # the digest of every rank's versions (versions())
+        self.previous_tag = None   # on --resume: the digest DIR/run.json recorded last (of the stopped processes)
         self.watchdog = Watchdog(self.statuses, rank, args.grace, args.timeout, self.stop)
 
     def say(self, text, err=False):
@@ -341,6 +350,7 @@ class Harness:
 
     def record(self, entry):
         """Rank 0: the entry appended to results.jsonl and the summary rewritten, so a crash loses nothing before."""
+        entry["versions_digest"] = self.tag
         self.entries.append(entry)
         with open(os.path.join(self.args.out, "results.jsonl"), "a") as f:
             f.write(json.dumps(entry, default=str) + "\n")
@@ -370,7 +380,8 @@ class Harness:
             entry = self.describe(suite, path)
             entry.update(status="error", reason=f"run stopped: {why}"[:4000], failing_ranks=sorted(bad),
                          rank_status={str(r): s["status"] for r, s in found.items()},
-                         traces={str(r): s.get("trace") for r, s in bad.items() if s.get("trace")})
+                         traces={str(r): s.get("trace") for r, s in bad.items() if s.get("trace")},
+                         versions_digest=self.tag)
             self.entries.append(entry)
             with open(os.path.join(self.args.out, "results.jsonl"), "a") as f:
                 f.write(json.dumps(entry, default=str) + "\n")
@@ -526,6 +537,66 @@ class Harness:
             self.watchdog.end()
         return entry
 
+    def versions(self):
+        """Every rank's versions (environment.process_versions with the rank, its local rank and the device its
+        tensors live on), gathered on every rank; rank 0 checks them against DIR/run.json on --resume and records
+        them there before any fixture runs. Returns 0, or 2 on every rank when a resume is refused."""
+        from .environment import describe, differences, digest, process_versions
+
+        mine = {"rank": self.rank, "local_rank": self.local_rank, "tensors_on": str(self.device),
+                **process_versions(self.adapter)}
+        every = [None] * self.world
+        self.dist.all_gather_object(every, mine, group=self.ctl)
+        self.tag = digest(every)
+        verdict = [0]
+        if self.rank == 0:
+            run_file = os.path.join(self.args.out, "run.json")
+            identity = {k: self.header[k] for k in ("adapter", "options", "world_size", "dist_backend")}
+            run = dict(identity, fixture_arguments=self.args.fixtures, rank_versions=every, versions_digest=self.tag,
+                       resumes=[])
+            if self.args.resume and os.path.exists(os.path.join(self.args.out, "results.jsonl")):
+                try:
+                    with open(run_file) as f:
+                        before = json.load(f)
+                    if not isinstance(before, dict) or not isinstance(before.get("rank_versions"), list):
+                        raise ValueError("it has no rank_versions list")
+                    differ = differences(before["rank_versions"], every)
+                except (OSError, ValueError) as e:
+                    # the stopped run's versions are unknown: recorded as such, this run's as a resume's
+                    before = dict(identity, fixture_arguments=self.args.fixtures, rank_versions=None,
+                                  versions_digest=None, resumes=[])
+                    differ = [f"{run_file} does not say which versions the stopped run had ({e})"]
+                if differ and not self.args.resume_any_versions:
+                    self.say(f"{PROG}: --resume: the versions are not those the stopped run started with: "
+                             f"{'; '.join(differ)}; nothing was run (--resume-any-versions goes on, recording both)",
+                             err=True)
+                    verdict[0] = 2
+                else:
+                    if differ:
+                        self.say(f"{PROG}: --resume-any-versions: going on with other versions than the stopped "
+                                 f"run's: {'; '.join(differ)}", err=True)
+                    resumes = before.get("resumes") if isinstance(before.get("resumes"), list) else []
+                    last = resumes[-1] if resumes and isinstance(resumes[-1], dict) else before
+                    self.previous_tag = last.get("versions_digest")
+                    run = dict(before, resumes=resumes + [
+                        {"resumed_with": len(self.done), "rank_versions": every, "versions_digest": self.tag,
+                         "differences": differ}])
+            if not verdict[0]:
+                tmp = f"{run_file}.tmp{os.getpid()}"
+                with open(tmp, "w") as f:
+                    json.dump(run, f, indent=1, default=str)
+                os.replace(tmp, run_file)
+                start = run.get("rank_versions")
+                self.header.update(versions=start[0] if start else None, rank_versions=start,
+                                   versions_digest=run.get("versions_digest"), resumes=run["resumes"])
+                self.say(f"{self.adapter.name} W={self.world} ({self.args.dist_backend}): {describe(every[0])} "
+                         f"({self.tag})")
+                for v in every[1:]:
+                    self.say(f"  rank {v['rank']}: device {v.get('device')} (tensors on {v.get('tensors_on')}), "
+                             f"driver {v.get('driver')}, nccl {v.get('nccl')}")
+        self.dist.broadcast_object_list(verdict, src=0, group=self.ctl)
+        return verdict[0]
+
     def main(self):
         self.setup()
         opts = self.adapter.options()
@@ -533,11 +604,10 @@ class Harness:
                        "dist_backend": self.args.dist_backend, "pad_rows": self.adapter.pad_rows,
                        "title": self.args.title or f"{self.adapter.name} W={self.world} {json.dumps(opts)}",
                        "fixture_arguments": self.args.fixtures}
-        if self.rank == 0:
-            versions = self.adapter.versions()
-            self.header["versions"] = versions
-            self.say(f"{self.adapter.name} W={self.world} ({self.args.dist_backend}): " +
-                     ", ".join(f"{k} {v}" for k, v in versions.items()))
+        if self.versions():
+            self.watchdog.end()
+            self.dist.destroy_process_group()
+            return 2
         t0 = time.time()
         total = len(self.items)
         done, died = self.done, self.died
@@ -548,6 +618,8 @@ class Harness:
             if self.rank == 0 and path is not None:
                 died.update({k: v for k, v in self.describe(died["suite"], path).items() if k not in died})
             if self.rank == 0:
+                if self.previous_tag:   # the processes that died in it ran with the versions recorded last
+                    died["versions_digest"] = self.previous_tag
                 with open(os.path.join(self.args.out, "results.jsonl"), "a") as f:
                     f.write(json.dumps(died) + "\n")
         if self.rank == 0 and self.args.resume:
@@ -584,6 +656,8 @@ class Harness:
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
+    if args.resume_any_versions and not args.resume:
+        return fail_usage("--resume-any-versions: only with --resume")
     if args.dist_backend == "nccl" and os.environ.get("NCCL_NVLS_ENABLE") != "0":
         found = os.environ.get("NCCL_NVLS_ENABLE")
         return fail_usage("NCCL_NVLS_ENABLE=0 must be in the environment of every process with --dist-backend nccl "

@@ -23,6 +23,7 @@ from ..candidate import lse_to_ht, write_ranks
 from ..check import check, failures, ratios
 from ..fixture import Fixture
 from .adapter import Refused
+from .environment import digest, process_versions
 
 STATUSES = ("pass", "fail", "empty", "error", "unsupported")
 # A worker that met an error which leaves the CUDA context unusable (a device-side assert, an illegal address)
@@ -170,12 +171,20 @@ def report_line(adapter_name, e):
     return line
 
 
-def worker(adapter, items, results, workdir, cpgold_bin, skip=0, echo=True, child=False):
+def worker(adapter, items, results, workdir, cpgold_bin, skip=0, echo=True, child=False, versions=None,
+           expected=None):
     """Runs items[skip:], one JSON line each, flushed. child: a worker process of isolated(), which exits with
-    CONTEXT_LOST after a fixture that left the CUDA context unusable."""
+    CONTEXT_LOST after a fixture that left the CUDA context unusable. Every line names the versions of the process
+    that ran it by their digest (`versions`, else this process's own: environment.process_versions); when that
+    digest is not `expected` (the one the run recorded) the line holds the versions in full as well."""
+    own = versions if versions is not None else process_versions(adapter)
+    tag = {"versions_digest": digest(own)}
+    if expected is not None and tag["versions_digest"] != expected:
+        tag["versions"] = own
     with open(results, "a") as out:
         for suite, path in items[skip:]:
             e = run_fixture(adapter, path, suite, workdir, cpgold_bin)
+            e.update(tag)
             out.write(json.dumps(e, default=str) + "\n")
             out.flush()
             if echo:
@@ -211,10 +220,11 @@ def exit_text(code):
     return f"killed by signal {name} ({-code})"
 
 
-def isolated(child_argv, items, results):
+def isolated(child_argv, items, results, versions_digest=None):
     """Runs the fixtures in child processes (child_argv + --worker --skip N), restarting after a crash, which is
-    recorded as an error of the fixture that was running. RESULTS may hold entries of an earlier run (--resume):
-    the children's entries follow them."""
+    recorded as an error of the fixture that was running (with `versions_digest`, the run's: the child that died
+    was started with its command and environment). RESULTS may hold entries of an earlier run (--resume): the
+    children's entries follow them."""
     before, done = len(read_results(results)), 0
     while done < len(items):
         code, stderr = run_child(child_argv + ["--worker", "--skip", str(done), "--results", results])
@@ -228,6 +238,8 @@ def isolated(child_argv, items, results):
                              and not ln.startswith("Extension modules:"))
             e = {"fixture": os.path.basename(path), "suite": suite, "status": "error",
                  "reason": f"the process died ({exit_text(code)}) running this fixture: {tail[-1500:]}"}
+            if versions_digest:
+                e["versions_digest"] = versions_digest
             with Fixture(path) as fx:
                 describe_entry(e, fx)
             with open(results, "a") as f:

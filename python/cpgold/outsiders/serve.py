@@ -11,7 +11,9 @@ shrink`) does not pay its start every time (docs/shrink.md, "A resident COMMAND"
 refused or not expressible, 2 an unusable fixture or an existing candidate, 1 on an error (also when no server
 answers at SOCKET). The server runs the adapter in a child process. After a run that ended in an error the child is
 replaced by a fresh one (an error can leave the CUDA context or a rank thread unusable), as is a child that died or
-ran past `--timeout` (default 240 s); that run answers "error". Requests are served one at a time, in the order they
+ran past `--timeout` (default 240 s); that run answers "error". Every answer to a run carries the versions of the
+process that ran it (environment.process_versions, with their digest), which `run` prints on one line, as
+`--write-candidate` does. Requests are served one at a time, in the order they
 arrive. ADAPTER is a name of cpgold.outsiders.ADAPTERS or `module:Class` (an Adapter subclass importable by the
 server).
 
@@ -210,13 +212,14 @@ def _child(conn, spec, options, parent):
     Exits after a broken run (the supervisor starts another)."""
     _die_with(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches the server, which ends this process
+    from .environment import process_versions
     try:
         adapter = make_adapter(spec, options)
-        versions = adapter.versions()
+        versions = process_versions(adapter)
     except Exception as e:  # noqa: BLE001 - reported to the supervisor, which stops with it
         conn.send(("failed", f"{type(e).__name__}: {e}"))
         return
-    conn.send(("ready", {k: str(v) for k, v in versions.items()}))
+    conn.send(("ready", versions))
     while True:
         try:
             fixture, candidate = conn.recv()
@@ -236,6 +239,7 @@ class Supervisor:
         self.spec, self.options, self.timeout, self.log = spec, options, timeout, log
         self.process = self.conn = None
         self.starts = 0
+        self.versions = None   # what the adapter's process runs on (environment.process_versions), sent when ready
 
     def start(self):
         ctx = multiprocessing.get_context("spawn")
@@ -254,8 +258,10 @@ class Supervisor:
         if what != "ready":
             self.stop()
             raise RuntimeError(f"adapter {self.spec}: {detail}")
+        from .environment import describe, digest
+        self.versions = {"versions": detail, "versions_digest": digest(detail)}
         print(f"serve: adapter {self.spec} loaded in {time.time() - t0:.1f} s (process {self.process.pid}, start "
-              f"{self.starts}): " + ", ".join(f"{k} {v}" for k, v in detail.items()), file=self.log, flush=True)
+              f"{self.starts}): {describe(detail)} ({self.versions['versions_digest']})", file=self.log, flush=True)
 
     def stop(self):
         if self.process is not None and self.process.is_alive():
@@ -265,14 +271,16 @@ class Supervisor:
         self.process = None
 
     def run(self, fixture, candidate):
-        """One request: the summary entry of run_and_write, or an error entry when the child died or timed out."""
+        """One request: the summary entry of run_and_write, or an error entry when the child died or timed out; with
+        the versions of the process that ran it (versions, versions_digest)."""
         if self.process is None or not self.process.is_alive():
             self.start()
+        ran_on = dict(self.versions)
         self.conn.send((fixture, candidate))
         if not self.conn.poll(self.timeout):
             self.stop()
             return {"status": "error", "reason": f"the adapter ran past --timeout {self.timeout:g} s; its process was "
-                                                 "killed and another is started"}
+                                                 "killed and another is started", **ran_on}
         try:
             entry, broken = self.conn.recv()
         except EOFError:
@@ -280,11 +288,11 @@ class Supervisor:
             code = self.process.exitcode
             self.stop()
             return {"status": "error", "reason": f"the adapter's process died in this run (exit code {code}); "
-                                                 "another is started"}
+                                                 "another is started", **ran_on}
         if broken:
             self.process.join(30)
             self.stop()
-        return entry
+        return {**entry, **ran_on}
 
 
 def _request(conn, read_timeout):
@@ -461,6 +469,8 @@ def main(argv=None):
     except ConnectionError as e:
         print(f"serve {args.verb}: {e}", file=sys.stderr)
         return EXIT_ERROR
+    if isinstance(entry.get("versions"), dict):   # in COMMAND's output, so what keeps it (shrink's logs) has them
+        print(f"serve run: versions {json.dumps(entry['versions'], sort_keys=True)}", flush=True)
     status = entry.get("status")
     if status:
         print(f"serve run: {status}: {entry.get('reason', '')}", file=sys.stderr)

@@ -27,11 +27,13 @@ import types
 import numpy as np
 
 from .adapter import Adapter, Outcome, Refused
+from .environment import CUDNN_DISTRIBUTIONS, FA4_RUNS_ON, build_of, environment, packages
 
 BACKENDS = {"fused": {"NVTE_FLASH_ATTN": "0", "NVTE_FUSED_ATTN": "1", "NVTE_UNFUSED_ATTN": "0"},
             "flash": {"NVTE_FLASH_ATTN": "1", "NVTE_FUSED_ATTN": "0", "NVTE_UNFUSED_ATTN": "0"}}
 DEBUG = {"NVTE_DEBUG": "1", "NVTE_DEBUG_LEVEL": "2"}
 TENSORS = ("o", "dq", "dk", "dv")
+TE_DISTRIBUTIONS = ("transformer_engine_torch", "transformer_engine_cu12")   # beside transformer_engine.__version__
 
 
 def te_environment(backend, deterministic=False, thread_ranks=False):
@@ -76,29 +78,28 @@ def load(env):
     return m
 
 
-def versions(m):
-    """Versions as the libraries report them (TE loads its own cuDNN: torch's cuDNN check may refuse then)."""
+def versions(m, backend=None):
+    """The environment (environment.py: torch with its CUDA and its own cuDNN, or the error torch's cuDNN check
+    gives when TE loaded another cuDNN first; the libcudnn files mapped; the device, the driver, NCCL, the NVTE_
+    variables), TE's version and the cuDNN TE reports, TE's distributions, the installed FlashAttention-3 and -4 with
+    what FA3's wheel records of its build, and under backend "flash" the packages FlashAttention-4 runs on (the CuTe
+    DSL among them)."""
     try:
         te_cudnn = ".".join(str(x) for x in m.te_dpa.dpa_utils.get_cudnn_version())
     except Exception as e:  # noqa: BLE001 - recorded, not fatal
-        te_cudnn = f"unknown ({type(e).__name__})"
-    out = {"transformer_engine": m.transformer_engine.__version__, "torch": m.torch.__version__,
-           "cuda": m.torch.version.cuda, "cudnn_te": te_cudnn, "device": m.torch.cuda.get_device_name(0),
-           "compute_capability": "sm%d%d" % m.torch.cuda.get_device_capability(0)}
+        te_cudnn = f"unknown ({type(e).__name__}: {str(e).strip()[:200]})"
+    out = {**environment(), "transformer_engine": m.transformer_engine.__version__, "cudnn_te": te_cudnn,
+           **packages(*TE_DISTRIBUTIONS, *CUDNN_DISTRIBUTIONS)}
     out.update(flash_attn_versions())
+    out["flash-attn-3 build"] = build_of("flash-attn-3")
+    if backend == "flash":
+        out.update(packages(*FA4_RUNS_ON))
     return out
 
 
 def flash_attn_versions():
     """The installed FlashAttention-3 and -4 distributions, as pip knows them ("not installed" otherwise)."""
-    from importlib.metadata import version
-    out = {}
-    for dist in ("flash-attn-3", "flash-attn-4"):
-        try:
-            out[dist] = version(dist)
-        except Exception:  # noqa: BLE001 - not installed
-            out[dist] = "not installed"
-    return out
+    return packages("flash-attn-3", "flash-attn-4")
 
 
 # ------------------------------------------------------------------ what TE logged and chose
@@ -531,7 +532,7 @@ class _TeAdapter(Adapter):
         return {"deterministic": self.deterministic, "backend": self.backend}
 
     def versions(self):
-        return {**versions(self.m), "environment": self.env}
+        return {**versions(self.m, self.backend), "environment": self.env}
 
     def cu(self, fx):
         torch = self.m.torch

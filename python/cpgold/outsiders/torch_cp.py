@@ -52,8 +52,11 @@ class TorchAllGather(RankAdapter):
                 "fail_when": self.fail_when}
 
     def versions(self):
-        import torch
-        return {"torch": torch.__version__}
+        """The environment (torch, its CUDA and NCCL, the device, the driver) and the process-group backends this
+        torch has."""
+        import torch.distributed as dist
+        return {**super().versions(), "gloo_available": dist.is_available() and dist.is_gloo_available(),
+                "nccl_available": dist.is_available() and dist.is_nccl_available()}
 
     def unsupported(self, fx):
         return "not a CP fixture (cp_size 1)" if fx.cp_size < 2 else None
