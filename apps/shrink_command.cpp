@@ -468,6 +468,14 @@ int run_shrink(const ShrinkArgs& args) {
   fx::OpenOptions open;
   open.verify_checksums = false;
   const fx::FixtureFile golden = fx::open_fixture(args.golden, open);
+  // A fixture of given inputs holds a run's tensors (a captured call's, say); the search below makes every case with
+  // seeded inputs, so it would shrink the case without those values. Such a start is refused, not shrunk.
+  if (golden.inputs_source == "given")
+    fail_input("GOLDEN", "the fixture ", args.golden,
+               " was made from given inputs (inputs_source \"given\": its inputs are a run's tensors, such as a "
+               "captured call's), and shrink searches over cases with seeded inputs, which would drop those values; "
+               "to shrink a captured call keeping its values use `python3 -m cpgold.capture shrink CALL_DIR --run "
+               "\"COMMAND {fixture} {candidate}\"` or cpgold.capture.shrink(call_dir, fn) (docs/capture.md, shrink)");
   const std::string golden_path = fs::absolute(args.golden).lexically_normal().string();
   const std::string original_json = fx::compact_case_json(golden.spec);
 

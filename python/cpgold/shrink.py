@@ -70,11 +70,25 @@ class ShrinkResult(dict):
         return "\n".join(lines)
 
 
+def _given_inputs_refused(fx, name):
+    """A fixture of given inputs holds a run's tensors (a captured call's, say); the search makes every case with
+    seeded inputs, so it would shrink the case without those values: such a start is refused, as `cpgold shrink`
+    refuses it."""
+    if fx.inputs_source == "given":
+        raise InputError(f"start: the fixture {name} was made from given inputs (inputs_source \"given\": its inputs "
+                         "are a run's tensors, such as a captured call's), and shrink searches over cases with seeded "
+                         "inputs, which would drop those values; to shrink a captured call keeping its values use "
+                         "cpgold.capture.shrink(call_dir, fn) or `python3 -m cpgold.capture shrink CALL_DIR --run "
+                         "\"COMMAND {fixture} {candidate}\"` (docs/capture.md, shrink)", "start")
+
+
 def _start_case(start):
     if isinstance(start, Fixture):
+        _given_inputs_refused(start, repr(start.source) if isinstance(start.source, str) else "in memory")
         return start.case_json
     if isinstance(start, (str, os.PathLike)) and not str(start).lstrip().startswith("{") and os.path.exists(start):
         with Fixture(start) as fx:
+            _given_inputs_refused(fx, repr(os.fspath(start)))
             return fx.case_json
     return _case_text(start)
 
@@ -100,7 +114,9 @@ def shrink(start, fn, *, kind=None, any_failure=False, same_tensors=False, budge
            pad_rows=None, confirm=2, run_timeout=None):
     """Searches for the smallest case whose outputs fail the same way as those of `start`.
 
-    start: a case (dict or JSON text), a Fixture or the path of a fixture (its case).
+    start: a case (dict or JSON text), a Fixture or the path of a fixture (its case). A fixture of given inputs
+    (inputs_source "given": a run's tensors) is refused (InputError naming start): the search makes seeded inputs;
+    cpgold.capture.shrink cuts a captured call's tensors instead.
     fn(fixture) -> outputs: a dict of o, lse, dq, dk, dv in the global layout (checked with `scope`), or a list of
     every rank's dicts in the rank-local layout. An exception, None or outputs the check cannot use count as
     "no candidate", never as a pass.
