@@ -122,13 +122,15 @@ def test_candidate_writers_never_overwrite_nor_follow_symlinks(core, tmp_path):
                                                        lse_layout="ht", **k),
                       lambda p, **k: cpgold.write_ranks(p, fx.shard_outputs(outputs), fixture=fx, lse_layout="ht",
                                                         **k)):
-            with pytest.raises(cpgold.InputError, match="exists already"):
+            with pytest.raises(cpgold.InputError, match="exists already") as refused:
                 write(victim)
+            assert "force=True" in str(refused.value)  # the Python door names its own argument
             assert victim.read_bytes() == b"a golden fixture"
             link = tmp_path / "link.h5"
             link.symlink_to(victim)
-            with pytest.raises(cpgold.InputError, match="symbolic link|regular files only"):
+            with pytest.raises(cpgold.InputError, match="symbolic link|regular files only") as refused:
                 write(link, force=True)
+            assert "force=True" in str(refused.value)
             assert victim.read_bytes() == b"a golden fixture" and link.is_symlink()
             link.unlink()
         cpgold.write_global(victim, outputs, fixture=fx, lse_layout="ht", force=True)
