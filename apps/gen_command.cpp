@@ -21,6 +21,7 @@
 #include "apps/command_registry.hpp"
 #include "apps/machine_resources.hpp"
 #include "fixtures/schema/fixture_schema.hpp"
+#include "fixtures/golden/fixture_part.hpp"
 #include "fixtures/golden/fixture_writer.hpp"
 #include "fixtures/golden/gen_job.hpp"
 #include "fixtures/golden/given_inputs_file.hpp"
@@ -164,7 +165,27 @@ struct GenArgs {
   int count = 0;           // --count (--suite random)
   std::string inputs;      // --inputs FILE.h5: the case's q, k, v, dout given, not drawn from the seed
   bool allow_nonfinite = false;  // --allow-nonfinite-inputs
+  std::string shard;       // --shard I/N: part I of N (KV-head groups), written as a part file for `cpgold merge`
 };
+
+// "I/N" with 1 <= I <= N: the shard's index and count (the case's heads bound N later, fx::shard_heads).
+std::pair<int, int> parse_shard(const std::string& text) {
+  const size_t slash = text.find('/');
+  auto number = [&](const std::string& part, const char* what) {
+    if (part.empty() || part.size() > 7 || part.find_first_not_of("0123456789") != std::string::npos)
+      fail_input("--shard", "value \"", sim::excerpt(text, 40), "\": ", what, " is not a positive integer (--shard I/N, "
+                 "e.g. --shard 2/8 for the second of eight parts)");
+    return std::stoi(part);
+  };
+  if (slash == std::string::npos)
+    fail_input("--shard", "value \"", sim::excerpt(text, 40), "\" is not I/N (e.g. --shard 2/8 for the second of eight "
+               "parts)");
+  const int index = number(text.substr(0, slash), "I"), count = number(text.substr(slash + 1), "N");
+  if (count < 1) fail_input("--shard", "value \"", text, "\": N = ", count, ", at least 1");
+  if (index < 1 || index > count)
+    fail_input("--shard", "value \"", text, "\": I = ", index, " is not in 1..", count, " (shards count from 1)");
+  return {index, count};
+}
 
 int run_gen(GenArgs args) {
   CaseFlags& flags = args.flags;
@@ -186,6 +207,11 @@ int run_gen(GenArgs args) {
     fail_input("--inputs", "gives the tensors of one case: give a case (--case or case flags), not --suite");
   if (args.allow_nonfinite && args.inputs.empty())
     fail_input("--allow-nonfinite-inputs", "only with --inputs (seeded inputs are always finite in valid rows)");
+  std::pair<int, int> shard{0, 0};
+  if (!args.shard.empty()) {
+    if (!suite.empty()) fail_input("--shard", "splits one case: give a case (--case or case flags), not --suite");
+    shard = parse_shard(args.shard);
+  }
   // Each job's case is validated once (sim::parse_case) and its cost, Plan and memory computed once (admit_gen_jobs).
   std::vector<fx::GenJob> jobs;
   if (!suite.empty()) {
@@ -208,6 +234,12 @@ int run_gen(GenArgs args) {
   } else {
     const sim::CaseSpec spec = case_from_flags(flags);
     jobs.push_back({fs::path(output).stem().string(), output, spec, trace, !fx::inside_gpu_table(spec)});
+    if (shard.second > 0) {
+      fx::GenJob& job = jobs.back();
+      job.heads = fx::shard_heads(spec, shard.first, shard.second);
+      job.shard_index = shard.first;
+      job.shard_count = shard.second;
+    }
   }
   // Refuse before any work: a missing or unwritable folder, a destination that exists (without --force) or is not a
   // regular file (with --force); the manifest's destination by the same rules.
@@ -271,10 +303,15 @@ int run_gen(GenArgs args) {
                    seconds_text(estimate * correction).c_str(), seconds_text(eta).c_str());
     const auto t0 = std::chrono::steady_clock::now();
     const std::string label = "[" + std::to_string(i + 1) + "/" + std::to_string(jobs.size()) + "] " + job.name;
+    if (job.shard_count > 0)
+      std::fprintf(stderr, "%s: shard %d/%d: KV heads %d..%d with query heads %d..%d of %d\n", label.c_str(),
+                   job.shard_index, job.shard_count, job.heads.kv_begin, job.heads.kv_end - 1, job.heads.q_begin,
+                   job.heads.q_end - 1, job.spec.heads_q);
     PhaseProgress compute_phase(label, "computed", cost.pairs * sim::kernel_passes(job_trace), terminal);
     ComputeProgress progress(compute_phase);
     fx::GenerateOptions options;
     options.trace = job_trace;
+    options.heads = job.heads;
     options.progress = &progress;
     options.given_inputs = given;
     options.nonfinite_valid = given_summary.nonfinite_valid;
@@ -287,7 +324,7 @@ int run_gen(GenArgs args) {
     }();
     compute_phase.finish();
     const double compute_seconds = compute_phase.seconds();
-    const double raw_bytes = static_cast<double>(fx::payload_bytes(run));
+    const double raw_bytes = static_cast<double>(job.shard_count > 0 ? fx::part_payload_bytes(run) : fx::payload_bytes(run));
     const bool long_case = estimate * correction > 2.0 || !terminal;
     if (long_case)
       std::fprintf(stderr, "%s: computed in %s; writing %s of data (shuffle + deflate + Fletcher32 on %d threads)\n",
@@ -297,13 +334,16 @@ int run_gen(GenArgs args) {
     fx::WriteOptions write_options;
     write_options.force = force;
     write_options.progress = [&](int64_t written, int64_t) { write_phase.set(static_cast<double>(written)); };
-    const fx::WriteSummary summary = fx::write_fixture(std::move(run), job.path, write_options);
+    const fx::WriteSummary summary =
+        job.shard_count > 0 ? fx::write_part(run, job.shard_index, job.shard_count, job.path, write_options)
+                            : fx::write_fixture(std::move(run), job.path, write_options);
     write_phase.finish();
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     estimated_done += estimate;
     const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     if (elapsed > 0.5 && estimated_done > 0) correction = elapsed / estimated_done;  // cumulative: overheads included
-    done.push_back({job.name, "written", job.cpu_only, summary.bytes, summary.datasets, seconds});
+    done.push_back({job.name, job.shard_count > 0 ? "part" : "written", job.cpu_only, summary.bytes, summary.datasets,
+                    seconds});
     if (long_case)
       std::fprintf(stderr, "[%zu/%zu] %s: wrote %s in %s (compute %s, write %s; estimated %s)\n", i + 1, jobs.size(),
                    summary.path.c_str(), human_bytes(double(summary.bytes)).c_str(), seconds_text(seconds).c_str(),
@@ -324,6 +364,9 @@ int run_gen(GenArgs args) {
     for (const fx::SuiteCase& c : random)
       if (only.empty() || std::find(only.begin(), only.end(), c.name) != only.end())
         std::printf("case %s %s\n", c.name.c_str(), c.json.c_str());
+  if (shard.second > 0)
+    std::printf("part %d/%d written: `cpgold merge` of all %d parts writes the fixture (cpgold merge PART... -o FIXTURE)\n",
+                shard.first, shard.second, shard.second);
   if (manifest) {
     std::vector<fx::FixtureDigest> digests;
     for (const fx::GenJob& job : jobs) digests.push_back(fx::digest_fixture(job.path));
@@ -352,6 +395,10 @@ const RegisterCommand registered("gen", [](CLI::App& app) -> std::function<int()
                   "from the seed (docs/capture.md)");
   sub->add_flag("--allow-nonfinite-inputs", args->allow_nonfinite,
                 "with --inputs: accept NaN or infinite values in valid rows (refused otherwise); the fixture is flagged");
+  sub->add_option("--shard", args->shard,
+                  "I/N: compute part I of N of the fixture (KV-head groups with their query heads; N at most heads_kv) "
+                  "and write it as a part file to -o; `cpgold merge` of all N parts writes the fixture, bit for bit the "
+                  "one gen writes without --shard (docs/cli.md)");
   sub->add_flag("--yes", args->yes, "go ahead although the memory or disk estimate exceeds what is available");
   return [=] { return run_gen(*args); };
 });

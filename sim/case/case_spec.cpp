@@ -379,15 +379,36 @@ double case_pairs(const CaseSpec& spec) {
   return pairs * spec.heads_q;
 }
 
-// Calibration (docs/PERF.md, "gen estimates"): per thread, 1.0e10 score-tile pair-dims/s over the kernel passes
-// (x86-64-v3 build) and 45 MB/s of payload through the chunk filters (shuffle + deflate(1) + Fletcher32); per step
-// group 0.7 ms and 0.6 us per sequence (the Plan's tile, four datasets and ~20 attributes, written by one thread); a
-// Plan 80 bytes per tile and sequence, 160 more for a sequence with rows (its row segments); the step partials of a
-// traced run 8 bytes of memory per stored byte.
-constexpr double kPairDimsPerSecondPerThread = 1.0e10, kBytesPerSecondPerThread = 45e6;
-constexpr double kStepGroupSeconds = 0.7e-3, kStepSequenceSeconds = 0.6e-6;
+// Calibration (docs/PERF.md, "gen estimates: the time model"), CPU time per thread on the 2-core x86-64-v3 box:
+// - the kernels, per score element (visible (q, k) pair x query head) of one run of the three passes (forward, dQ,
+//   dK/dV): a part that does not depend on the head dims (exp, masks, rounding, the tile's row bookkeeping) and one per
+//   unit of d_qk + d_v (the products); float64 runs (the oracle, the traced CP oracle) and runs in the dtype (the
+//   non-CP peer, the CP peer) apart. Fitted on one sequence of 2048..16384 tokens, d 1, 8, 64, 128 (bench_gen): the
+//   fixed part is what made the estimate 36-39x low at d = 1 (it was 0);
+// - the CP simulator: the peer's rate x 1.1 (its W ranks' copies, merges and smaller tiles; W = 8 measured 1.0-1.1);
+// - per output element (oracle and peer of O, LSE, dQ, dK, dV) the budgets (each peer globally and per rank), the
+//   gathers and copies; per input element the inputs drawn from the seed and their digest;
+// - 28 MB/s of payload per thread through the chunk filters (shuffle + deflate(1) + Fletcher32), HDF5 and the
+//   read-back of the written file by the reader's rules (45 MB/s before the read-back existed);
+// - per step group 0.7 ms and 0.6 us per sequence (the Plan's tile, four datasets and ~20 attributes, written by one
+//   thread); 0.05 s for the process, the Plan and the files.
+// Memory: a Plan 80 bytes per tile and sequence, 160 more for a sequence with rows (its row segments); the step
+// partials of a traced run 8 bytes of memory per stored byte.
+constexpr double kOracleNsPerElement = 16.4, kOracleNsPerElementDim = 0.364;
+constexpr double kPeerNsPerElement = 7.2, kPeerNsPerElementDim = 0.171;
+constexpr double kSimulatorFactor = 1.1;
+constexpr double kNsPerOutputElement = 80, kNsPerInputElement = 20;
+constexpr double kBytesPerSecondPerThread = 28e6;
+constexpr double kStepGroupSeconds = 0.7e-3, kStepSequenceSeconds = 0.6e-6, kFixedSeconds = 0.05;
 constexpr double kPlanBytesPerSequence = 80, kPlanBytesPerRows = 160, kPlanBytesPerTile = 2048;
 constexpr double kTraceMemoryPerByte = 8;
+
+// CPU seconds (one thread) of the kernels of a gen run over `pairs` score elements per pass.
+double kernel_cpu_seconds(double pairs, double dims, bool trace) {
+  const double oracle = kOracleNsPerElement + kOracleNsPerElementDim * dims;
+  const double peer = kPeerNsPerElement + kPeerNsPerElementDim * dims;
+  return 1e-9 * pairs * (oracle + peer + kSimulatorFactor * peer + (trace ? kSimulatorFactor * oracle : 0));
+}
 }  // namespace
 
 CaseCost case_cost(const CaseSpec& spec, bool trace, int threads) {
@@ -433,9 +454,40 @@ CaseCost case_cost(const CaseSpec& spec, bool trace, int threads) {
   const double inputs_float = (tq * hq * (dqk + dv) + tkv * hkv * (dqk + dv)) * 4;
   const double oracle_float64 = (tq * hq * (dv + dqk + 1) + tkv * hkv * (dqk + dv)) * 8;
   cost.memory_bytes = inputs_float + oracle_float64 + cost.plan_bytes + kTraceMemoryPerByte * cost.trace_bytes;
-  cost.seconds = cost.pairs * (dqk + dv) * kernel_passes(trace) / (kPairDimsPerSecondPerThread * thread_count) +
+  const double input_elements = tq * hq * (dqk + dv) + tkv * hkv * (dqk + dv);
+  cost.seconds = (kernel_cpu_seconds(cost.pairs, dqk + dv, trace) + 1e-9 * kNsPerOutputElement * outputs +
+                  1e-9 * kNsPerInputElement * input_elements) / thread_count +
                  (cost.tensor_bytes + cost.trace_bytes) / (kBytesPerSecondPerThread * thread_count) +
-                 double(cost.step_groups) * (kStepGroupSeconds + kStepSequenceSeconds * B);
+                 double(cost.step_groups) * (kStepGroupSeconds + kStepSequenceSeconds * B) + kFixedSeconds;
+  return cost;
+}
+
+CaseCost shard_cost(const CaseCost& whole, const CaseSpec& spec, int kv_heads, bool trace, int threads) {
+  CaseCost cost = whole;
+  const double thread_count = threads > 0 ? threads : std::max(1, omp_get_max_threads());
+  const ThdLayout l = layout(spec);
+  const double tq = double(l.q.total_rows), tkv = double(l.kv.total_rows);
+  const double hq = spec.heads_q, hkv = heads_kv(spec), dqk = spec.dim_qk, dv = dim_v(spec);
+  const double f = double(kv_heads) / hkv;
+  const double in = dtype_bytes(spec.dtype);
+  const double inputs = (tq * hq * (dqk + dv) + tkv * hkv * (dqk + dv)) * in;
+  const double outputs = tq * hq * (dv + dqk + 1) + tkv * hkv * (dqk + dv);
+  cost.pairs = whole.pairs * f;
+  cost.tensor_bytes = f * (inputs + outputs * (4 + in));
+  cost.trace_bytes = f * whole.trace_bytes;
+  cost.datasets = 4 + 15 + 30 * (1 + int64_t{spec.cp_size});
+  const double inputs_float = (tq * hq * (dqk + dv) + tkv * hkv * (dqk + dv)) * 4;
+  cost.memory_bytes = inputs_float * (1 + f) + f * outputs * 8 + cost.plan_bytes + kTraceMemoryPerByte * cost.trace_bytes;
+  // The oracle and the peers compute the shard's heads; on a2a and a2a+p2p the simulator still moves every head (its
+  // copies and merges stay, a share of its time the kernels' model leaves out: counted as 10% of the whole
+  // simulator's on top); on p2p and all_gather it runs on the shard's heads alone.
+  const double input_elements = tq * hq * (dqk + dv) + tkv * hkv * (dqk + dv);
+  const bool moves_all = spec.comm == CommType::a2a || spec.comm == CommType::a2a_p2p;
+  const double simulator_moves =
+      moves_all ? 0.1 * 1e-9 * (kPeerNsPerElement + kPeerNsPerElementDim * (dqk + dv)) * whole.pairs * (1 - f) : 0.0;
+  cost.seconds = (kernel_cpu_seconds(cost.pairs, dqk + dv, trace) + simulator_moves +
+                  1e-9 * kNsPerOutputElement * f * outputs + 1e-9 * kNsPerInputElement * input_elements) / thread_count +
+                 (cost.tensor_bytes + cost.trace_bytes) / (kBytesPerSecondPerThread * thread_count) + kFixedSeconds;
   return cost;
 }
 

@@ -112,6 +112,10 @@ struct CaseCost {
 };
 // threads: the OpenMP threads gen runs with (0: omp_get_max_threads()).
 CaseCost case_cost(const CaseSpec& spec, bool trace, int threads = 0);
+// The cost of one shard of a case (`gen --shard`) computing `kv_heads` of its KV heads (and their query heads): its
+// share of the kernels' work and of the data (a part holds its heads' inputs, oracle and peers; no rank shards), the
+// whole inputs in memory (the CP simulator reads every head), and the simulator's per-tile work, which does not shrink.
+CaseCost shard_cost(const CaseCost& whole, const CaseSpec& spec, int kv_heads, bool trace, int threads = 0);
 // Runs over the tiles: forward, dQ and dK/dV passes of the oracle, the non-CP peer and the CP peer; with trace also
 // of the float64 CP oracle.
 int kernel_passes(bool trace);

@@ -202,9 +202,10 @@ class HostRankBackend {
   using Backward = BackwardResult<T>;
 
   HostRankBackend(int rank, const RankShards<T>& shards, const Arith& arith, Rendezvous<HostCopy>& rendezvous,
-                  bool record_trace, bool by_rows, MergeRule merge)
+                  bool record_trace, bool by_rows, MergeRule merge, int kv_head_begin = 0, int kv_head_end = 0,
+                  int group = 1)
       : rank_(rank), shards_(shards), arith_(arith), rendezvous_(rendezvous), record_trace_(record_trace),
-        by_rows_(by_rows), merge_(merge) {}
+        by_rows_(by_rows), merge_(merge), kv_begin_(kv_head_begin), kv_end_(kv_head_end), group_(group) {}
 
   int rank() const { return rank_; }
   const Tensor& input(Payload payload) const {
@@ -245,11 +246,29 @@ class HostRankBackend {
   }
 
   Forward forward(const Tile& t, const Tensor& q, const Tensor& k, const Tensor& v) const {
-    return arith_.forward(t.call, q, k, v);
+    const TileHeads h = tile_heads(t, q.heads, k.heads);
+    if (h.all) return arith_.forward(t.call, q, k, v);
+    Forward out{Tensor(q.rows, q.heads, v.dim), Lse(q.heads, q.rows, neg_inf<T>())};
+    if (h.q0 >= h.q1) return out;
+    const Forward part = arith_.forward(t.call, slice_heads(q, h.q0, h.q1), slice_heads(k, h.k0, h.k1),
+                                        slice_heads(v, h.k0, h.k1));
+    place_heads(out.o, h.q0, part.o);
+    std::copy(part.lse.values.begin(), part.lse.values.end(), out.lse.values.begin() + h.q0 * q.rows);
+    return out;
   }
   Backward backward(const Tile& t, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o, const Lse& lse,
                     const Tensor& dout) const {
-    return arith_.backward(t.call, q, k, v, o, lse, dout);
+    const TileHeads h = tile_heads(t, q.heads, k.heads);
+    if (h.all) return arith_.backward(t.call, q, k, v, o, lse, dout);
+    Backward out{Tensor(q.rows, q.heads, q.dim), Tensor(k.rows, k.heads, k.dim), Tensor(v.rows, v.heads, v.dim)};
+    if (h.q0 >= h.q1) return out;
+    const Backward part = arith_.backward(t.call, slice_heads(q, h.q0, h.q1), slice_heads(k, h.k0, h.k1),
+                                          slice_heads(v, h.k0, h.k1), slice_heads(o, h.q0, h.q1),
+                                          slice_heads(lse, h.q0, h.q1), slice_heads(dout, h.q0, h.q1));
+    place_heads(out.dq, h.q0, part.dq);
+    place_heads(out.dk, h.k0, part.dk);
+    place_heads(out.dv, h.k0, part.dv);
+    return out;
   }
   // The program's optional paths (ExecutorOptions::by_rows): the halves are gathered here rather than by the program.
   bool reads_halves() const { return by_rows_; }
@@ -329,6 +348,29 @@ class HostRankBackend {
   Trace<T> trace;
 
  private:
+  // The heads of a tile inside the filter (ExecutorOptions::kv_head_begin/end), local to the tile's tensors.
+  struct TileHeads {
+    bool all = true;
+    int64_t q0 = 0, q1 = 0, k0 = 0, k1 = 0;
+  };
+  TileHeads tile_heads(const Tile& t, int64_t q_heads, int64_t kv_heads) const {
+    TileHeads h;
+    if (kv_end_ <= kv_begin_) return h;
+    const int64_t k0 = std::max<int64_t>(kv_begin_, t.kv_head_begin), k1 = std::min<int64_t>(kv_end_, t.kv_head_end);
+    if (k0 <= t.kv_head_begin && k1 >= t.kv_head_end) return h;  // every head of the tile
+    h.all = false;
+    if (k1 <= k0) return h;  // none
+    h.k0 = k0 - t.kv_head_begin, h.k1 = k1 - t.kv_head_begin;
+    h.q0 = h.k0 * group_, h.q1 = h.k1 * group_;
+    if (t.kv_head_end - t.kv_head_begin != kv_heads || (t.head_end - t.head_begin) != q_heads)
+      program_error("tile heads do not match the rank's tensors");
+    return h;
+  }
+  // dst[:, h0 + h] = src[:, h] for every head of src.
+  static void place_heads(Tensor& dst, int64_t h0, const Tensor& src) {
+    for (int64_t r = 0; r < src.rows; ++r) std::copy_n(src.at(r, 0), src.heads * src.dim, dst.at(r, h0));
+  }
+
   // The step's rows of a rank tensor: the gathered half, or the whole tensor.
   Tensor half(const Tensor& x, bool is_half, const std::vector<int64_t>& rows) const {
     return is_half ? gather(x, rows, 0, static_cast<int>(x.heads)) : x;
@@ -341,6 +383,7 @@ class HostRankBackend {
   bool record_trace_;
   bool by_rows_;
   MergeRule merge_;
+  int kv_begin_, kv_end_, group_;
 };
 
 template <class Arith>
@@ -355,7 +398,9 @@ CpRun<typename Arith::T> run_cp(const Plan& plan, const CaseInputs& inputs, cons
   std::vector<std::unique_ptr<Backend>> backends;
   for (int g = 0; g < W; ++g) backends.push_back(
         std::make_unique<Backend>(g, shards, arith, rendezvous, options.record_trace, options.by_rows,
-                                  options.variation ? options.variation->merge : MergeRule::lse_weighted));
+                                  options.variation ? options.variation->merge : MergeRule::lse_weighted,
+                                  options.kv_head_begin, options.kv_head_end,
+                                  plan.heads_kv > 0 ? plan.heads_q / plan.heads_kv : 1));
   CpRun<T> run;
   run.ranks.resize(static_cast<size_t>(W));
   // Ranks share the OpenMP threads: each rank's tiles use threads / W of them (results do not depend on the count).

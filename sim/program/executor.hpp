@@ -4,6 +4,7 @@
 //  - oracle: float64 tiles (reference/attention.hpp), merges and accumulations in float64;
 //  - CP peer: the reference peer per tile (partials rounded to the dtype, LSE float32), merges and accumulations in
 //    float32, final O / dQ / dK / dV rounded once to the dtype (docs/cp-plan.md, "Precision").
+#include <algorithm>
 #include <cstddef>  // size_t, used by reference/tensor.hpp
 #include <vector>
 
@@ -66,7 +67,28 @@ struct ExecutorOptions {
   bool by_rows = false;
   // A mistake to run (sim/program/mistakes.hpp); nullptr: the Plan as it is.
   const RunVariation* variation = nullptr;
+  // Computes the attention of these KV heads [kv_head_begin, kv_head_end) and their query heads only (a fixture
+  // generated in shards by head groups, fixtures/golden/golden_run.hpp): every tile's call runs on its heads inside the
+  // range, with the same bits as a run of all heads (each head's arithmetic is its own); the other heads' tile results
+  // are zeros (O, dQ, dK, dV) and -inf (LSE), so their outputs are not those of the case. Everything else (exchanges,
+  // merges) runs as always. kv_head_end <= kv_head_begin: every head.
+  int kv_head_begin = 0, kv_head_end = 0;
 };
+
+// Heads [h0, h1) of a tensor ([t, h, d]; LSE [h, t]) as a tensor of h1 - h0 heads.
+template <class T>
+Tensor3<T> slice_heads(const Tensor3<T>& x, int64_t h0, int64_t h1) {
+  if (h0 == 0 && h1 == x.heads) return x;
+  Tensor3<T> out(x.rows, h1 - h0, x.dim);
+  for (int64_t r = 0; r < x.rows; ++r) std::copy_n(x.at(r, h0), (h1 - h0) * x.dim, out.at(r, 0));
+  return out;
+}
+template <class T>
+LseTensor<T> slice_heads(const LseTensor<T>& x, int64_t h0, int64_t h1) {
+  LseTensor<T> out(h1 - h0, x.rows, T(0));
+  std::copy(x.values.begin() + h0 * x.rows, x.values.begin() + h1 * x.rows, out.values.begin());
+  return out;
+}
 
 // Global inputs are sharded with the partition's gather indices; each rank then sees only its shards.
 CpRun<double> run_cp_oracle(const Plan& plan, const CaseInputs& inputs, const ExecutorOptions& options = {});
