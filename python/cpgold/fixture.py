@@ -6,7 +6,6 @@ without per-sequence used lengths (FlashAttention-2's varlen API) reads the vali
 writes back with `expand`.
 """
 import hashlib
-import io
 import json
 import os
 
@@ -41,7 +40,7 @@ class Fixture:
         if isinstance(path, (bytes, bytearray, memoryview)):
             self.source = bytes(path)  # what the check engine opens
             self.path = IN_MEMORY
-            opened = io.BytesIO(self.source)
+            opened = None  # an HDF5 file image (below), never a Python file object
         else:
             self.path = os.fspath(path) if not isinstance(path, str) else path
             self.source = self.path
@@ -58,7 +57,13 @@ class Fixture:
         elif not isinstance(self.source, bytes):
             _require_regular_file(self.path)
         try:
-            self._file = h5py.File(opened, "r")
+            if opened is None:
+                # HDF5's own in-memory image: a Python file object (io.BytesIO) would have the HDF5 library call back
+                # into Python when it closes the file, and a Fixture still open when the interpreter ends is closed by
+                # the library's exit handler after Python is gone (a crash at exit, after the program's work is done)
+                self._file = h5py.File(h5py.h5f.open_file_image(self.source), "r")
+            else:
+                self._file = h5py.File(opened, "r")
         except OSError as e:
             raise FixtureError(f"fixture {self.path!r}: cannot open as HDF5 ({e})", self.path) from None
         try:

@@ -39,11 +39,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    code = main(sys.argv[1:])
-    # Some tests leave a daemon thread behind on purpose (a user function still hanging after cpgold.shrink's
-    # run_timeout, a thread rank stuck in C code that run_cp names and gives up on). The interpreter's shutdown must
-    # not run into them (a thread waking inside a finalized interpreter crashes it after every test has reported):
-    # the verdict is pytest's, and the process ends here without finalization.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(int(code))
+    sys.exit(main(sys.argv[1:]))

@@ -10,6 +10,7 @@ import shlex
 import shutil
 import signal
 import subprocess
+import threading
 import time
 
 import pytest
@@ -408,15 +409,24 @@ def test_python_run_timeout_stops_the_search_and_keeps_its_answer():
     stops there saying fn was left running, and the answer is the smallest case found before."""
     needs_core()
     calls = []
+    release = threading.Event()
 
     def fn(fx):
         calls.append(fx.heads_kv)
         if fx.heads_kv == 1:
-            time.sleep(20)
+            release.wait(20)
         return swapped(fx)
     start = time.monotonic()
-    r = cpgold.shrink(START, fn, tensors=("o", "lse"), lse_layout="ht", run_timeout=0.5)
-    took = time.monotonic() - start
+    try:
+        r = cpgold.shrink(START, fn, tensors=("o", "lse"), lse_layout="ht", run_timeout=0.5)
+        took = time.monotonic() - start
+    finally:
+        # the hanging fn is released once the search gave up on it, so that no thread of this test outlives it (one
+        # waking inside a finalized interpreter would crash the process after the tests reported)
+        release.set()
+        for t in threading.enumerate():
+            if t.name == "cpgold.shrink fn":
+                t.join(5)
     assert took < 15  # not waiting for fn
     assert r["stopped"] == "run_timeout" and "still running" in r["stop_detail"]
     assert r["runs"] == len(calls) and r["no_candidate"] == 1
