@@ -13,7 +13,7 @@ from pkgutil import extend_path
 __path__ = extend_path(__path__, __name__)
 
 from .candidate import lse_to_ht, read_candidate, write_global, write_rank, write_ranks  # noqa: E402
-from .cases import (explain, explain_text, generate, normalize_case, random_suite, suite,  # noqa: E402
+from .cases import (explain, explain_text, generate, merge, normalize_case, random_suite, suite,  # noqa: E402
                     suite_names)
 from .check import (Report, check, check_outputs, describe, failures, find_cpgold, ratios,  # noqa: E402
                     self_check, summary)
@@ -37,8 +37,8 @@ __version__ = "0.1.0"
 __all__ = ["Fixture", "FixtureError", "INPUT_NAMES", "OUTPUT_NAMES", "write_global", "write_rank", "write_ranks",
            "read_candidate", "lse_to_ht", "check", "check_outputs", "self_check", "failures", "ratios", "describe",
            "find_cpgold", "Report", "InputError", "CheckInputError", "normalize_case", "suite", "suite_names",
-           "random_suite", "explain", "explain_text", "generate", "testing", "shrink", "ShrinkResult", "run_cp",
-           "summary", "compare_partition"]
+           "random_suite", "explain", "explain_text", "generate", "merge", "testing", "shrink", "ShrinkResult",
+           "run_cp", "summary", "compare_partition"]
 
 
 def __getattr__(name):

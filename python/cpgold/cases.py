@@ -101,7 +101,8 @@ def _input_array(name, value):
     return np.ascontiguousarray(a)
 
 
-def generate(case=None, path=None, trace=False, force=False, yes=False, inputs=None, allow_nonfinite=False, **keys):
+def generate(case=None, path=None, trace=False, force=False, yes=False, inputs=None, allow_nonfinite=False, shard=None,
+             **keys):
     """A golden fixture of the case, made by the code of `cpgold gen`.
     path: write it there (never over an existing file unless force) and return a Fixture open on it;
     None: keep it in memory and return a Fixture on its bytes (the same bytes `gen` writes; nothing stays on disk).
@@ -113,11 +114,18 @@ def generate(case=None, path=None, trace=False, force=False, yes=False, inputs=N
     ([rows, heads, dim], values of the case dtype): the golden, peer, per-rank and per-step data are computed from
     them instead of from the seed, exactly as `cpgold gen --inputs FILE` does (the same checks, the same fixture);
     the fixture records inputs_source "given". NaN or infinity in a valid row is refused unless allow_nonfinite
-    (the fixture is then flagged). docs/capture.md."""
+    (the fixture is then flagged). docs/capture.md.
+    shard: (I, N) or "I/N": compute only KV-head group I of N and write it to path as a part file, as
+    `cpgold gen --shard I/N` does (returns {"path", "bytes", "datasets", "shard", "kv_heads", "q_heads"}, no Fixture:
+    a part is not a fixture); `merge` puts the N parts together into the fixture, bit for bit. docs/cli.md."""
     from .errors import InputError
     from .fixture import Fixture
 
     text = _case_text(case, **keys)
+    shard = _shard(shard)
+    if shard is not None and path is None:
+        raise InputError("shard: a part is written to a file: give a path (cpgold.merge puts the parts together)",
+                         "shard")
     arrays = None
     if inputs is not None:
         if not hasattr(inputs, "keys"):
@@ -131,5 +139,44 @@ def generate(case=None, path=None, trace=False, force=False, yes=False, inputs=N
                          "allow_nonfinite")
     if path is None:
         return Fixture(core().generate(text, None, bool(trace), False, bool(yes), arrays, bool(allow_nonfinite)))
-    core().generate(text, os.fspath(path), bool(trace), bool(force), bool(yes), arrays, bool(allow_nonfinite))
+    written = core().generate(text, os.fspath(path), bool(trace), bool(force), bool(yes), arrays,
+                              bool(allow_nonfinite), shard)
+    if shard is not None:
+        return written
+    return Fixture(path)
+
+
+def _shard(shard):
+    """(I, N) from (I, N) or "I/N"; None stays None. InputError naming `shard` otherwise."""
+    from .errors import InputError
+
+    if shard is None:
+        return None
+    parts = shard.split("/") if isinstance(shard, str) else shard
+    try:
+        index, count = parts
+        if isinstance(index, str):
+            index, count = int(index.strip()), int(count.strip())
+        elif isinstance(index, bool) or isinstance(count, bool) or int(index) != index or int(count) != count:
+            raise TypeError
+        index, count = int(index), int(count)
+    except (TypeError, ValueError):
+        raise InputError(f"shard: {shard!r} is not (I, N) or \"I/N\" (e.g. (2, 8) for the second of eight parts)",
+                         "shard") from None
+    if count < 1 or not 1 <= index <= count:
+        raise InputError(f"shard: {shard!r}: give 1 <= I <= N (shards count from 1)", "shard")
+    return index, count
+
+
+def merge(parts, path, force=False, yes=False):
+    """The fixture of the parts written by generate(..., shard=(I, N)) or `cpgold gen --shard I/N` (all N parts of one
+    case, in any order), written to path as `cpgold merge PARTS -o path` writes it: bit for bit the fixture generate()
+    writes without a shard. The parts are checked to belong together first (InputError naming the part and the field);
+    nothing is replaced without force. Returns a Fixture open on path."""
+    from .errors import InputError
+    from .fixture import Fixture
+
+    if isinstance(parts, (str, bytes, os.PathLike)):
+        raise InputError("parts: give a list of part files, not one path", "parts")
+    core().merge([os.fspath(p) for p in parts], os.fspath(path), bool(force), bool(yes))
     return Fixture(path)

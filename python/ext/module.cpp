@@ -20,6 +20,7 @@
 #include "check/engine.hpp"
 #include "fixtures/schema/fixture_reader.hpp"
 #include "fixtures/schema/fixture_schema.hpp"
+#include "fixtures/golden/fixture_part.hpp"
 #include "fixtures/golden/fixture_writer.hpp"
 #include "fixtures/golden/gen_job.hpp"
 #include "fixtures/golden/generate_admission.hpp"
@@ -267,8 +268,18 @@ PYBIND11_MODULE(_core, m) {
   m.def(
       "generate",
       [](const std::string& json_text, std::optional<std::string> path, bool trace, bool force, bool yes,
-         std::optional<py::dict> inputs, bool allow_nonfinite) -> py::object {
+         std::optional<py::dict> inputs, bool allow_nonfinite, std::optional<std::pair<int, int>> shard) -> py::object {
         std::vector<fx::GenJob> jobs{{"case", path.value_or(""), parse_case(json_text), trace}};
+        if (shard) {  // `gen --shard I/N`: the part file of KV-head group I of N (fx::shard_heads checks N)
+          if (!path) fail_input("shard", "a part is written to a file: give a path (cpgold.merge puts the parts together)");
+          if (shard->second < 1 || shard->first < 1 || shard->first > shard->second)
+            fail_input("shard", "(", shard->first, ", ", shard->second, "): give (I, N) with 1 <= I <= N (shards count "
+                       "from 1)");
+          fx::GenJob& job = jobs.front();
+          job.heads = fx::shard_heads(job.spec, shard->first, shard->second);
+          job.shard_index = shard->first;
+          job.shard_count = shard->second;
+        }
         if (path) fx::check_destination(*path, force);  // before any compute, as `cpgold gen`
         // Given inputs (float32 or float64 arrays, C order, from cpgold.generate): the checks of `gen --inputs`.
         std::shared_ptr<sim::CaseInputs> given;
@@ -303,12 +314,28 @@ PYBIND11_MODULE(_core, m) {
         options.trace = trace;
         options.given_inputs = given;
         options.nonfinite_valid = given_summary.nonfinite_valid;
+        options.heads = jobs.front().heads;
         fx::GoldenRun run;
         {
           py::gil_scoped_release release;
           run = fx::generate(jobs.front(), options);
         }
         if (PyErr_CheckSignals() != 0) throw py::error_already_set();  // Ctrl-C during the compute
+        if (shard) {
+          fx::WriteOptions write;
+          write.force = force;
+          const fx::WriteSummary summary =
+              signals_first([&] { return fx::write_part(run, shard->first, shard->second, *path, write); });
+          py::dict d;
+          d["path"] = summary.path;
+          d["bytes"] = summary.bytes;
+          d["datasets"] = summary.datasets;
+          d["shard"] = py::make_tuple(shard->first, shard->second);
+          const fx::HeadSlice& h = jobs.front().heads;
+          d["kv_heads"] = py::make_tuple(h.kv_begin, h.kv_end);
+          d["q_heads"] = py::make_tuple(h.q_begin, h.q_end);
+          return d;
+        }
         if (path) {
           fx::WriteOptions write;
           write.force = force;
@@ -324,7 +351,29 @@ PYBIND11_MODULE(_core, m) {
       },
       py::arg("case_json"), py::arg("path") = py::none(), py::arg("trace") = false, py::arg("force") = false,
       py::arg("yes") = false, py::arg("inputs") = py::none(), py::arg("allow_nonfinite") = false,
-      "a fixture of the case: written to `path` as `cpgold gen` writes it, or (path None) the bytes of the same file");
+      py::arg("shard") = py::none(),
+      "a fixture of the case: written to `path` as `cpgold gen` writes it, or (path None) the bytes of the same file; "
+      "shard (I, N): the part file of `gen --shard I/N`");
+
+  m.def(
+      "merge",
+      [](const std::vector<std::string>& parts, const std::string& output, bool force, bool yes) {
+        fx::MergeOptions options;
+        options.force = force;
+        options.yes = yes;
+        const fx::MergeSummary summary = signals_first([&] {
+          py::gil_scoped_release release;
+          return fx::merge_parts(parts, output, options);
+        });
+        py::dict d;
+        d["path"] = summary.written.path;
+        d["bytes"] = summary.written.bytes;
+        d["datasets"] = summary.written.datasets;
+        d["parts"] = summary.parts;
+        return d;
+      },
+      py::arg("parts"), py::arg("output"), py::arg("force") = false, py::arg("yes") = false,
+      "`cpgold merge PARTS -o OUTPUT`: the fixture of the parts, bit for bit the one gen writes without --shard");
 
   // The destination rules of every file cpgold writes, for the Python candidate writers: check_destination before
   // any work, a hidden temporary file (removed on error, on SIGINT/SIGTERM/SIGHUP, and by release()), a no-replace
