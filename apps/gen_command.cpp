@@ -29,6 +29,7 @@
 #include "fixtures/golden/golden_manifest.hpp"
 #include "fixtures/storage/output_file.hpp"
 #include "fixtures/golden/suites.hpp"
+#include "reference/attention_engine.hpp"
 #include "reference/input_error.hpp"
 #include "reference/progress.hpp"
 #include "sim/case/case_spec.hpp"
@@ -166,7 +167,40 @@ struct GenArgs {
   std::string inputs;      // --inputs FILE.h5: the case's q, k, v, dout given, not drawn from the seed
   bool allow_nonfinite = false;  // --allow-nonfinite-inputs
   std::string shard;       // --shard I/N: part I of N (KV-head groups), written as a part file for `cpgold merge`
+  std::string engine = "cpu";  // --engine cpu|gpu|auto: what computes the oracle and the peers
 };
+
+// The engine `--engine` names (reference/attention_engine.hpp): cpu (the reference, the default), gpu (a CUDA device;
+// InputError, exit 2, when this build has no GPU engine or no device can be used: never a silent fallback), or auto
+// (gpu where a device can be used, else cpu, saying which and why). `holder` keeps a made engine alive.
+const AttentionEngine* choose_engine(const std::string& name, std::unique_ptr<AttentionEngine>& holder) {
+  if (name == "cpu") return &cpu_engine();
+  if (name != "gpu" && name != "auto")
+    fail_input("--engine", "value \"", sim::excerpt(name, 40), "\" is not cpu, gpu or auto");
+  const EngineFactory factory = find_engine("gpu");
+  std::string why;
+  if (!factory) {
+    why = "this cpgold is built without the GPU engine (a build with CUDA and cuBLAS found has it: cpgold on a machine "
+          "with a GPU at configure time, or cpgold-gpu)";
+    if (name == "gpu") fail_input("--engine", "gpu: ", why, "; --engine cpu computes the same fixture on the CPU");
+  } else {
+    try {
+      holder = factory();
+    } catch (const InputError& e) {
+      if (name == "gpu") throw;
+      why = e.what();
+      const std::string prefix = e.field() + ": ";
+      if (why.starts_with(prefix)) why = why.substr(prefix.size());
+    }
+  }
+  if (holder) {
+    std::fprintf(stderr, "engine: gpu%s (%s)\n", name == "auto" ? " (--engine auto: a CUDA device is there)" : "",
+                 holder->versions().c_str());
+    return holder.get();
+  }
+  std::fprintf(stderr, "engine: cpu (--engine auto: %s)\n", why.c_str());
+  return &cpu_engine();
+}
 
 // "I/N" with 1 <= I <= N: the shard's index and count (the case's heads bound N later, fx::shard_heads).
 std::pair<int, int> parse_shard(const std::string& text) {
@@ -274,7 +308,20 @@ int run_gen(GenArgs args) {
   // Refuse before any work when the estimates exceed what the machine has, with a margin (unless --yes):
   // fx::admit_gen_jobs, which cpgold.generate in Python goes through too.
   const std::string folder = fs::absolute(fs::path(jobs.front().path)).parent_path().string();
+  std::unique_ptr<AttentionEngine> engine_holder;
+  const AttentionEngine* engine = choose_engine(args.engine, engine_holder);
+  const bool on_gpu = engine->name() != "cpu";
   (void)fx::admit_gen_jobs(jobs, folder, yes, "--yes");
+  // The GPU engine's time model replaces the CPU's (fx::gpu_generate_estimate); memory on the host is the CPU run's.
+  if (on_gpu)
+    for (fx::GenJob& job : jobs) {
+      const fx::GpuEstimate e = fx::gpu_generate_estimate(job, omp_get_max_threads());
+      job.cost.seconds = e.seconds();
+      if (job.cost.seconds > 2.0 || jobs.size() == 1)
+        std::fprintf(stderr, "%s: GPU engine estimate %s: device %s, host-device copies %s, host %s, write %s\n",
+                     job.name.c_str(), seconds_text(e.seconds()).c_str(), seconds_text(e.device).c_str(),
+                     seconds_text(e.transfers).c_str(), seconds_text(e.host).c_str(), seconds_text(e.write).c_str());
+    }
   auto out_of_memory = [&](const fx::GenJob& job, double needed) {
     const ThdLayout layout = sim::layout(job.spec);
     fail_input(job.name, "out of memory: total_tokens_q = ", layout.q.total_rows, ", total_tokens_kv = ",
@@ -315,6 +362,7 @@ int run_gen(GenArgs args) {
     options.progress = &progress;
     options.given_inputs = given;
     options.nonfinite_valid = given_summary.nonfinite_valid;
+    options.engine = engine;
     fx::GoldenRun run = [&] {
       try {
         return fx::generate(job, options);
@@ -326,10 +374,15 @@ int run_gen(GenArgs args) {
     const double compute_seconds = compute_phase.seconds();
     const double raw_bytes = static_cast<double>(job.shard_count > 0 ? fx::part_payload_bytes(run) : fx::payload_bytes(run));
     const bool long_case = estimate * correction > 2.0 || !terminal;
-    if (long_case)
+    if (long_case) {
       std::fprintf(stderr, "%s: computed in %s; writing %s of data (shuffle + deflate + Fletcher32 on %d threads)\n",
                    label.c_str(), seconds_text(compute_seconds).c_str(), human_bytes(raw_bytes).c_str(),
                    omp_get_max_threads());
+      std::fprintf(stderr, "%s: engine %s: oracle %s, non-CP peer %s, CP simulator %s%s%s\n", label.c_str(),
+                   run.engine.c_str(), seconds_text(run.times.oracle).c_str(), seconds_text(run.times.peer).c_str(),
+                   seconds_text(run.times.simulator).c_str(), job_trace ? ", CP oracle (trace) " : "",
+                   job_trace ? seconds_text(run.times.trace).c_str() : "");
+    }
     PhaseProgress write_phase(label, "written", raw_bytes, terminal);
     fx::WriteOptions write_options;
     write_options.force = force;
@@ -399,6 +452,10 @@ const RegisterCommand registered("gen", [](CLI::App& app) -> std::function<int()
                   "I/N: compute part I of N of the fixture (KV-head groups with their query heads; N at most heads_kv) "
                   "and write it as a part file to -o; `cpgold merge` of all N parts writes the fixture, bit for bit the "
                   "one gen writes without --shard (docs/cli.md)");
+  sub->add_option("--engine", args->engine,
+                  "cpu (default): the CPU reference computes the oracle and the peers; gpu: a CUDA device does (exit 2 "
+                  "when none can be used, never a silent fallback; the fixture records the engine and its versions); "
+                  "auto: gpu where a device can be used, else cpu, and says which (docs/scale.md)");
   sub->add_flag("--yes", args->yes, "go ahead although the memory or disk estimate exceeds what is available");
   return [=] { return run_gen(*args); };
 });

@@ -56,14 +56,15 @@ LseTensor<T> take_lse_rows(const LseTensor<T>& x, const std::vector<int64_t>& ro
 struct OracleArith {
   using T = double;
   KernelOptions kernel;
+  const AttentionEngine& engine;
   ForwardResult<double> forward(const AttentionCall& c, const Tensor3<double>& q, const Tensor3<double>& k,
                                 const Tensor3<double>& v) const {
-    return attention_forward(c, q, k, v, kernel);
+    return engine.forward(c, q, k, v, kernel);
   }
   BackwardResult<double> backward(const AttentionCall& c, const Tensor3<double>& q, const Tensor3<double>& k,
                                   const Tensor3<double>& v, const Tensor3<double>& o, const LseTensor<double>& lse,
                                   const Tensor3<double>& dout) const {
-    return attention_backward(c, q, k, v, o, lse, dout, kernel);
+    return engine.backward(c, q, k, v, o, lse, dout, kernel);
   }
   double round(double x) const { return x; }
 };
@@ -72,14 +73,15 @@ struct PeerArith {
   using T = float;
   DType dtype;
   KernelOptions kernel;
+  const AttentionEngine& engine;
   ForwardResult<float> forward(const AttentionCall& c, const Tensor3<float>& q, const Tensor3<float>& k,
                                const Tensor3<float>& v) const {
-    return attention_forward(c, q, k, v, dtype, kernel);
+    return engine.forward(c, q, k, v, dtype, kernel);
   }
   BackwardResult<float> backward(const AttentionCall& c, const Tensor3<float>& q, const Tensor3<float>& k,
                                  const Tensor3<float>& v, const Tensor3<float>& o, const LseTensor<float>& lse,
                                  const Tensor3<float>& dout) const {
-    return attention_backward(c, q, k, v, o, lse, dout, dtype, kernel);
+    return engine.backward(c, q, k, v, o, lse, dout, dtype, kernel);
   }
   float round(float x) const { return round_to(dtype, x); }
 };
@@ -203,9 +205,11 @@ class HostRankBackend {
 
   HostRankBackend(int rank, const RankShards<T>& shards, const Arith& arith, Rendezvous<HostCopy>& rendezvous,
                   bool record_trace, bool by_rows, MergeRule merge, int kv_head_begin = 0, int kv_head_end = 0,
-                  int group = 1)
+                  int group = 1,
+                  std::chrono::steady_clock::time_point deadline = std::chrono::steady_clock::time_point::max())
       : rank_(rank), shards_(shards), arith_(arith), rendezvous_(rendezvous), record_trace_(record_trace),
-        by_rows_(by_rows), merge_(merge), kv_begin_(kv_head_begin), kv_end_(kv_head_end), group_(group) {}
+        by_rows_(by_rows), merge_(merge), kv_begin_(kv_head_begin), kv_end_(kv_head_end), group_(group),
+        deadline_(deadline) {}
 
   int rank() const { return rank_; }
   const Tensor& input(Payload payload) const {
@@ -246,6 +250,7 @@ class HostRankBackend {
   }
 
   Forward forward(const Tile& t, const Tensor& q, const Tensor& k, const Tensor& v) const {
+    stop_past(deadline_);
     const TileHeads h = tile_heads(t, q.heads, k.heads);
     if (h.all) return arith_.forward(t.call, q, k, v);
     Forward out{Tensor(q.rows, q.heads, v.dim), Lse(q.heads, q.rows, neg_inf<T>())};
@@ -258,6 +263,7 @@ class HostRankBackend {
   }
   Backward backward(const Tile& t, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o, const Lse& lse,
                     const Tensor& dout) const {
+    stop_past(deadline_);
     const TileHeads h = tile_heads(t, q.heads, k.heads);
     if (h.all) return arith_.backward(t.call, q, k, v, o, lse, dout);
     Backward out{Tensor(q.rows, q.heads, q.dim), Tensor(k.rows, k.heads, k.dim), Tensor(v.rows, v.heads, v.dim)};
@@ -384,6 +390,7 @@ class HostRankBackend {
   bool by_rows_;
   MergeRule merge_;
   int kv_begin_, kv_end_, group_;
+  std::chrono::steady_clock::time_point deadline_;
 };
 
 template <class Arith>
@@ -400,7 +407,7 @@ CpRun<typename Arith::T> run_cp(const Plan& plan, const CaseInputs& inputs, cons
         std::make_unique<Backend>(g, shards, arith, rendezvous, options.record_trace, options.by_rows,
                                   options.variation ? options.variation->merge : MergeRule::lse_weighted,
                                   options.kv_head_begin, options.kv_head_end,
-                                  plan.heads_kv > 0 ? plan.heads_q / plan.heads_kv : 1));
+                                  plan.heads_kv > 0 ? plan.heads_q / plan.heads_kv : 1, options.deadline));
   CpRun<T> run;
   run.ranks.resize(static_cast<size_t>(W));
   // Ranks share the OpenMP threads: each rank's tiles use threads / W of them (results do not depend on the count).
@@ -439,11 +446,12 @@ Tensor3<T> shard_rows(const SidePartition& side, int rank, const Tensor3<T>& glo
 }
 
 CpRun<double> run_cp_oracle(const Plan& plan, const CaseInputs& inputs, const ExecutorOptions& options) {
-  return run_cp(plan, inputs, OracleArith{options.kernel}, options);
+  return run_cp(plan, inputs, OracleArith{options.kernel, options.engine ? *options.engine : cpu_engine()}, options);
 }
 
 CpRun<float> run_cp_peer(const Plan& plan, const CaseInputs& inputs, DType dtype, const ExecutorOptions& options) {
-  return run_cp(plan, inputs, PeerArith{dtype, options.kernel}, options);
+  return run_cp(plan, inputs, PeerArith{dtype, options.kernel, options.engine ? *options.engine : cpu_engine()},
+                options);
 }
 
 namespace {

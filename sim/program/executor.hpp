@@ -5,10 +5,13 @@
 //  - CP peer: the reference peer per tile (partials rounded to the dtype, LSE float32), merges and accumulations in
 //    float32, final O / dQ / dK / dV rounded once to the dtype (docs/cp-plan.md, "Precision").
 #include <algorithm>
+#include <chrono>
 #include <cstddef>  // size_t, used by reference/tensor.hpp
+#include <stdexcept>
 #include <vector>
 
 #include "reference/attention.hpp"
+#include "reference/attention_engine.hpp"
 #include "reference/dtype.hpp"
 #include "reference/tensor.hpp"
 #include "sim/case/case_inputs.hpp"
@@ -73,7 +76,24 @@ struct ExecutorOptions {
   // are zeros (O, dQ, dK, dV) and -inf (LSE), so their outputs are not those of the case. Everything else (exchanges,
   // merges) runs as always. kv_head_end <= kv_head_begin: every head.
   int kv_head_begin = 0, kv_head_end = 0;
+  // Computes every tile's attention (reference/attention_engine.hpp); nullptr: the CPU reference. Merges, exchanges
+  // and the rounding of the sums stay the simulator's own.
+  const AttentionEngine* engine = nullptr;
+  // A run that must end by this time (the diagnosis replay's budget, check/diagnosis/replay.hpp): every rank checks it
+  // before each tile's attention call, forward and backward, and the run ends with RunStopped once it has passed (a
+  // tile already started runs to its end). The default never passes.
+  std::chrono::steady_clock::time_point deadline = std::chrono::steady_clock::time_point::max();
 };
+
+// What a run whose ExecutorOptions::deadline passed throws (no results: the run is incomplete).
+struct RunStopped : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+// Throws RunStopped when the deadline has passed (the executors' backends call it before every tile).
+inline void stop_past(std::chrono::steady_clock::time_point deadline) {
+  if (deadline != std::chrono::steady_clock::time_point::max() && std::chrono::steady_clock::now() > deadline)
+    throw RunStopped("the run passed its deadline");
+}
 
 // Heads [h0, h1) of a tensor ([t, h, d]; LSE [h, t]) as a tensor of h1 - h0 heads.
 template <class T>
