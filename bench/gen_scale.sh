@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Golden data at production scale on one node: gen of a 64k-token case and check of a candidate of it, before (the
 # commit before the x86-64-v3 level, parallel chunk filters and parallel check: 7983504) and after (this tree), with
-# the physical limits measured in the same run. Writes a Markdown results file (docs/PERF.md, "gen at scale").
+# the physical limits measured in the same run. Writes a Markdown results file (lab/records/perf.md, "gen at scale").
 #
 # usage: bench/gen_scale.sh [PART...]      (no part: all of them, in this order)
 #   build         configure and build `cpgold`, `bench_reference` and `bench_check` of this tree (build-scale/, CUDA and

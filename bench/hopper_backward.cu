@@ -470,7 +470,7 @@ std::vector<BwdVariant> all_bwd_variants() {
   v.push_back(sm90_variant<__half, 128, false>("sm90-bwd-deterministic-fp16"));
   v.push_back(sm90_variant<bf16, 64, true, DqSplit::keys, false, true>("sm90-bwd-atomic-d64"));
   v.push_back(sm90_variant<bf16, 64, false>("sm90-bwd-deterministic-d64"));
-  // The schedules measured against them (run B2 of docs/GPU_RESULTS.md): float2 atomics from every consumer thread
+  // The schedules measured against them (run B2 of lab/records/gpu-results.md): float2 atomics from every consumer thread
   // (the v1 dQ write), without the overlap, d 64's columns split with warpgroup 1's copy discarded (v1) or with
   // warpgroup 0 alone.
   v.push_back(sm90_variant<bf16, 128, true>("sm90-bwd-atomic-v1"));

@@ -2,13 +2,13 @@
 // forward + backward wall time of one whole run (shard exchanges, per-step attention calls on the Plan's segments,
 // merges, dKV ring, reverse exchanges, all ranks' host threads) over the non-CP forward + backward. The ratio is the
 // overhead of splitting, merging and copying (target <= 1.25x); both sides run the same attention kernels.
-// Prints one table; numbers go to docs/PERF.md with the command, device and date. --phases 1 adds the device time of
+// Prints one table; numbers go to lab/records/perf.md with the command, device and date. --phases 1 adds the device time of
 // each phase of one forward + backward run (every operation alone on the device, gpu::PhaseTimes) and the device's
 // measured copy rate (1 GiB device-to-device copy, bytes read + written), the limit of the copying phases.
 // --aside 1 runs the CP path with CpGpuOptions::accumulate_aside (the backward's float32 accumulation on its own
 // stream per rank); --sum 0 without CpGpuOptions::sum_in_backward (default 1, as `verify --backend local`: the ring
 // steps' attention backward adds into the float32 sums itself, no scatter_add). --once cp|noncp runs one untimed
-// forward + backward of that path and exits, for a profiler (bench/gpu/profile_cp_local.sh). --timeline FILE adds one more CP run with CpGpuOptions::timeline: every operation's
+// forward + backward of that path and exits, for a profiler (lab/gpu/profile_cp_local.sh). --timeline FILE adds one more CP run with CpGpuOptions::timeline: every operation's
 // span on its stream, not serialised, written to FILE in Chrome's trace format (chrome://tracing, Perfetto), and a
 // summary of how long each kind of stream was busy and how long two kinds were busy at once. --mode deterministic
 // runs both paths with the deterministic backward (default atomic). --scale n multiplies the sequence lengths of the

@@ -8,7 +8,7 @@
 // communication time was hidden behind compute). Median over reps of the slowest rank (after warm-ups, ranks lined
 // up by a host barrier before each rep). Next to the numbers: the per-GPU bf16 dense peak and the NVLink ring-shift
 // bandwidth measured in the same run with a plain send/recv. NVLink multicast stays off (NCCL_NVLS_ENABLE=0, set by
-// NcclCommunicator::create before NCCL starts). Prints one table for docs/PERF.md.
+// NcclCommunicator::create before NCCL starts). Prints one table for lab/records/perf.md.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -53,7 +53,7 @@ double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
-// Attention FLOPs of a causal batch as docs/PERF.md counts them: 2 * s * (s / 2) * (d_qk + d_v) * H per sequence
+// Attention FLOPs of a causal batch as lab/records/perf.md counts them: 2 * s * (s / 2) * (d_qk + d_v) * H per sequence
 // forward, 2.5x that backward.
 double causal_flops(const std::vector<int32_t>& lens, int heads, int dim, bool backward) {
   double f = 0;

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "bench/bench_clock.hpp"
+#include "bench/gemm_rate.hpp"
 #include "reference/attention.hpp"
 #include "reference/isa_level.hpp"
 
@@ -54,29 +55,6 @@ double eigen_gemm_rate(int m, int k, int n) {
   return 2.0 * m * k * n / best / 1e9;
 }
 
-// The same product run by `threads` threads at once, each on its own matrices: the machine's aggregate float64 rate
-// for that shape (GFLOP/s summed over the threads, best of three rounds).
-double eigen_gemm_rate_all(int m, int k, int n, int threads) {
-  using M = Eigen::Matrix<double, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
-  const int reps = std::max(1, static_cast<int>(4e9 / (2.0 * m * k * n)));
-  double best = 1e30;
-  for (int trial = 0; trial < 3; ++trial) {
-    double slowest = 0;
-#pragma omp parallel num_threads(threads) reduction(max : slowest)
-    {
-      const M a = M::Random(m, k), b = M::Random(k, n);
-      M c(m, n);
-      c.noalias() = a * b;  // warm
-#pragma omp barrier
-      const auto t0 = std::chrono::steady_clock::now();
-      for (int r = 0; r < reps; ++r) c.noalias() = a * b;
-      slowest = std::max(slowest, seconds_since(t0));
-    }
-    best = std::min(best, slowest);
-  }
-  return 2.0 * m * k * n * reps * threads / best / 1e9;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -93,7 +71,7 @@ int main(int argc, char** argv) {
     const int shapes[3][3] = {{block, 128, 2048}, {block, 2048, 128}, {2048, 128, 2048}};
     for (const auto& s : shapes)
       std::printf("| [%d x %d] x [%d x %d] | %.2f | %.1f |\n", s[0], s[1], s[1], s[2], eigen_gemm_rate(s[0], s[1], s[2]),
-                  eigen_gemm_rate_all(s[0], s[1], s[2], threads));
+                  gemm_rate_all<double>(s[0], s[1], s[2], threads, 4e9));
     return 0;
   }
   for (int i = 1; i + 1 < argc; i += 2) {

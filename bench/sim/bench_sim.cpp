@@ -1,6 +1,6 @@
 // Simulated CP (float64 oracle, p2p ring of W simulated ranks) against the plain float64 reference on the same case:
 // the time ratio is the overhead of the simulation (sharding, read_half copies, per-step merges, message copies).
-// Prints one table; numbers go to docs/PERF.md under "## sim".
+// Prints one table; numbers go to lab/records/perf.md under "## sim".
 #include <sys/resource.h>
 
 #include <chrono>

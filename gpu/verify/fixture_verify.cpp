@@ -113,7 +113,7 @@ FixtureVerification verify_fixture_local(const std::string& fixture_path, Backwa
   CpGpuOptions options;
   options.mode = mode;
   options.record_trace = fixture.traced;
-  options.sum_in_backward = true;  // the faster schedule on one GPU (docs/PERF.md); the same bits as without
+  options.sum_in_backward = true;  // the faster schedule on one GPU (lab/records/perf.md); the same bits as without
   options.inject = inject;
   {
     AttentionShape shape;

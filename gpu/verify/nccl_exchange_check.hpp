@@ -27,7 +27,7 @@ struct ExchangeResult {
   std::string first_wrong;  // "row 12 head 1 dim 3: got (rank 0, global row 7, head 1, dim 3), expected (...)"
 };
 
-// Deliberate faults, as a self-test of the fault path (documented in docs/cli.md).
+// Deliberate faults, as a self-test of the fault path (documented in docs/cli-gpu.md).
 struct ExchangeFault {
   int rank = -1;             // the rank that misbehaves; -1: none
   std::string kind;          // "exception", "cuda", "input" (fails before the all-gather, peers wait inside NCCL)

@@ -30,7 +30,9 @@ BACKWARD_NAMES = ("dq", "dk", "dv")
 
 class RankContext:
     """What a rank's function gets besides its shards: rank, world_size, group (a torch ProcessGroup: thread ranks or
-    the real one), fixture, device, and the rank-local layout as torch tensors on the device."""
+    the real one), fixture, device, and the rank-local layout as torch tensors on the device. Another rank's layout
+    comes from the fixture: `fixture.partitioned_indices(r, "kv")` are the global key rows rank r holds (the keys a
+    ring step receives from it), `fixture.cu_seqlens("kv", padded=True)` turns them into sequences and positions."""
 
     def __init__(self, fixture, rank, world_size, group, device):
         self.fixture, self.rank, self.world_size, self.group, self.device = fixture, rank, world_size, group, device

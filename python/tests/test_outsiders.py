@@ -1,7 +1,7 @@
 """The outsider adapters' CPU-side logic with fakes (docs/outsiders.md): how a fixture becomes FlashAttention-3/4's
 and TransformerEngine's arguments, the layout mapping of their outputs, refusals kept as refusals, and the whole
 run -> candidate -> check path with a fake FlashAttention-3 that leaves pad rows unwritten. The real libraries run
-on a GPU machine (python/examples/outsiders/device_run.sh)."""
+on a GPU machine (lab/gpu/outsiders.sh)."""
 import json
 import sys
 import types
@@ -11,7 +11,7 @@ import pytest
 
 import cpgold
 from conftest import golden_path
-from cpgold.outsiders import ADAPTERS, Refused, flash, make, runner, te
+from cpgold.outsiders import ADAPTERS, Refused, adapter, flash, harness, make, rank_adapter, runner, te
 from cpgold.outsiders.environment import digest
 
 
@@ -81,11 +81,11 @@ def test_te_arguments_and_groups():
     assert te.window_size(Case(window=(2, 3))) == (2, 3)
     kw = te.te_arguments(Case(window=(2, 3)))
     assert kw["qkv_format"] == "thd" and kw["num_gqa_groups"] == 2 and kw["window_size"] == (2, 3)
-    assert te.cp_group_ranks("p2p", 4, 2) == [[0, 1, 2, 3]]
-    assert te.cp_group_ranks("a2a+p2p", 4, 3, a2a_size=2) == [[2, 3], [1, 3]]
-    assert te.cp_group_ranks("a2a+p2p", 8, 5, a2a_size=4) == [[4, 5, 6, 7], [1, 5]]
+    assert rank_adapter.cp_group_ranks("p2p", 4, 2) == [[0, 1, 2, 3]]
+    assert rank_adapter.cp_group_ranks("a2a+p2p", 4, 3, a2a_size=2) == [[2, 3], [1, 3]]
+    assert rank_adapter.cp_group_ranks("a2a+p2p", 8, 5, a2a_size=4) == [[4, 5, 6, 7], [1, 5]]
     with pytest.raises(Refused, match="a2a_size 3 does not divide cp_size 4"):
-        te.cp_group_ranks("a2a+p2p", 4, 0, a2a_size=3)
+        rank_adapter.cp_group_ranks("a2a+p2p", 4, 0, a2a_size=3)
 
 
 def raised_in(filename, exception):
@@ -105,13 +105,13 @@ def test_a_refusal_is_the_library_s_own_check_and_anything_else_an_error():
     dsl_assert = raised_in(f"{lib}/nvidia_cutlass_dsl/dsl_packages/cutlass/base_dsl/ast_preprocessor.py",
                            AssertionError("Please start a session before accessing session data"))
     torch_value = raised_in(f"{lib}/torch/nn/functional.py", ValueError("shape mismatch"))
-    assert te.refusal_source(te_assert) == "TE" and te.refusal_source(fa_assert) == "FlashAttention"
-    assert te.refusal_source(dsl_assert) is None and te.refusal_source(torch_value) is None
-    refusal = te.as_refusal(te_assert, "DotProductAttention(...): ")
+    assert adapter.refusal_source(te_assert) == "TE" and adapter.refusal_source(fa_assert) == "FlashAttention"
+    assert adapter.refusal_source(dsl_assert) is None and adapter.refusal_source(torch_value) is None
+    refusal = adapter.as_refusal(te_assert, "DotProductAttention(...): ")
     assert isinstance(refusal, Refused)
     assert str(refusal).startswith("DotProductAttention(...): TE refuses: AssertionError: Context parallelism")
-    assert "FlashAttention refuses: AssertionError: GQA backward" in str(te.as_refusal(fa_assert))
-    assert te.as_refusal(dsl_assert) is None and te.as_refusal(torch_value) is None
+    assert "FlashAttention refuses: AssertionError: GQA backward" in str(adapter.as_refusal(fa_assert))
+    assert adapter.as_refusal(dsl_assert) is None and adapter.as_refusal(torch_value) is None
 
 
 def test_run_dpa_keeps_errors_outside_the_libraries_as_errors(torch_cpu):
@@ -192,13 +192,13 @@ def test_cute_compiles_from_thread_ranks_take_turns(monkeypatch):
     compile_from_threads()
     assert state["most"] > 1, "the fake must show overlapping compiles before the patch"
     state["most"] = 0
-    assert te.serialize_cute_compiles() and te.serialize_cute_compiles()   # a second call patches nothing more
+    assert flash.serialize_cute_compiles() and flash.serialize_cute_compiles()   # a second call patches nothing more
     compile_from_threads()
     assert state["most"] == 1
     assert CompileCallable()._compile("kernel") == "kernel"
     monkeypatch.setitem(sys.modules, "cutlass", None)
     monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
-    assert te.serialize_cute_compiles() is False
+    assert flash.serialize_cute_compiles() is False
 
 
 def test_te_environment_selects_the_backend_and_modes():
@@ -219,10 +219,10 @@ def test_unknown_adapter_and_option_are_named():
 
 
 def test_mask_class():
-    assert runner.mask_class({"mask": "causal", "window": [-1, 0]}) == "causal"
-    assert runner.mask_class({"mask": "causal", "window": [16, 0]}) == "causal+window"
-    assert runner.mask_class({"mask": "none", "window": [-1, -1]}) == "none"
-    assert runner.mask_class({"mask": "none", "window": [3, 2]}) == "window"
+    assert harness.mask_class({"mask": "causal", "window": [-1, 0]}) == "causal"
+    assert harness.mask_class({"mask": "causal", "window": [16, 0]}) == "causal+window"
+    assert harness.mask_class({"mask": "none", "window": [-1, -1]}) == "none"
+    assert harness.mask_class({"mask": "none", "window": [3, 2]}) == "window"
 
 
 # ------------------------------------------------------------------ a fake FlashAttention-3 on the CPU
@@ -325,7 +325,7 @@ def test_a_contract_failure_on_pad_rows_only_reads_as_a_convention(monkeypatch, 
     adapter.pad_rows = "zero"
     entry = runner.run_fixture(adapter, golden_path("p2p_w2_window_tail_fp16"), "golden", str(tmp_path), cpgold_bin)
     assert entry["status"] == "fail" and entry["valid_rows_pass"] is True
-    md = runner.markdown([entry], "t")
+    md = harness.markdown([entry], "t")
     assert "| golden | 0 | 1 (1) |" in md
 
 
@@ -396,11 +396,11 @@ def test_fixture_list_selects_by_name_and_prefix(tmp_path):
         (tmp_path / suite).mkdir()
         for i in range(3):
             (tmp_path / suite / f"f{i}.h5").write_bytes(b"")
-    items = runner.fixture_list([str(tmp_path / "a"), str(tmp_path / "b")], first={"b": 1})
+    items = harness.fixture_list([str(tmp_path / "a"), str(tmp_path / "b")], first={"b": 1})
     assert [(s, p.split("/")[-1]) for s, p in items] == [("a", "f0.h5"), ("a", "f1.h5"), ("a", "f2.h5"), ("b", "f0.h5")]
-    assert len(runner.fixture_list([str(tmp_path / "a")], only=["a/f1.h5", "f2.h5"])) == 2
+    assert len(harness.fixture_list([str(tmp_path / "a")], only=["a/f1.h5", "f2.h5"])) == 2
     with pytest.raises(FileNotFoundError, match="neither a folder nor a file"):
-        runner.fixture_list([str(tmp_path / "none")])
+        harness.fixture_list([str(tmp_path / "none")])
 
 
 FAKE_CHILD = r'''

@@ -3,7 +3,7 @@ over gloo running the plain torch all-gather CP (cpgold.outsiders.torch_cp) on s
 reference passes every rank and the gathered outputs; the planted off-by-one causal edge fails, per rank; a fixture of
 another cp_size is skipped with its reason; a rank that raises stops every rank within the timeout, naming it; NCCL
 without NCCL_NVLS_ENABLE=0 is refused. TransformerEngine over NCCL runs on a GPU machine
-(python/examples/outsiders/device_run.sh, phase te_ranks)."""
+(lab/outsiders/device_run.sh, phase te_ranks)."""
 import json
 import os
 import re

@@ -7,6 +7,7 @@
 #include <set>
 
 #include "reference/input_error.hpp"
+#include "sim/case/enum_names.hpp"
 
 namespace cpgold::sim {
 
@@ -104,35 +105,25 @@ nlohmann::ordered_json parse_ordered_json(std::string_view text, const std::stri
   return parse_bounded<nlohmann::ordered_json>(text, field);
 }
 
-std::string_view comm_name(CommType comm) {
-  switch (comm) {
-    case CommType::p2p: return "p2p";
-    case CommType::a2a: return "a2a";
-    case CommType::all_gather: return "all_gather";
-    case CommType::a2a_p2p: return "a2a+p2p";
-  }
-  return "?";
-}
+constexpr std::pair<CommType, std::string_view> kCommNames[] = {
+    {CommType::p2p, "p2p"},
+    {CommType::a2a, "a2a"},
+    {CommType::all_gather, "all_gather"},
+    {CommType::a2a_p2p, "a2a+p2p"}};
+constexpr std::pair<PadFill, std::string_view> kPadFillNames[] = {
+    {PadFill::zero, "zero"}, {PadFill::random, "random"}, {PadFill::nan, "nan"}, {PadFill::inf, "inf"}};
+
+std::string_view comm_name(CommType comm) { return name_in(kCommNames, comm); }
 
 CommType parse_comm(std::string_view text) {
-  for (CommType c : {CommType::p2p, CommType::a2a, CommType::all_gather, CommType::a2a_p2p})
-    if (comm_name(c) == text) return c;
+  if (auto comm = parse_in(kCommNames, text)) return *comm;
   fail_input("comm", "value \"", text, "\" is not one of p2p, a2a, all_gather, a2a+p2p");
 }
 
-std::string_view pad_fill_name(PadFill fill) {
-  switch (fill) {
-    case PadFill::zero: return "zero";
-    case PadFill::random: return "random";
-    case PadFill::nan: return "nan";
-    case PadFill::inf: return "inf";
-  }
-  return "?";
-}
+std::string_view pad_fill_name(PadFill fill) { return name_in(kPadFillNames, fill); }
 
 PadFill parse_pad_fill(std::string_view text) {
-  for (PadFill f : {PadFill::zero, PadFill::random, PadFill::nan, PadFill::inf})
-    if (pad_fill_name(f) == text) return f;
+  if (auto fill = parse_in(kPadFillNames, text)) return *fill;
   fail_input("pad_fill", "value \"", text, "\" is not one of zero, random, nan, inf");
 }
 
@@ -379,7 +370,7 @@ double case_pairs(const CaseSpec& spec) {
   return pairs * spec.heads_q;
 }
 
-// Calibration (docs/PERF.md, "gen estimates: the time model"), CPU time per thread on the 2-core x86-64-v3 box:
+// Calibration (lab/records/perf.md, "gen estimates: the time model"), CPU time per thread on the 2-core x86-64-v3 box:
 // - the kernels, per score element (visible (q, k) pair x query head) of one run of the three passes (forward, dQ,
 //   dK/dV): a part that does not depend on the head dims (exp, masks, rounding, the tile's row bookkeeping) and one per
 //   unit of d_qk + d_v (the products); float64 runs (the oracle, the traced CP oracle) and runs in the dtype (the

@@ -94,7 +94,7 @@ double softmax_scale(const CaseSpec& spec);
 Window mask_window(const CaseSpec& spec);  // normalised (causal -> right = 0); (-1,-1) for mask none
 ThdLayout layout(const CaseSpec& spec);    // validated global THD layout
 
-// What a case costs, before anything is built (docs/PERF.md, "gen estimates"): gen checks memory against it before any
+// What a case costs, before anything is built (lab/records/perf.md, "gen estimates"): gen checks memory against it before any
 // Plan is built (its disk bound, fx::fixture_size_bound, and its peak memory, fx::generate_memory, need the Plan),
 // and the fixture reader refuses a fixture whose case would not fit in memory before it builds the case's Plan. The
 // time is for an idle machine, from rates per thread measured on a 2-core x86-64-v3 box (HDF5 1.10).

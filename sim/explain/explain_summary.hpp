@@ -37,7 +37,7 @@ struct LayoutSummary {
 // Plans of more than this many units (W x W x sequences) are summarised unless the caller asks for everything.
 inline constexpr int64_t kSummaryPlanUnits = int64_t{1} << 20;
 int64_t plan_units(const CaseSpec& spec);
-// Bytes a full Plan and its rendering need, measured at about 380 bytes per unit (docs/PERF.md, explain).
+// Bytes a full Plan and its rendering need, measured at about 380 bytes per unit (lab/records/perf.md, explain).
 double full_explain_bytes(const CaseSpec& spec);
 
 // `shown`: how many first and worst sequences to keep.

@@ -4,17 +4,14 @@
 #include <stdexcept>
 
 #include "reference/input_error.hpp"
+#include "sim/case/enum_names.hpp"
 
 namespace cpgold::sim {
 
-std::string_view half_name(HalfSelect half) {
-  switch (half) {
-    case HalfSelect::full: return "full";
-    case HalfSelect::first: return "first";
-    case HalfSelect::second: return "second";
-  }
-  return "?";
-}
+constexpr std::pair<HalfSelect, std::string_view> kHalfNames[] = {
+    {HalfSelect::full, "full"}, {HalfSelect::first, "first"}, {HalfSelect::second, "second"}};
+
+std::string_view half_name(HalfSelect half) { return name_in(kHalfNames, half); }
 
 SidePartition::SidePartition(const PackedSequences& global, int cp_size, const std::string& side)
     : global_(global), cp_size_(cp_size) {

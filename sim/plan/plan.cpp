@@ -4,46 +4,28 @@
 #include <limits>
 
 #include "reference/input_error.hpp"
+#include "sim/case/enum_names.hpp"
 
 namespace cpgold::sim {
 
-std::string_view section_name(StepSection section) {
-  switch (section) {
-    case StepSection::diagonal: return "diagonal";
-    case StepSection::lower: return "lower";
-    case StepSection::upper: return "upper";
-    case StepSection::all: return "all";
-  }
-  return "?";
-}
+constexpr std::pair<StepSection, std::string_view> kSectionNames[] = {
+    {StepSection::diagonal, "diagonal"}, {StepSection::lower, "lower"}, {StepSection::upper, "upper"},
+    {StepSection::all, "all"}};
+constexpr std::pair<StepSpace, std::string_view> kSpaceNames[] = {
+    {StepSpace::rank_local, "rank_local"}, {StepSpace::group_local, "group_local"},
+    {StepSpace::sequence_order, "sequence_order"}};
+constexpr std::pair<Payload, std::string_view> kPayloadNames[] = {
+    {Payload::q, "q"},   {Payload::k, "k"},     {Payload::v, "v"},   {Payload::dout, "dout"},
+    {Payload::o, "o"},   {Payload::lse, "lse"}, {Payload::kv, "kv"}, {Payload::dkv, "dkv"},
+    {Payload::dq, "dq"}, {Payload::dk, "dk"},   {Payload::dv, "dv"}};
+
+std::string_view section_name(StepSection section) { return name_in(kSectionNames, section); }
 
 std::string_view pass_name(PassKind pass) { return pass == PassKind::forward ? "forward" : "backward"; }
 
-std::string_view space_name(StepSpace space) {
-  switch (space) {
-    case StepSpace::rank_local: return "rank_local";
-    case StepSpace::group_local: return "group_local";
-    case StepSpace::sequence_order: return "sequence_order";
-  }
-  return "?";
-}
+std::string_view space_name(StepSpace space) { return name_in(kSpaceNames, space); }
 
-std::string_view payload_name(Payload payload) {
-  switch (payload) {
-    case Payload::q: return "q";
-    case Payload::k: return "k";
-    case Payload::v: return "v";
-    case Payload::dout: return "dout";
-    case Payload::o: return "o";
-    case Payload::lse: return "lse";
-    case Payload::kv: return "kv";
-    case Payload::dkv: return "dkv";
-    case Payload::dq: return "dq";
-    case Payload::dk: return "dk";
-    case Payload::dv: return "dv";
-  }
-  return "?";
-}
+std::string_view payload_name(Payload payload) { return name_in(kPayloadNames, payload); }
 
 int32_t te_max_seqlen(const PackedSequences& global) {
   int32_t m = 0;

@@ -4,12 +4,12 @@
 // one sequence of the call (0 <= i < q_count, 0 <= j < kv_count, counted from the sequence's first row).
 //
 // cuDNN FusedAttention (how TE sets it up: fused_attn_f16_arbitrary_seqlen.cu:67-79, 299-316; what the options mean:
-// cudnn-frontend docs/operations/Attention.md, "Diagonal masking options"):
+// https://github.com/NVIDIA/cudnn-frontend/blob/main/docs/operations/Attention.md, "Diagonal masking options"):
 //   set_causal_mask / set_causal_mask_bottom_right put the right bound at 0; set_diagonal_alignment(bottom_right_diagonal)
 //   then decides the alignment; window_size (wl, wr) sets left bound wl + 1 and right bound wr where not -1.
 //   The diagonal of query i is i (top-left) or i + kv_count - q_count (bottom-right, per sequence); key j is masked
 //   beyond diagonal + right bound and at or before diagonal - left bound, and at j >= kv_count (padding mask).
-// FlashAttention-3 (hopper/flash_api.cpp, mha_fwd and mha_bwd; flash-attention-notes.md §1-2):
+// FlashAttention-3 (hopper/flash_api.cpp, mha_fwd and mha_bwd):
 //   window sides >= max_seqlen - 1 become -1; with max_seqlen_q == 1 and no window, causal is switched off; causal
 //   sets the right side to 0; is_causal = (left < 0 && right == 0), is_local = (left >= 0 || right >= 0) && !is_causal,
 //   and a local window's -1 side becomes max_seqlen_k - 1 (left) or max_seqlen_q - 1 (right). The diagonal is always

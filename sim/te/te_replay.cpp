@@ -4,6 +4,7 @@
 #include <sstream>
 
 #include "reference/input_error.hpp"
+#include "sim/case/enum_names.hpp"
 
 // Source names below are relative to transformer_engine/ in TE's repository: pytorch/attention/dot_product_attention/
 // {context_parallel.py, utils.py, dot_product_attention.py, backends.py}, pytorch/cpp_extensions/fused_attn.py and
@@ -448,15 +449,11 @@ std::string_view te_backend_name(TeBackend backend) { return backend == TeBacken
 std::string_view te_backend_title(TeBackend backend) {
   return backend == TeBackend::fused ? "cuDNN FusedAttention (F16_arbitrary_seqlen)" : "FlashAttention-3";
 }
-std::string_view te_tensor_name(TeTensor tensor) {
-  switch (tensor) {
-    case TeTensor::rank_local: return "full";
-    case TeTensor::first_half: return "first_half";
-    case TeTensor::second_half: return "second_half";
-    case TeTensor::sequence_order: return "sequence_order";
-  }
-  return "?";
-}
+constexpr std::pair<TeTensor, std::string_view> kTeTensorNames[] = {
+    {TeTensor::rank_local, "full"}, {TeTensor::first_half, "first_half"}, {TeTensor::second_half, "second_half"},
+    {TeTensor::sequence_order, "sequence_order"}};
+
+std::string_view te_tensor_name(TeTensor tensor) { return name_in(kTeTensorNames, tensor); }
 
 std::string_view te_half_name(HalfSelect half) {
   return te_tensor_name(half == HalfSelect::full    ? TeTensor::rank_local

@@ -8,7 +8,7 @@ torch and the library alone (docs/findings/fa-1-nonfinite-pad-rows.md).
 
 For each input (q, k, v, dout) and each fill of its pad rows (NaN, +inf, 1e4), one forward and backward through
 flash_attn_varlen_func; every valid row of O, dQ, dK and dV is compared with a plain masked attention in float64 on
-the CPU (written below), which reads valid rows only. Pad rows of the outputs are not compared: FlashAttention never
+the CPU (in _common.py), which reads valid rows only. Pad rows of the outputs are not compared: FlashAttention never
 writes them (a documented convention, not this finding). The default batch is the smallest case: one token in a slot
 of two rows, one head.
 
@@ -17,33 +17,15 @@ changes a valid output (non-finite or wrong), 0 when none does, 2 when it cannot
 """
 import argparse
 import json
+import os
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import offsets, reference  # noqa: E402 - after the path
 
 LIMIT_ULPS = 32
 FILLS = (("nan", float("nan")), ("+inf", float("inf")), ("1e4", 1e4))
 KNOWN = {("v", "o"): "forward: known upstream for a KV cache (FlashAttention issue 2374)"}
-
-
-def offsets(lengths):
-    out = [0]
-    for n in lengths:
-        out.append(out[-1] + n)
-    return out
-
-
-def reference(q, k, v, dout, scale, causal):
-    """Attention of one sequence and its gradients in float64 (q, k, v, dout: [n, h, d]); causal: top-left."""
-    import torch
-    n = q.shape[0]
-    s = torch.einsum("qhd,khd->hqk", q, k) * scale
-    if causal:
-        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
-    p = torch.softmax(s, dim=-1)
-    o = torch.einsum("hqk,khd->qhd", p, v)
-    dp = torch.einsum("qhd,khd->hqk", dout, v)
-    ds = p * (dp - (dout * o).sum(-1).transpose(0, 1).unsqueeze(-1))
-    return {"o": o, "dq": torch.einsum("hqk,khd->qhd", ds, k) * scale,
-            "dk": torch.einsum("hqk,qhd->khd", ds, q) * scale, "dv": torch.einsum("hqk,qhd->khd", p, dout)}
 
 
 def load(impl):

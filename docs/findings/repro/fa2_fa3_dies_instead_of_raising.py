@@ -13,7 +13,7 @@ seqused_q/k, bf16) in a child process of its own, so that a crash is reported as
   d256_default_gqa     control: head dim 256, default backward
   d128_det_gqa         control: head dim 128, deterministic=True
 Expected: either the call ends and O, dQ, dK, dV of every valid row match a plain masked attention in float64 on the
-CPU (written below), or it raises a Python exception naming what it does not support (FlashAttention-3's sources
+CPU (in _common.py), or it raises a Python exception naming what it does not support (FlashAttention-3's sources
 have such errors for the first three). Observed before: signal 11 for the first three with FlashAttention-3.
 
 Exit 1 when a child dies by a signal, or returns wrong values (not refused cleanly either way); 0 when every
@@ -21,9 +21,13 @@ configuration ends or raises; 2 when it cannot run (library missing, no GPU).
 """
 import argparse
 import json
+import os
 import signal
 import subprocess
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import gqa_reference as reference, offsets  # noqa: E402 - after the path
 
 LIMIT_ULPS = 32
 CONFIGS = {
@@ -38,31 +42,6 @@ CONFIGS = {
                          det=True),
 }
 EXPECT_REFUSAL = ("dims_128_64", "d256_det_gqa", "d256_det_mha")
-
-
-def offsets(lengths):
-    out = [0]
-    for n in lengths:
-        out.append(out[-1] + n)
-    return out
-
-
-def reference(q, k, v, dout, scale, causal):
-    """Masked attention of one sequence and its gradients in float64. q, dout: [n, hq, d]; k, v: [n, hkv, d]."""
-    import torch
-    n, hkv, hq = k.shape[0], k.shape[1], q.shape[1]
-    g = hq // hkv
-    ke, ve = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
-    s = torch.einsum("qhd,khd->hqk", q, ke) * scale
-    if causal:
-        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
-    p = torch.softmax(s, dim=-1)
-    o = torch.einsum("hqk,khd->qhd", p, ve)
-    dp = torch.einsum("qhd,khd->hqk", dout, ve)
-    ds = p * (dp - (dout * o).sum(-1).transpose(0, 1).unsqueeze(-1))
-    return {"o": o, "dq": torch.einsum("hqk,khd->qhd", ds, ke) * scale,
-            "dk": (torch.einsum("hqk,qhd->khd", ds, q) * scale).reshape(n, hkv, g, -1).sum(2),
-            "dv": torch.einsum("hqk,qhd->khd", p, dout).reshape(n, hkv, g, -1).sum(2)}
 
 
 def child(impl, name, device):

@@ -19,7 +19,7 @@
 #   STASH     where the wheels of several calls are gathered (default /tmp/fa3_bisect/wheels); a call that finds
 #             the set incomplete says what is missing and exits 3, the next call goes on
 #   DSL_DIR   an installed CuTe DSL to reuse instead of the DSL wheels (default /tmp/outsiders/prefix/fa4 when it
-#             holds nvidia_cutlass_dsl: python/examples/outsiders/device_run.sh outsiders made it)
+#             holds nvidia_cutlass_dsl: lab/outsiders/device_run.sh outsiders made it)
 #   TE_DIR    an installed TransformerEngine for the route te (default /tmp/outsiders/prefix/te when it exists);
 #             none: the route te is reported as not run
 #   VERSIONS  the betas (default "4.0.0b29 4.0.0b30 4.0.0b36")

@@ -15,7 +15,7 @@ backward. TE must report that it ran FlashAttention 4 (it prefers FlashAttention
 
 Batches (bf16, no padding): sequences of 2 and 4 tokens with 1 head of dim 32 (the smallest case, found by
 `cpgold shrink`), and sequences of 16 and 32 tokens with 2 heads of dim 64. Expected: every valid row within a few
-bf16 ulps of a plain causal attention in float64 on the CPU (written below). Exit 1 when the finding reproduces,
+bf16 ulps of a plain causal attention in float64 on the CPU (in _common.py). Exit 1 when the finding reproduces,
 0 when it does not, 2 when it cannot run (library missing, no GPU, TE not on FlashAttention-4, or the baseline
 (None, None) call already wrong).
 """
@@ -24,29 +24,11 @@ import json
 import os
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import causal_reference as reference, offsets  # noqa: E402 - after the path
+
 LIMIT_ULPS = 32
 BATCHES = {"smallest": dict(lengths=[2, 4], heads=1, dim=32), "n2_repro": dict(lengths=[16, 32], heads=2, dim=64)}
-
-
-def offsets(lengths):
-    out = [0]
-    for n in lengths:
-        out.append(out[-1] + n)
-    return out
-
-
-def reference(q, k, v, dout, scale):
-    """Causal attention of one sequence and its gradients in float64; q, k, v, dout: [n, h, d]."""
-    import torch
-    n = q.shape[0]
-    s = torch.einsum("qhd,khd->hqk", q, k) * scale
-    s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
-    p = torch.softmax(s, dim=-1)
-    o = torch.einsum("hqk,khd->qhd", p, v)
-    dp = torch.einsum("qhd,khd->hqk", dout, v)
-    ds = p * (dp - (dout * o).sum(-1).transpose(0, 1).unsqueeze(-1))
-    return {"o": o, "dq": torch.einsum("hqk,khd->qhd", ds, k) * scale,
-            "dk": torch.einsum("hqk,qhd->khd", ds, q) * scale, "dv": torch.einsum("hqk,qhd->khd", p, dout)}
 
 
 def make_batch(torch, batch, seed=0):

@@ -24,10 +24,11 @@ import argparse
 import json
 import math
 import os
-import socket
-import subprocess
 import sys
-import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import (  # noqa: E402 - after the path
+    import_torch_te, offsets, rank_results, rank_start, run_ranks, versions)
 
 LIMIT_ULPS = 32
 WORLD = 2
@@ -54,13 +55,6 @@ def reference(q, k, v, scale):
     lse = torch.logsumexp(s, dim=-1)
     o = torch.einsum("qhk,khd->qhd", torch.softmax(s, dim=-1), ve)
     return o, lse
-
-
-def offsets(lengths):
-    out = [0]
-    for n in lengths:
-        out.append(out[-1] + n)
-    return out
 
 
 def dual_chunk_rows(padded, world, rank):
@@ -118,9 +112,7 @@ def expected_and_predicted(case, x, world):
 def rank_main(case_name):
     import torch
     import torch.distributed as dist
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
+    rank, world = rank_start()
     import transformer_engine
     import transformer_engine.pytorch as te
     import transformer_engine_torch as tex
@@ -170,23 +162,6 @@ def backend_chosen():
     if b.get("use_flash_attention"):
         return f"FlashAttention ({b.get('flash_attention_backend')})"
     return "UnfusedDotProductAttention" if b.get("use_unfused_attention") else "none"
-
-
-def versions(torch, transformer_engine, te):
-    """Versions as the libraries report them, and the cuDNN files this process mapped."""
-    try:
-        te_cudnn = ".".join(str(p) for p in te.get_cudnn_version())
-    except Exception as e:  # noqa: BLE001 - reported, not fatal
-        te_cudnn = f"unknown ({type(e).__name__})"
-    try:
-        torch_cudnn = str(torch.backends.cudnn.version())
-    except Exception as e:  # noqa: BLE001 - torch refuses when TE loaded another cuDNN than torch's own
-        torch_cudnn = f"raises {type(e).__name__}: {str(e).splitlines()[0][:120]}"
-    with open("/proc/self/maps") as f:
-        libs = sorted({ln.split()[-1] for ln in f if "libcudnn" in ln and "/" in ln})
-    return {"transformer_engine": transformer_engine.__version__, "torch": torch.__version__,
-            "cuda": torch.version.cuda, "cudnn_te": te_cudnn, "cudnn_torch": torch_cudnn, "cudnn_files": libs,
-            "gpu": torch.cuda.get_device_name(), "capability": "sm%d%d" % torch.cuda.get_device_capability()}
 
 
 # ---------------------------------------------------------------- --stats: one GPU, no CP
@@ -255,38 +230,8 @@ def stats_main():
 
 
 # ---------------------------------------------------------------- the launcher
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(case_name, timeout):
-    port = free_port()
-    procs = []
-    for r in range(WORLD):
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r), WORLD_SIZE=str(WORLD),
-                   LOCAL_RANK=str(r), NCCL_NVLS_ENABLE="0")
-        procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), "--rank-worker", case_name],
-                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    deadline = time.time() + timeout
-    outs = []
-    for p in procs:
-        try:
-            out, err = p.communicate(timeout=max(deadline - time.time(), 1))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            out, err = p.communicate()
-        outs.append((p.returncode, out, err))
-    results = []
-    for r, (code, out, err) in enumerate(outs):
-        lines = [ln[7:] for ln in out.splitlines() if ln.startswith("RESULT ")]
-        if code != 0 or not lines:
-            tail = [ln for ln in err.strip().splitlines() if ln.strip()][-3:]
-            raise RuntimeError(f"rank {r} ended with exit {code}: " + " | ".join(tail)[-400:])
-        results.append(json.loads(lines[-1]))
-    return results
+    return rank_results(run_ranks(__file__, [case_name], WORLD, timeout))
 
 
 def main():
@@ -300,13 +245,10 @@ def main():
     if a.rank_worker:
         rank_main(a.rank_worker)
         return 0
-    try:
-        import torch
-        import transformer_engine
-    except ImportError as e:
-        print(f"cannot run: {e}")
+    libs = import_torch_te()
+    if libs is None:
         return 2
-    print(f"transformer_engine {transformer_engine.__version__}, torch {torch.__version__}")
+    torch, transformer_engine = libs
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if a.stats:
         if gpus < 1:

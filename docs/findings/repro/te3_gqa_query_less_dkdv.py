@@ -12,7 +12,7 @@ fresh cache and again after the CUDA caching allocator's free memory was filled 
 and fp32), so that memory the kernel returns without writing shows as NaN.
 
 Expected: dK and dV of sequence 1 exactly 0 (no query, so no probability involves its keys); dK and dV of sequence 0
-within a few ulps of a plain attention in float64 on the CPU (written below). Exit 1 when a query-less sequence gets
+within a few ulps of a plain attention in float64 on the CPU (in _common.py). Exit 1 when a query-less sequence gets
 a non-zero or non-finite dK/dV, 0 when none does, 2 when it cannot run. --deterministic sets
 NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 before TE is imported (TE reads it then).
 """
@@ -21,35 +21,23 @@ import json
 import os
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import gqa_reference, import_te_one_gpu, offsets, te_ran, versions  # noqa: E402 - after the path
+
 SEQLENS_Q, SEQLENS_KV = [4, 0], [4, 6]
 PADDED_Q, PADDED_KV = [4, 0], [4, 6]
 DIM = 64
 LIMIT_ULPS = 32   # an error above this many ulps of the largest expected value is a wrong result
 
 
-def offsets(lengths):
-    out = [0]
-    for n in lengths:
-        out.append(out[-1] + n)
-    return out
-
-
 def reference_dkdv(q, k, v, dout, scale):
     """dK, dV of plain attention without a mask, float64. q, dout: [n_q, hq, d]; k, v: [n_k, hkv, d]; query head h
     reads KV head h // (hq / hkv). With no query, dK = dV = 0."""
     import torch
-    n_k, hkv, hq = k.shape[0], k.shape[1], q.shape[1]
     if q.shape[0] == 0:
         return torch.zeros_like(k), torch.zeros_like(v)
-    g = hq // hkv
-    ke, ve = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
-    p = torch.softmax(torch.einsum("qhd,khd->hqk", q, ke) * scale, dim=-1)
-    o = torch.einsum("hqk,khd->qhd", p, ve)
-    dp = torch.einsum("qhd,khd->hqk", dout, ve)
-    ds = p * (dp - (dout * o).sum(-1).transpose(0, 1).unsqueeze(-1))
-    dk = (torch.einsum("hqk,qhd->khd", ds, q) * scale).reshape(n_k, hkv, g, -1).sum(2)
-    dv = torch.einsum("hqk,qhd->khd", p, dout).reshape(n_k, hkv, g, -1).sum(2)
-    return dk, dv
+    r = gqa_reference(q, k, v, dout, scale, False)
+    return r["dk"], r["dv"]
 
 
 def poison_cache(torch):
@@ -101,19 +89,10 @@ def main():
     ap.add_argument("--deterministic", action="store_true", help="NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 (set at import)")
     ap.add_argument("--dtype", choices=("fp16", "bf16", "both"), default="both")
     a = ap.parse_args()
-    os.environ.update(NVTE_FLASH_ATTN="0", NVTE_FUSED_ATTN="1", NVTE_UNFUSED_ATTN="0")
-    if a.deterministic:
-        os.environ["NVTE_ALLOW_NONDETERMINISTIC_ALGO"] = "0"
-    try:
-        import torch
-        import transformer_engine
-        import transformer_engine.pytorch as te
-    except ImportError as e:
-        print(f"cannot run: {e}")
+    libs = import_te_one_gpu(a.deterministic)
+    if libs is None:
         return 2
-    if not torch.cuda.is_available():
-        print("cannot run: no GPU visible")
-        return 2
+    torch, transformer_engine, te = libs
     mode = "deterministic (NVTE_ALLOW_NONDETERMINISTIC_ALGO=0)" if a.deterministic else "default (non-deterministic)"
     print(f"TE-3: TransformerEngine non-CP, cuDNN FusedAttention, {mode} backward; seqlens_q {SEQLENS_Q}, "
           f"seqlens_kv {SEQLENS_KV}, padded {PADDED_Q}/{PADDED_KV}, head dim {DIM}, no mask")
@@ -141,30 +120,10 @@ def main():
                                                                    if ulps > LIMIT_ULPS else ""))
                     print(f"  {str(dtype)[6:]:8} heads 4/{heads_kv} {'poisoned cache' if poison else 'fresh cache   '}:"
                           f" sequence {b} ({nq} queries, {nk} keys): {what}")
-    from transformer_engine.pytorch.attention.dot_product_attention import dot_product_attention as te_dpa
-    b = te_dpa._attention_backends
-    ran = f"FusedAttention (sub-backend {int(b['fused_attention_backend'])})" if b.get("use_fused_attention") else b
-    print(f"TE ran: {ran}")
+    print(f"TE ran: {te_ran()}")
     print("versions: " + json.dumps(versions(torch, transformer_engine, te)))
     print(f"query-less sequences with non-zero dK/dV: {wrong}")
     return 1 if wrong else 0
-
-
-def versions(torch, transformer_engine, te):
-    """Versions as the libraries report them, and the cuDNN files this process mapped."""
-    try:
-        te_cudnn = ".".join(str(p) for p in te.get_cudnn_version())
-    except Exception as e:  # noqa: BLE001 - reported, not fatal
-        te_cudnn = f"unknown ({type(e).__name__})"
-    try:
-        torch_cudnn = str(torch.backends.cudnn.version())
-    except Exception as e:  # noqa: BLE001 - torch refuses when TE loaded another cuDNN than torch's own
-        torch_cudnn = f"raises {type(e).__name__}: {str(e).splitlines()[0][:120]}"
-    with open("/proc/self/maps") as f:
-        libs = sorted({ln.split()[-1] for ln in f if "libcudnn" in ln and "/" in ln})
-    return {"transformer_engine": transformer_engine.__version__, "torch": torch.__version__,
-            "cuda": torch.version.cuda, "cudnn_te": te_cudnn, "cudnn_torch": torch_cudnn, "cudnn_files": libs,
-            "gpu": torch.cuda.get_device_name(), "capability": "sm%d%d" % torch.cuda.get_device_capability()}
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ CP (2 GPUs): one sequence of 3 tokens, padded to 4 rows, in a THD buffer of 8 ro
 which TE allows), causal, 2 heads of dim 64, bf16, cuDNN FusedAttention, cp_comm_type p2p on 2 ranks, one process
 per GPU over NCCL. Each process holds its rank's rows (tex.thd_get_partitioned_indices) and the global cu_seqlens.
 Expected: forward and backward end, and O, dQ, dK, dV of the 3 tokens match a plain causal attention in float64 on
-the CPU (written below). --blocking sets CUDA_LAUNCH_BLOCKING=1, so that the traceback names the failing line.
+the CPU (in _common.py). --blocking sets CUDA_LAUNCH_BLOCKING=1, so that the traceback names the failing line.
 
 --helper (no CP, no kernel): calls TE's own get_thd_padding_mask (the function the p2p backward calls through
 _zero_thd_padding) with rank 0's backward metadata of the CP case: 4 local rows, cu_seqlens [0, 1] (rank 0's valid
@@ -21,36 +21,16 @@ Exit 1 when TE dies or raises (the finding), or returns wrong values; 0 when it 
 import argparse
 import json
 import os
-import socket
-import subprocess
 import sys
-import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import (  # noqa: E402 - after the path
+    causal_reference as reference, import_torch_te, offsets, rank_start, run_ranks, versions)
 
 WORLD = 2
 CASE = dict(seqlens=[3], padded=[4], rows=8, heads=2, dim=64)
 LIMIT_ULPS = 32
 CRASH_WORDS = ("device-side assert", "out of bounds", "cudaErrorAssert", "error code: 710")
-
-
-def offsets(lengths):
-    out = [0]
-    for n in lengths:
-        out.append(out[-1] + n)
-    return out
-
-
-def reference(q, k, v, dout, scale):
-    """Causal attention of one sequence and its gradients in float64; q, k, v, dout: [n, h, d]."""
-    import torch
-    n = q.shape[0]
-    s = torch.einsum("qhd,khd->hqk", q, k) * scale
-    s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
-    p = torch.softmax(s, dim=-1)
-    o = torch.einsum("hqk,khd->qhd", p, v)
-    dp = torch.einsum("qhd,khd->hqk", dout, v)
-    ds = p * (dp - (dout * o).sum(-1).transpose(0, 1).unsqueeze(-1))
-    return {"o": o, "dq": torch.einsum("hqk,khd->qhd", ds, k) * scale,
-            "dk": torch.einsum("hqk,qhd->khd", ds, q) * scale, "dv": torch.einsum("hqk,qhd->khd", p, dout)}
 
 
 def make_inputs(seed=0):
@@ -65,9 +45,7 @@ def make_inputs(seed=0):
 def rank_main():
     import torch
     import torch.distributed as dist
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
+    rank, world = rank_start()
     import transformer_engine
     import transformer_engine.pytorch as te
     import transformer_engine_torch as tex
@@ -80,7 +58,8 @@ def rank_main():
           "cu_seqlens_kv_padded": torch.tensor(offsets(CASE["padded"]), **i32)}
     idx = tex.thd_get_partitioned_indices(cu["cu_seqlens_q_padded"], CASE["rows"], world, rank).long().cpu()
     h, d = CASE["heads"], CASE["dim"]
-    report = {"rank": rank, "rows": idx.tolist(), "versions": versions(torch, transformer_engine, te)}
+    report = {"rank": rank, "rows": idx.tolist(),
+              "versions": versions(torch, transformer_engine, te, torch_cudnn=False)}
     print("START " + json.dumps(report), flush=True)   # the versions, even if the backward kills the process
     dpa = te.DotProductAttention(h, d, attention_dropout=0.0, qkv_format="thd", attn_mask_type="padding_causal",
                                  softmax_scale=d ** -0.5)
@@ -111,19 +90,6 @@ def rank_main():
     dist.destroy_process_group()
 
 
-def versions(torch, transformer_engine, te):
-    """Versions as the libraries report them, and the cuDNN files this process mapped."""
-    try:
-        te_cudnn = ".".join(str(p) for p in te.get_cudnn_version())
-    except Exception as e:  # noqa: BLE001 - reported, not fatal
-        te_cudnn = f"unknown ({type(e).__name__})"
-    with open("/proc/self/maps") as f:
-        libs = sorted({ln.split()[-1] for ln in f if "libcudnn" in ln and "/" in ln})
-    return {"transformer_engine": transformer_engine.__version__, "torch": torch.__version__,
-            "cuda": torch.version.cuda, "cudnn_te": te_cudnn, "cudnn_files": libs,
-            "gpu": torch.cuda.get_device_name(), "capability": "sm%d%d" % torch.cuda.get_device_capability()}
-
-
 def helper_main():
     import torch
     import transformer_engine
@@ -141,32 +107,8 @@ def helper_main():
     return 0 if mask.tolist() == [False, True, True, True] else 1
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(timeout, blocking):
-    port = free_port()
-    procs = []
-    for r in range(WORLD):
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r), WORLD_SIZE=str(WORLD),
-                   LOCAL_RANK=str(r), NCCL_NVLS_ENABLE="0")
-        if blocking:
-            env["CUDA_LAUNCH_BLOCKING"] = "1"
-        procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), "--rank-worker"], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    deadline, outs = time.time() + timeout, []
-    for p in procs:
-        try:
-            out, err = p.communicate(timeout=max(deadline - time.time(), 1))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            out, err = p.communicate()
-        outs.append((p.returncode, out, err))
-    return outs
+    return run_ranks(__file__, [], WORLD, timeout, {"CUDA_LAUNCH_BLOCKING": "1"} if blocking else None)
 
 
 def main():
@@ -180,13 +122,10 @@ def main():
     if a.rank_worker:
         rank_main()
         return 0
-    try:
-        import torch
-        import transformer_engine
-    except ImportError as e:
-        print(f"cannot run: {e}")
+    libs = import_torch_te()
+    if libs is None:
         return 2
-    print(f"transformer_engine {transformer_engine.__version__}, torch {torch.__version__}")
+    torch, transformer_engine = libs
     if a.helper:
         return helper_main()
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0

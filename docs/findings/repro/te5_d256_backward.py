@@ -11,7 +11,7 @@ One GPU, no context parallelism, bf16, THD. Layouts:
   gqa_causal   causal, sequences of 70, 1 and 13 tokens in slots of 72, 8 and 16 rows (padding between sequences,
                zero-filled), 4 query heads and 2, 4 or 1 KV heads
 each at head dims 256/256, and 128/128 as the control. Forward and backward through DotProductAttention; O, dQ, dK,
-dV of every valid row against a plain masked attention in float64 on the CPU (written below). The worst error is
+dV of every valid row against a plain masked attention in float64 on the CPU (in _common.py). The worst error is
 printed in bf16 ulps of the reference's largest magnitude, separately for head dims 0-127 and 128-255.
 
 Expected: a few ulps in both halves. Exit 1 when a tensor is off by more than 64 ulps (a wrong result, not rounding),
@@ -22,38 +22,16 @@ import json
 import os
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import (  # noqa: E402 - after the path
+    gqa_reference as reference, import_te_one_gpu, offsets, te_ran, versions)
+
 LIMIT_ULPS = 64
 LAYOUTS = {
     "two_tokens": dict(seqlens=[2], slots=[2], causal=False, heads=[(1, 1)]),
     "gqa_causal": dict(seqlens=[70, 1, 13], slots=[72, 8, 16], causal=True, heads=[(4, 2), (4, 4), (4, 1)]),
 }
 DIMS = [(256, 256), (128, 128)]
-
-
-def offsets(lengths):
-    out = [0]
-    for n in lengths:
-        out.append(out[-1] + n)
-    return out
-
-
-def reference(q, k, v, dout, scale, causal):
-    """Masked attention of one sequence and its gradients in float64. q, dout: [n, hq, d]; k, v: [n, hkv, d]; query
-    head h reads KV head h // (hq / hkv)."""
-    import torch
-    n, hkv, hq = k.shape[0], k.shape[1], q.shape[1]
-    g = hq // hkv
-    ke, ve = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
-    s = torch.einsum("qhd,khd->hqk", q, ke) * scale
-    if causal:
-        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
-    p = torch.softmax(s, dim=-1)
-    o = torch.einsum("hqk,khd->qhd", p, ve)
-    dp = torch.einsum("qhd,khd->hqk", dout, ve)
-    ds = p * (dp - (dout * o).sum(-1).transpose(0, 1).unsqueeze(-1))
-    return {"o": o, "dq": torch.einsum("hqk,khd->qhd", ds, ke) * scale,
-            "dk": (torch.einsum("hqk,qhd->khd", ds, q) * scale).reshape(n, hkv, g, -1).sum(2),
-            "dv": torch.einsum("hqk,qhd->khd", p, dout).reshape(n, hkv, g, -1).sum(2)}
 
 
 def run(te, torch, layout, heads_q, heads_kv, dim_qk, dim_v, seed=40):
@@ -96,19 +74,10 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--deterministic", action="store_true", help="NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 (set at import)")
     a = ap.parse_args()
-    os.environ.update(NVTE_FLASH_ATTN="0", NVTE_FUSED_ATTN="1", NVTE_UNFUSED_ATTN="0")
-    if a.deterministic:
-        os.environ["NVTE_ALLOW_NONDETERMINISTIC_ALGO"] = "0"
-    try:
-        import torch
-        import transformer_engine
-        import transformer_engine.pytorch as te
-    except ImportError as e:
-        print(f"cannot run: {e}")
+    libs = import_te_one_gpu(a.deterministic)
+    if libs is None:
         return 2
-    if not torch.cuda.is_available():
-        print("cannot run: no GPU visible")
-        return 2
+    torch, transformer_engine, te = libs
     mode = "deterministic (NVTE_ALLOW_NONDETERMINISTIC_ALGO=0)" if a.deterministic else "default (non-deterministic)"
     print(f"TE-5: TransformerEngine non-CP, cuDNN FusedAttention, {mode} backward, bf16; worst |error| in bf16 ulps "
           f"of the reference's largest magnitude, head dims 0-127 / 128-255; wrong above {LIMIT_ULPS}")
@@ -130,30 +99,10 @@ def main():
                         marks.append(t)
                 bad += len(marks)
                 print(f"{label}: " + "  ".join(cells) + (f"   <-- wrong: {', '.join(marks)}" if marks else ""))
-    from transformer_engine.pytorch.attention.dot_product_attention import dot_product_attention as te_dpa
-    b = te_dpa._attention_backends
-    ran = f"FusedAttention (sub-backend {int(b['fused_attention_backend'])})" if b.get("use_fused_attention") else b
-    print(f"TE ran: {ran}")
+    print(f"TE ran: {te_ran()}")
     print("versions: " + json.dumps(versions(torch, transformer_engine, te)))
     print(f"tensors over {LIMIT_ULPS} ulps: {bad}")
     return 1 if bad else 0
-
-
-def versions(torch, transformer_engine, te):
-    """Versions as the libraries report them, and the cuDNN files this process mapped."""
-    try:
-        te_cudnn = ".".join(str(p) for p in te.get_cudnn_version())
-    except Exception as e:  # noqa: BLE001 - reported, not fatal
-        te_cudnn = f"unknown ({type(e).__name__})"
-    try:
-        torch_cudnn = str(torch.backends.cudnn.version())
-    except Exception as e:  # noqa: BLE001 - torch refuses when TE loaded another cuDNN than torch's own
-        torch_cudnn = f"raises {type(e).__name__}: {str(e).splitlines()[0][:120]}"
-    with open("/proc/self/maps") as f:
-        libs = sorted({ln.split()[-1] for ln in f if "libcudnn" in ln and "/" in ln})
-    return {"transformer_engine": transformer_engine.__version__, "torch": torch.__version__,
-            "cuda": torch.version.cuda, "cudnn_te": te_cudnn, "cudnn_torch": torch_cudnn, "cudnn_files": libs,
-            "gpu": torch.cuda.get_device_name(), "capability": "sm%d%d" % torch.cuda.get_device_capability()}
 
 
 if __name__ == "__main__":

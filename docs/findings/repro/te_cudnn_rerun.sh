@@ -1,7 +1,7 @@
 #!/bin/bash
 # TE-2, TE-3 and TE-5 (docs/findings/) with TransformerEngine on the cuDNN that torch carries, beside the cuDNN TE
 # loads by itself, and the cuDNN each run actually loaded. Run from the repository root on the GPU machine, with TE
-# installed (python/examples/outsiders/device_run.sh outsiders puts it in /tmp/outsiders/prefix/te).
+# installed (lab/outsiders/device_run.sh outsiders puts it in /tmp/outsiders/prefix/te).
 #
 #   TE_DIR=/tmp/outsiders/prefix/te bash docs/findings/repro/te_cudnn_rerun.sh
 #

@@ -37,7 +37,7 @@ Outcome choose_backward_kernel(const AttentionShape& shape, int cc, BackwardKern
     case BackwardKernel::mma_sync: chosen = BackwardKernel::mma_sync; return {};
     case BackwardKernel::automatic:
       // d_qk 32 runs in 64-column tiles in the wgmma backward (half of its products are padding): the mma.sync
-      // backward is faster there (0.82-0.90x for wgmma, run B11 of docs/GPU_RESULTS.md), so it stays the choice.
+      // backward is faster there (0.82-0.90x for wgmma, run B11 of lab/records/gpu-results.md), so it stays the choice.
       chosen = device_ok && serves && shape.dim_qk > 32 ? BackwardKernel::wgmma : BackwardKernel::mma_sync;
       return {};
     case BackwardKernel::wgmma:

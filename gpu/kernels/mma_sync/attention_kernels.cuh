@@ -1,6 +1,6 @@
 // Varlen attention kernels (forward, backward) for sm_90 on AttentionParams (gpu/kernels/attention/kernel_params.hpp).
 //
-// Version history (measured on the device named in docs/GPU_RESULTS.md / docs/PERF.md; TFLOP/s are bf16,
+// Version history (measured on the device named in lab/records/gpu-results.md / lab/records/perf.md; TFLOP/s are bf16,
 // causal, d=128, 16k tokens unless said otherwise):
 //   v1  FlashAttention-2 structure on mma.sync m16n8k16 (bf16/fp16 in, float32 accumulate), ldmatrix from
 //       padded shared-memory tiles (row pitch d + 8 elements: conflict-free), cp.async 16-byte loads with

@@ -15,7 +15,8 @@ import time
 
 from . import ADAPTERS, make
 from .environment import describe, differences, digest, process_versions
-from .runner import counts, fixture_list, isolated, markdown, read_results, report_line, run_and_write, worker
+from .harness import counts, fixture_list, markdown, read_results
+from .runner import isolated, run_and_write, worker
 
 
 def _isolates(name):

@@ -2,7 +2,7 @@
 
 An adapter runs one implementation of attention (a kernel library, a framework module, a CP implementation) on a
 cpgold fixture's inputs and hands back its outputs in cpgold's candidate layout, with what the implementation said
-about itself: its versions, the backend it chose, its log lines, or its refusal. The runner (runner.py) writes the
+about itself: its versions, the backend it chose, its log lines, or its refusal. The harness (harness.py) writes the
 candidate, checks it with the fixture's rules and the adapter's pad-row convention, and tabulates the verdicts.
 """
 from dataclasses import dataclass, field
@@ -11,6 +11,49 @@ from dataclasses import dataclass, field
 class Refused(Exception):
     """The implementation refused the configuration at run time (an assert, a gating message, no backend): not a wrong
     result. The message is the implementation's own, kept verbatim in the summary."""
+
+
+REFUSING = (("transformer_engine", "TE"), ("flash_attn", "FlashAttention"))   # a path part, and whose refusal
+
+
+def refusal_source(e):
+    """Whose code raised `e`: "TE" or "FlashAttention" when the innermost frame of its traceback is in that package
+    (an assert or argument check of the library: a refusal of the configuration), None when it is anywhere else (the
+    CuTe DSL compiler, torch, Python): such an exception is an error, not a refusal."""
+    tb, filename = e.__traceback__, ""
+    while tb is not None:
+        filename, tb = tb.tb_frame.f_code.co_filename, tb.tb_next
+    parts = filename.replace("\\", "/").split("/")
+    for package, who in REFUSING:
+        if package in parts:
+            return who
+    return None
+
+
+def as_refusal(e, prefix=""):
+    """Refused naming the library when `e` is a refusal (refusal_source), else None: `e` stays an error."""
+    who = refusal_source(e)
+    if who is None:
+        return None
+    return Refused(f"{prefix}{who} refuses: {type(e).__name__}: {str(e).strip()[:600]}")
+
+
+class library_refusals:
+    """Raises Refused (as_refusal, `prefix` first) for an assert or argument check of TE or FlashAttention in the
+    block; any other exception goes on as it is."""
+
+    def __init__(self, prefix=""):
+        self.prefix = prefix
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, e, tb):
+        if kind is not None and issubclass(kind, (AssertionError, ValueError, NotImplementedError)):
+            refusal = as_refusal(e, self.prefix)
+            if refusal is not None:
+                raise refusal from e
+        return False
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""What a process ran on: the versions and the device every outsider result records (docs/flash-outsiders.md).
+"""What a process ran on: the versions and the device every outsider result records (docs/outsiders.md).
 
 `environment()` is the part common to every adapter: Python, the platform, the host and process, torch with the
 CUDA, cuDNN and NCCL it reports, the device, the driver, the libcudnn files the process has mapped and the variables

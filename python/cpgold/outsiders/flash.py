@@ -13,11 +13,46 @@ The functions that build arguments need only numpy and a fixture, so they are te
 """
 import importlib
 import inspect
+import threading
 
 import numpy as np
 
 from .adapter import Adapter, Outcome, Refused
 from .environment import FA4_RUNS_ON, build_of, packages
+
+
+def flash_attn_versions():
+    """The installed FlashAttention-3 and -4 distributions, as pip knows them ("not installed" otherwise)."""
+    return packages("flash-attn-3", "flash-attn-4")
+
+
+_COMPILE_LOCK = threading.RLock()
+
+
+def serialize_cute_compiles():
+    """FlashAttention-4 compiles its kernels on first use with the CuTe DSL (`cute.compile`). The DSL is one object
+    per process, and its AST preprocessor keeps one session at a time (`DSLPreprocessor._session_data`): two thread
+    ranks compiling at once end each other's session ("Please start a session before accessing session data"). Under
+    thread ranks every compile therefore takes one process-wide lock. A compile waits for no other rank, so the lock
+    cannot deadlock the ranks, and launches of compiled kernels do not take it. Returns whether the DSL is here (and
+    now serialized)."""
+    import importlib.util
+
+    if importlib.util.find_spec("cutlass") is None:
+        return False
+    from cutlass.base_dsl.compiler import CompileCallable
+
+    original = CompileCallable._compile
+    if getattr(original, "cpgold_serialized", False):
+        return True
+
+    def _compile(self, *args, **kwargs):
+        with _COMPILE_LOCK:
+            return original(self, *args, **kwargs)
+
+    _compile.cpgold_serialized = True
+    CompileCallable._compile = _compile
+    return True
 
 
 def padded_lengths(fx, side):
@@ -42,9 +77,9 @@ def seqused_arguments(fx):
     padded offsets as cu_seqlens, true lengths as seqused, max_seqlen the longest padded range.
 
     max_seqlen_k is the true longest K range, 0 when every K range is empty (it was raised to 1 before, describing a
-    key that is not there). FlashAttention-3's varlen entry (built by python/examples/outsiders/build_fa3.sh) takes it
+    key that is not there). FlashAttention-3's varlen entry (built by lab/outsiders/build_fa3.sh) takes it
     as the K length for its tile sizes and window normalisation, with no lower bound, and starts no kernel for a K
-    without rows. python/examples/outsiders/fa3_empty_k_repro.py runs 16 queries on no keys with 1 and with 0 on a
+    without rows. lab/outsiders/fa3_empty_k_repro.py runs 16 queries on no keys with 1 and with 0 on a
     GPU, each in a child process, so that a crash of either shows as such. max_seqlen_q is kept at least 1."""
     return {"cu_seqlens_q": fx.cu_seqlens("q", padded=True), "cu_seqlens_k": fx.cu_seqlens("kv", padded=True),
             "seqused_q": fx.seqlens("q"), "seqused_k": fx.seqlens("kv"),

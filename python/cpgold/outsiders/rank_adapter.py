@@ -15,7 +15,7 @@ Adapters (name: module, class, what):
 import importlib
 from dataclasses import dataclass, field
 
-from .adapter import Adapter
+from .adapter import Adapter, Refused
 
 
 @dataclass
@@ -58,6 +58,18 @@ class RankAdapter(Adapter):
 
     def run_rank(self, fixture, rank, groups):
         raise NotImplementedError
+
+
+def cp_group_ranks(comm, cp_size, rank, a2a_size=0):
+    """The rank lists of the groups a rank hands to set_context_parallel_group: every rank for p2p, a2a and
+    all_gather; for a2a+p2p [its a2a group (consecutive ranks), its p2p group (ranks a2a_size apart)]."""
+    if comm != "a2a+p2p":
+        return [list(range(cp_size))]
+    a = int(a2a_size or 0)
+    if a < 1 or cp_size % a:
+        raise Refused(f"a2a_size {a} does not divide cp_size {cp_size}")
+    start = rank - rank % a
+    return [list(range(start, start + a)), list(range(rank % a, cp_size, a))]
 
 
 RANK_ADAPTERS = {

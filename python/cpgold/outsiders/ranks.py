@@ -1,6 +1,7 @@
 """torchrun ... -m cpgold.outsiders.ranks ADAPTER FIXTURES... --out DIR : a CP implementation run one process per rank
 (one per GPU over NCCL, or CPU processes over gloo), every rank's outputs written to its own candidate file and
-checked by rank 0 (docs/outsiders-nccl.md).
+checked by rank 0 (docs/outsiders-nccl.md). The verdict, the fault policy and the time policy are the harness's
+(harness.py), as for the in-process and isolated runs.
 
     NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 2 -m cpgold.outsiders.ranks te_cp fixtures/te --out results/w2 \
         --backend fused
@@ -35,8 +36,9 @@ import threading
 import time
 import traceback
 
+from .harness import FIXTURE_TIMEOUT, PEER_GRACE, exit_code
+
 PROG = "cpgold.outsiders.ranks"
-EXIT_STOPPED = 4
 EXIT_NOTHING_RAN = 3
 
 
@@ -60,11 +62,12 @@ def parse_args(argv):
                     "NVTE_ALLOW_NONDETERMINISTIC_ALGO=0)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="another adapter option")
     ap.add_argument("--only", type=lambda s: [x for x in s.split(",") if x], help="comma-separated fixtures to run")
-    ap.add_argument("--timeout", type=float, default=600.0,
+    ap.add_argument("--timeout", type=float, default=FIXTURE_TIMEOUT,
                     help="seconds one fixture (run, exchange and check) may take on a rank; also the process groups' "
-                         "timeout (default 600)")
-    ap.add_argument("--grace", type=float, default=10.0,
-                    help="seconds a rank may stay inside a fixture after a peer failed before it stops (default 10)")
+                         f"timeout (default {FIXTURE_TIMEOUT:g})")
+    ap.add_argument("--grace", type=float, default=PEER_GRACE,
+                    help=f"seconds a rank may stay inside a fixture after a peer failed before it stops (default "
+                         f"{PEER_GRACE:g})")
     ap.add_argument("--cpgold", help="cpgold binary to check with (default: the in-process engine, else CPGOLD_BIN)")
     ap.add_argument("--diagnosis-budget", type=float, default=30.0,
                     help="seconds the diagnosis of a failure may spend on its replay (default 30)")
@@ -172,7 +175,7 @@ class Groups:
     def lists_for(self, fx):
         """Every group's rank list, in creation order: the CP group, or for a2a+p2p every a2a group (consecutive ranks)
         then every p2p group (ranks a2a_size apart)."""
-        from .te import cp_group_ranks
+        from .rank_adapter import cp_group_ranks
 
         w = self.world
         if fx.comm != "a2a+p2p":
@@ -182,8 +185,8 @@ class Groups:
         return [list(range(s, s + a)) for s in range(0, w, a)] + [list(range(i, w, a)) for i in range(a)]
 
     def of(self, fx, rank):
-        """(groups, their rank lists) of `rank` in TransformerEngine's order (te.cp_group_ranks)."""
-        from .te import cp_group_ranks
+        """(groups, their rank lists) of `rank` in TransformerEngine's order (rank_adapter.cp_group_ranks)."""
+        from .rank_adapter import cp_group_ranks
 
         for ranks in self.lists_for(fx):
             key = tuple(ranks)
@@ -202,20 +205,19 @@ def worst_per_tensor(ratio_rows):
 
 
 def check_fixture(entry, fx, files, gathered_path, tensors, adapter, args):
-    """Checks the ranks' files and their gathered outputs; fills the entry's verdict."""
+    """Checks the ranks' files and their gathered outputs (harness.judge); fills the entry's verdict."""
     from ..candidate import read_candidate, write_global
-    from ..check import check, failures, ratios
+    from ..check import failures, ratios
     from ..cp_driver import _gather
-    from .runner import _lse_convention
+    from .harness import judge, lse_convention
 
     outs = [read_candidate(p) for p in files]
     gathered = _gather(fx, outs)
-    convention = _lse_convention(fx, gathered["lse"]) if "lse" in gathered else "neg-inf"
+    convention = lse_convention(fx, gathered["lse"]) if "lse" in gathered else "neg-inf"
     write_global(gathered_path, gathered, scope="cp_gathered", fixture=fx, lse_layout="ht", force=True)
-    options = dict(tensors=list(tensors), empty_row_lse=convention, pad_rows=adapter.pad_rows, cpgold=args.cpgold,
-                   diagnosis=args.diagnosis_budget)
-    per_rank = check(fx.path, *files, **options)
-    whole = check(fx.path, gathered_path, **options)
+    verdict = judge(fx.path, {"ranks": files, "gathered": [gathered_path]}, tensors, convention, adapter.pad_rows,
+                    args.cpgold, args.diagnosis_budget)
+    per_rank, whole = verdict.reports["ranks"], verdict.reports["gathered"]
     rows = [list(r) for r in ratios(per_rank)] + [list(r) for r in ratios(whole)]
     failed_ranks = sorted({r["rank"] for r in per_rank["results"] if not r.get("pass") and r.get("rank", -1) >= 0})
     rank_worst = {}
@@ -227,13 +229,9 @@ def check_fixture(entry, fx, files, gathered_path, tensors, adapter, args):
                  failures=[f"ranks: {x}" for x in failures(per_rank)] + [f"gathered: {x}" for x in failures(whole)],
                  diagnosis=list(dict.fromkeys([d.get("kind") for d in per_rank.get("diagnosis", [])] +
                                               [d.get("kind") for d in whole.get("diagnosis", [])])))
-    passed = per_rank["pass"] and whole["pass"]
-    if not passed and adapter.pad_rows == "zero":
-        again = dict(options, pad_rows="unwritten", diagnosis=False)
-        entry["valid_rows_pass"] = bool(check(fx.path, *files, **again)["pass"] and
-                                        check(fx.path, gathered_path, **again)["pass"])
-    compared = per_rank.get("compared", 1) or whole.get("compared", 1)
-    entry["status"] = "pass" if passed else "fail" if compared else "empty"
+    if verdict.valid_rows_pass is not None:
+        entry["valid_rows_pass"] = verdict.valid_rows_pass
+    entry["status"] = verdict.status
 
 
 def fixture_table(entries):
@@ -257,11 +255,9 @@ def fixture_table(entries):
 
 
 def write_summary(out, entries, header, stopped=None):
-    from .runner import STATUSES, markdown
+    from .harness import STATUSES, counts, markdown
 
-    counted = {s: 0 for s in STATUSES + ("skipped",)}
-    for e in entries:
-        counted[e["status"]] += 1
+    counted = counts(entries, STATUSES + ("skipped",))
     summary = dict(header, counts=counted, stopped=stopped, fixtures=entries)
     with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1, default=str)
@@ -320,9 +316,11 @@ def died_in(out, done):
         return None
     if not isinstance(cur, dict) or (cur.get("suite"), cur.get("fixture")) in done:
         return None
-    return {"suite": cur.get("suite"), "fixture": cur.get("fixture"), "status": "error",
-            "reason": "the processes ended while running this fixture and left no status (killed or aborted, e.g. by "
-                      "torch's NCCL watchdog after a device-side assert); --resume went on after it"}
+    from .harness import crash_entry
+
+    return crash_entry(cur.get("suite"), cur.get("fixture"),
+                       "the processes ended while running this fixture and left no status (killed or aborted, e.g. "
+                       "by torch's NCCL watchdog after a device-side assert); --resume went on after it")
 
 
 # ------------------------------------------------------------------ one process
@@ -330,10 +328,12 @@ class Harness:
     def __init__(self, args, adapter, dist, torch, rank, world, local_rank, device, items):
         from datetime import timedelta
 
+        from .harness import backstop
+
         self.args, self.adapter, self.dist, self.torch = args, adapter, dist, torch
         self.rank, self.world, self.local_rank, self.device, self.items = rank, world, local_rank, device, items
         # The watchdog (--timeout per fixture) acts first; the process groups' own timeout is the backstop.
-        self.pg_timeout = timedelta(seconds=args.timeout + args.grace + 60)
+        self.pg_timeout = timedelta(seconds=backstop(args.timeout, args.grace))
         self.statuses = Statuses(args.out, world)
         self.entries = []
         self.header = {}
@@ -398,7 +398,7 @@ class Harness:
             self.say(f"{PROG}: rank {self.rank} stops at {label}: {reason}", err=True)
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit({"context_lost": 75, "error": 1}.get(own, EXIT_STOPPED))
+        os._exit(exit_code(own))
 
     def all_raised(self, n, text, trace):
         """After this rank raised: whether every rank raised or refused on fixture n (then nobody waits on a peer and
@@ -416,7 +416,7 @@ class Harness:
 
     def describe(self, suite, path):
         from ..fixture import Fixture
-        from .runner import describe_entry
+        from .harness import describe_entry
 
         entry = {"fixture": os.path.basename(path), "suite": suite}
         try:
@@ -452,7 +452,7 @@ class Harness:
         from ..fixture import Fixture
         from .adapter import Refused
         from .rank_adapter import GroupInfo, RankResult
-        from .runner import context_lost
+        from .harness import context_lost
 
         label = f"{suite}/{os.path.basename(path)}"
         entry = self.describe(suite, path) if self.rank == 0 else None
@@ -670,7 +670,7 @@ def main(argv=None):
     rank, world, local_rank = (int(os.environ[v]) for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
     from .__main__ import parse_sets
     from .rank_adapter import make_rank_adapter, rank_adapter_class
-    from .runner import fixture_list
+    from .harness import fixture_list
 
     options = parse_sets(args.set)
     if args.deterministic:

@@ -1,16 +1,15 @@
-"""Runs an adapter over fixtures, checks every result with cpgold's engine and tabulates the verdicts.
+"""The in-process and isolated runs of the harness (harness.py): an adapter over fixtures, every result checked
+with cpgold's engine, the verdicts tabulated.
 
 For each fixture: the adapter's `unsupported` (not expressible in its API) or its run; the outputs go into one
 candidate file (global outputs at the root, their shards by the partition or the ranks' own outputs under
-/ranks/<r>/), and one check judges both levels with the adapter's pad-row convention. A check that fails under
-the contract ("zero") is checked again with pad rows left out, so a failure only on pad rows reads as a convention
-("valid rows pass"), not as a wrong result. Results are appended to a JSON-lines file as they come, so a crash of
-the implementation (a device-side assert) loses only the fixture it was running: with isolation the fixtures run in
-a child process that is restarted after the fixture that killed it.
+/ranks/<r>/), and harness.judge reaches the verdict of both levels with the adapter's pad-row convention. Results are
+appended to a JSON-lines file as they come, so a crash of the implementation (a device-side assert) loses only the
+fixture it was running: with isolation the fixtures run in a child process that is restarted after the fixture that
+killed it (harness.py, "faults").
 """
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -20,76 +19,18 @@ import traceback
 import numpy as np
 
 from ..candidate import lse_to_ht, write_ranks
-from ..check import check, failures, ratios
+from ..check import failures, ratios
 from ..fixture import Fixture
 from .adapter import Refused
 from .environment import digest, process_versions
-
-STATUSES = ("pass", "fail", "empty", "error", "unsupported")
-# A worker that met an error which leaves the CUDA context unusable (a device-side assert, an illegal address)
-# records the fixture and exits with this code: the parent starts a fresh child at the next fixture, so one crash
-# does not turn every later fixture into an error.
-CONTEXT_LOST = 75
-# A CUDA context that raised one of these is unusable for the rest of the process: torch's wording, then the CUDA
-# runtime's error names, which the CuTe DSL (FlashAttention-4) reports instead ("cudaErrorAssert (error code: 710)")
-CONTEXT_ERRORS = ("device-side assert", "illegal memory access", "an illegal instruction", "unspecified launch failure",
-                  "CUDA error: misaligned address", "cudaErrorAssert", "cudaErrorIllegalAddress",
-                  "cudaErrorIllegalInstruction", "cudaErrorLaunchFailure", "cudaErrorMisalignedAddress")
-
-
-def context_lost(text):
-    """Whether an error's text says the CUDA context is lost (CONTEXT_ERRORS)."""
-    return any(t in text for t in CONTEXT_ERRORS)
-
-
-def mask_class(case):
-    """none, causal, window, causal+window: the mask family of a case (a window is any bounded side beyond causal)."""
-    left, right = (int(w) for w in case.get("window", [-1, -1]))
-    causal = case.get("mask") == "causal"
-    windowed = left >= 0 or (right >= 0 and not causal)
-    return ("causal+window" if windowed else "causal") if causal else ("window" if windowed else "none")
-
-
-def fixture_list(paths, only=None, first=None):
-    """(suite, path) of every .h5 in the folders (suite: the folder's name) and of the files given; `only`: names
-    (file or suite/file) to keep; `first`: {suite: N}, only the first N fixtures (by name) of that suite."""
-    items = []
-    for p in paths:
-        if os.path.isdir(p):
-            suite = os.path.basename(os.path.normpath(p))
-            items += [(suite, os.path.join(p, n)) for n in sorted(os.listdir(p)) if n.endswith(".h5")]
-        elif os.path.isfile(p):
-            items.append((os.path.basename(os.path.dirname(os.path.abspath(p))), p))
-        else:
-            raise FileNotFoundError(f"fixtures: {p!r} is neither a folder nor a file")
-    if only:
-        wanted = set(only)
-        items = [(s, p) for s, p in items if os.path.basename(p) in wanted or f"{s}/{os.path.basename(p)}" in wanted]
-    if first:
-        seen = {}
-        kept = []
-        for s, p in items:
-            seen[s] = seen.get(s, 0) + 1
-            if s not in first or seen[s] <= first[s]:
-                kept.append((s, p))
-        items = kept
-    return items
+from .harness import (CONTEXT_LOST, context_lost, crash_entry, describe_entry, exit_text, judge, lse_convention,
+                      read_results)
 
 
 def _numpy(x):
     if hasattr(x, "detach"):
         x = x.detach().float().cpu().numpy()
     return np.asarray(x, dtype=np.float32)
-
-
-def _lse_convention(fx, lse_ht):
-    """pos-inf where the implementation wrote +inf on a valid row without keys (FlashAttention-2's convention)."""
-    return "pos-inf" if bool(np.isposinf(lse_ht[:, fx.valid_rows("q")]).any()) else "neg-inf"
-
-
-def describe_entry(entry, fx):
-    entry.update(case=fx.case, comm=fx.comm, cp_size=fx.cp_size, mask_class=mask_class(fx.case),
-                 pad_fill=fx.case.get("pad_fill", "random"), dtype=fx.dtype)
 
 
 def run_and_write(adapter, path, suite, candidate):
@@ -118,7 +59,7 @@ def run_and_write(adapter, path, suite, candidate):
         if "lse" in outputs:
             outputs["lse"] = lse_to_ht(outputs["lse"], fx.heads_q, "ht" if outputs["lse"].shape[0] == fx.heads_q
                                        else None)
-            convention = _lse_convention(fx, outputs["lse"])
+            convention = lse_convention(fx, outputs["lse"])
         ranks = [{k: _numpy(v) for k, v in r.items()} for r in outcome.rank_outputs] if outcome.rank_outputs \
             else fx.shard_outputs(outputs)
         tensors = adapter.tensors or tuple(n for n in ("o", "lse", "dq", "dk", "dv") if n in outputs)
@@ -138,19 +79,15 @@ def run_fixture(adapter, path, suite, workdir, cpgold_bin=None):
         return entry
     tensors, convention = entry["tensors"], entry["empty_row_lse"]
     try:
-        report = check(path, candidate, tensors=tensors, empty_row_lse=convention, pad_rows=adapter.pad_rows,
-                       cpgold=cpgold_bin)
-        passed = report["pass"]
+        verdict = judge(path, {"candidate": [candidate]}, tensors, convention, adapter.pad_rows, cpgold_bin)
+        report = verdict.reports["candidate"]
         entry.update(failures=failures(report), ratios=[list(r) for r in ratios(report)],
                      diagnosis=[d.get("kind") for d in report.get("diagnosis", [])],
                      unwritten_nonzero=sum(r.get("unwritten_nonzero", 0) for r in report["results"]),
                      unwritten_nonfinite=sum(r.get("unwritten_nonfinite", 0) for r in report["results"]))
-        if not passed and adapter.pad_rows == "zero":
-            again = check(path, candidate, tensors=tensors, empty_row_lse=convention, pad_rows="unwritten",
-                          cpgold=cpgold_bin, diagnosis=False)
-            entry["valid_rows_pass"] = bool(again["pass"])
-        empty = not passed and report.get("compared", 1) == 0
-        entry["status"] = "pass" if passed else "empty" if empty else "fail"
+        if verdict.valid_rows_pass is not None:
+            entry["valid_rows_pass"] = verdict.valid_rows_pass
+        entry["status"] = verdict.status
     finally:
         if os.path.exists(candidate):
             os.remove(candidate)
@@ -209,17 +146,6 @@ def run_child(argv):
         return code, err.read()
 
 
-def exit_text(code):
-    """How a child ended: "exit N", or "signal SIGSEGV (11)" for one killed by a signal (a negative return code)."""
-    if code >= 0:
-        return f"exit {code}"
-    try:
-        name = signal.Signals(-code).name
-    except ValueError:
-        name = "an unknown signal"
-    return f"killed by signal {name} ({-code})"
-
-
 def isolated(child_argv, items, results, versions_digest=None):
     """Runs the fixtures in child processes (child_argv + --worker --skip N), restarting after a crash, which is
     recorded as an error of the fixture that was running (with `versions_digest`, the run's: the child that died
@@ -236,8 +162,8 @@ def isolated(child_argv, items, results, versions_digest=None):
             # faulthandler's stack of the crash is the part worth keeping; its list of extension modules is not
             tail = "\n".join(ln for ln in stderr.splitlines() if "Warning" not in ln and "warnings.warn" not in ln
                              and not ln.startswith("Extension modules:"))
-            e = {"fixture": os.path.basename(path), "suite": suite, "status": "error",
-                 "reason": f"the process died ({exit_text(code)}) running this fixture: {tail[-1500:]}"}
+            e = crash_entry(suite, os.path.basename(path),
+                            f"the process died ({exit_text(code)}) running this fixture: {tail[-1500:]}")
             if versions_digest:
                 e["versions_digest"] = versions_digest
             with Fixture(path) as fx:
@@ -246,51 +172,3 @@ def isolated(child_argv, items, results, versions_digest=None):
                 f.write(json.dumps(e, default=str) + "\n")
             print(report_line("child", e), flush=True)
             done += 1
-
-
-def read_results(results):
-    with open(results) as f:
-        return [json.loads(x) for x in f if x.strip()]
-
-
-# ------------------------------------------------------------------ tables
-def worst_ratio(e):
-    return max((max(r[2], r[3]) for r in e.get("ratios", [])), default=None)
-
-
-def table(entries, key):
-    """Rows of (value of key, counts per status, worst ratio over the passes) in sorted order."""
-    rows = {}
-    for e in entries:
-        k = key(e)
-        row = rows.setdefault(k, {s: 0 for s in STATUSES} | {"worst_pass": None, "pads_only": 0})
-        row[e["status"]] += 1
-        if e["status"] == "fail" and e.get("valid_rows_pass"):
-            row["pads_only"] += 1
-        if e["status"] == "pass":
-            w = worst_ratio(e)
-            if w is not None and (row["worst_pass"] is None or w > row["worst_pass"]):
-                row["worst_pass"] = w
-    return sorted(rows.items(), key=lambda kv: str(kv[0]))
-
-
-def markdown(entries, title, keys=None):
-    keys = keys or [("suite", lambda e: e["suite"]), ("comm, W", lambda e: f"{e.get('comm')} W={e.get('cp_size')}"),
-                    ("mask", lambda e: e.get("mask_class", "?")), ("pad fill", lambda e: e.get("pad_fill", "?"))]
-    out = [f"### {title}", ""]
-    for label, key in keys:
-        out += [f"| {label} | pass | fail (pad rows only) | empty | error | refused or not expressible | worst ratio of "
-                "the passes |", "|---|---|---|---|---|---|---|"]
-        for k, r in table(entries, key):
-            w = "-" if r["worst_pass"] is None else f"{r['worst_pass']:.3f}"
-            out.append(f"| {k} | {r['pass']} | {r['fail']} ({r['pads_only']}) | {r['empty']} | {r['error']} | "
-                       f"{r['unsupported']} | {w} |")
-        out.append("")
-    return "\n".join(out)
-
-
-def counts(entries):
-    c = {s: 0 for s in STATUSES}
-    for e in entries:
-        c[e["status"]] += 1
-    return c

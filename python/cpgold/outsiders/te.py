@@ -26,8 +26,10 @@ import types
 
 import numpy as np
 
-from .adapter import Adapter, Outcome, Refused
+from .adapter import Adapter, Outcome, Refused, as_refusal, library_refusals
 from .environment import CUDNN_DISTRIBUTIONS, FA4_RUNS_ON, build_of, environment, packages
+from .flash import flash_attn_versions, serialize_cute_compiles
+from .rank_adapter import cp_group_ranks
 
 BACKENDS = {"fused": {"NVTE_FLASH_ATTN": "0", "NVTE_FUSED_ATTN": "1", "NVTE_UNFUSED_ATTN": "0"},
             "flash": {"NVTE_FLASH_ATTN": "1", "NVTE_FUSED_ATTN": "0", "NVTE_UNFUSED_ATTN": "0"}}
@@ -95,11 +97,6 @@ def versions(m, backend=None):
     if backend == "flash":
         out.update(packages(*FA4_RUNS_ON))
     return out
-
-
-def flash_attn_versions():
-    """The installed FlashAttention-3 and -4 distributions, as pip knows them ("not installed" otherwise)."""
-    return packages("flash-attn-3", "flash-attn-4")
 
 
 # ------------------------------------------------------------------ what TE logged and chose
@@ -173,31 +170,6 @@ def cu_arrays(fx):
     """cu_seqlens_q/kv (actual) and cu_seqlens_q/kv_padded (physical offsets), int32 numpy arrays."""
     return {f"cu_seqlens_{side}{suffix}": fx.cu_seqlens(side, padded=padded)
             for side in ("q", "kv") for suffix, padded in (("", False), ("_padded", True))}
-
-
-def cp_group_ranks(comm, cp_size, rank, a2a_size=0):
-    """The rank lists of the groups a rank hands to set_context_parallel_group: every rank for p2p, a2a and
-    all_gather; for a2a+p2p [its a2a group (consecutive ranks), its p2p group (ranks a2a_size apart)]."""
-    if comm != "a2a+p2p":
-        return [list(range(cp_size))]
-    a = int(a2a_size or 0)
-    if a < 1 or cp_size % a:
-        raise Refused(f"a2a_size {a} does not divide cp_size {cp_size}")
-    start = rank - rank % a
-    return [list(range(start, start + a)), list(range(rank % a, cp_size, a))]
-
-
-def gather(fx, rank_outputs, names=TENSORS):
-    """Global-layout outputs from the ranks' shards (every global row belongs to exactly one rank)."""
-    result = {}
-    for name in names:
-        side = "q" if name in ("o", "dq") else "kv"
-        first = rank_outputs[0][name]
-        g = np.zeros((fx.total_rows(side),) + first.shape[1:], dtype=np.float32)
-        for r, out in enumerate(rank_outputs):
-            g[fx.partitioned_indices(r, side)] = out[name]
-        result[name] = g
-    return result
 
 
 def stats_to_lse(torch, stats, fx, t, heads):
@@ -409,84 +381,8 @@ class CallSpy:
 
 
 # ------------------------------------------------------------------ one DotProductAttention call
-def torch_dtype(torch, fx):
-    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[fx.dtype]
-
-
-_COMPILE_LOCK = threading.RLock()
-
-
-def serialize_cute_compiles():
-    """FlashAttention-4 compiles its kernels on first use with the CuTe DSL (`cute.compile`). The DSL is one object
-    per process, and its AST preprocessor keeps one session at a time (`DSLPreprocessor._session_data`): two thread
-    ranks compiling at once end each other's session ("Please start a session before accessing session data"). Under
-    thread ranks every compile therefore takes one process-wide lock. A compile waits for no other rank, so the lock
-    cannot deadlock the ranks, and launches of compiled kernels do not take it. Returns whether the DSL is here (and
-    now serialized)."""
-    import importlib.util
-
-    if importlib.util.find_spec("cutlass") is None:
-        return False
-    from cutlass.base_dsl.compiler import CompileCallable
-
-    original = CompileCallable._compile
-    if getattr(original, "cpgold_serialized", False):
-        return True
-
-    def _compile(self, *args, **kwargs):
-        with _COMPILE_LOCK:
-            return original(self, *args, **kwargs)
-
-    _compile.cpgold_serialized = True
-    CompileCallable._compile = _compile
-    return True
-
-
-REFUSING = (("transformer_engine", "TE"), ("flash_attn", "FlashAttention"))   # a path part, and whose refusal
-
-
-def refusal_source(e):
-    """Whose code raised `e`: "TE" or "FlashAttention" when the innermost frame of its traceback is in that package
-    (an assert or argument check of the library: a refusal of the configuration), None when it is anywhere else (the
-    CuTe DSL compiler, torch, Python): such an exception is an error, not a refusal."""
-    tb, filename = e.__traceback__, ""
-    while tb is not None:
-        filename, tb = tb.tb_frame.f_code.co_filename, tb.tb_next
-    parts = filename.replace("\\", "/").split("/")
-    for package, who in REFUSING:
-        if package in parts:
-            return who
-    return None
-
-
-def as_refusal(e, prefix=""):
-    """Refused naming the library when `e` is a refusal (refusal_source), else None: `e` stays an error."""
-    who = refusal_source(e)
-    if who is None:
-        return None
-    return Refused(f"{prefix}{who} refuses: {type(e).__name__}: {str(e).strip()[:600]}")
-
-
-class refusals:
-    """Raises Refused (as_refusal, `prefix` first) for an assert or argument check of TE or FlashAttention in the
-    block; any other exception goes on as it is."""
-
-    def __init__(self, prefix=""):
-        self.prefix = prefix
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, kind, e, tb):
-        if kind is not None and issubclass(kind, (AssertionError, ValueError, NotImplementedError)):
-            refusal = as_refusal(e, self.prefix)
-            if refusal is not None:
-                raise refusal from e
-        return False
-
-
 def make_dpa(m, fx):
-    with refusals(f"DotProductAttention({te_arguments(fx)}): "):
+    with library_refusals(f"DotProductAttention({te_arguments(fx)}): "):
         return m.te.DotProductAttention(**te_arguments(fx))
 
 
@@ -495,10 +391,11 @@ def run_dpa(m, dpa, fx, q, k, v, dout, cu):
     Returns o, dq, dk, dv as [t, h, d] tensors, plus TE's log lines and backend. TE's refusals raise Refused."""
     q, k, v = (x.detach().clone().requires_grad_() for x in (q, k, v))
     TE_LOG.take()
-    with refusals():
+    with library_refusals():
         o = dpa(q, k, v, **cu)
     o3 = o.view(o.shape[0], fx.heads_q, fx.dim_v)
-    with refusals("backward: "):   # some configurations are refused only by the backward (FA4: GQA, dim_qk != dim_v)
+    # some configurations are refused only by the backward (FA4: GQA, dim_qk != dim_v)
+    with library_refusals("backward: "):
         o.backward(dout.reshape(o.shape))
     return {"o": o3.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}, TE_LOG.take(), backend_chosen(m)
 
@@ -605,7 +502,8 @@ class TeContextParallel(_TeAdapter):
             lambda r, ranks: self._rank(r, ranks, fx, cu, spy))
 
     def run(self, fx):
-        from cpgold.thread_ranks import ThreadRankError
+        from ..cp_driver import _gather
+        from ..thread_ranks import ThreadRankError
         cu = self.cu(fx)
         spy = CallSpy(self.m, RowIndex(fx)) if self.trace else None
         try:
@@ -636,7 +534,7 @@ class TeContextParallel(_TeAdapter):
             notes.update(repeats=self.repeat, repeat_differences=differing)
         if self.trace:
             notes["calls"] = {str(r): res[3] for r, res in enumerate(results)}
-        return Outcome(outputs=gather(fx, outs), rank_outputs=outs, scope="cp_gathered",
+        return Outcome(outputs=_gather(fx, outs), rank_outputs=outs, scope="cp_gathered",
                        backend=", ".join(sorted({r[2] for r in results})), log=results[0][1], notes=notes)
 
 
