@@ -746,6 +746,7 @@ int run_shrink(const ShrinkArgs& args) {
   if (!result.confirmation_stopped.empty())
     notes.push_back("the confirmation runs stopped early (" + result.confirmation_stopped + ": " + result.stop_detail +
                     "): the answer is not confirmed");
+  if (const std::string name = fx::shrink_name_note(result); !name.empty()) notes.push_back(name);
   // "the original", "the search's smallest" or "step K" (the case after K steps).
   auto which = [&](const fx::ShrinkConfirmation& c) {
     if (c.original) return std::string("the original");

@@ -408,7 +408,52 @@ bool shrink_same_way(const ShrinkResult& r, const ShrinkVerdict& v) {
   if (v.status != ShrinkStatus::fails) return false;
   for (const std::string& k : r.kinds)
     if (std::find(v.kinds.begin(), v.kinds.end(), k) == v.kinds.end()) return false;
+  // The kinds keep their meaning: a smaller case whose diagnosis names a cause the original's does not (a dropped
+  // last token that one token reads as chunk_order, a wrong scale read as an LSE offset) is another failure, not a
+  // smaller one. Symptoms (pad_rows_not_zero, nonfinite_leak) may come and go with the padding and the pad fill.
+  if (!r.kinds.empty())
+    for (const std::string& k : v.kinds) {
+      if (k == "pad_rows_not_zero" || k == "nonfinite_leak") continue;
+      if (std::find(r.original_verdict.kinds.begin(), r.original_verdict.kinds.end(), k) == r.original_verdict.kinds.end())
+        return false;
+    }
   return !r.same_tensors || v.tensors == r.original_verdict.tensors;
+}
+
+std::string shrink_name_note(const ShrinkResult& r) {
+  const std::vector<std::string>& before = r.original_verdict.kinds;
+  const std::vector<std::string>& after = r.smallest_verdict.kinds;
+  if (r.smallest_verdict.status != ShrinkStatus::fails) return {};
+  auto has = [](const std::vector<std::string>& list, const std::string& k) {
+    return std::find(list.begin(), list.end(), k) != list.end();
+  };
+  auto text = [](const std::vector<std::string>& list) {
+    std::string s;
+    for (const std::string& k : list) s += (s.empty() ? "" : ", ") + k;
+    return s.empty() ? std::string("no diagnosis") : s;
+  };
+  auto symptom = [](const std::string& k) { return k == "pad_rows_not_zero" || k == "nonfinite_leak"; };
+  std::vector<std::string> symptoms, not_required, other;
+  for (const std::string& k : before)
+    if (!has(after, k)) (symptom(k) ? symptoms : has(r.kinds, k) ? other : not_required).push_back(k);
+  for (const std::string& k : after)
+    if (!has(before, k)) (symptom(k) ? symptoms : other).push_back(k);
+  if (symptoms.empty() && not_required.empty() && other.empty()) return {};
+  std::vector<std::string> why;
+  if (r.kinds.empty()) {
+    why.push_back("any failure was kept, whatever its diagnosis (any failure)");
+  } else {
+    if (!symptoms.empty())
+      why.push_back(text(symptoms) + (symptoms.size() > 1 ? " are symptoms, which come" : " is a symptom, which comes") +
+                    " and go" + (symptoms.size() > 1 ? "" : "es") + " with the padding and the pad fill");
+    if (!not_required.empty())
+      why.push_back(text(not_required) + (not_required.size() > 1 ? " were" : " was") +
+                    " not required (a kept failure names " + text(r.kinds) + ")");
+    if (!other.empty()) why.push_back("the kinds " + text(other) + " changed");
+  }
+  std::string s = "the smallest case's diagnosis (" + text(after) + ") is not the original's (" + text(before) + "): ";
+  for (size_t i = 0; i < why.size(); ++i) s += (i ? "; " : "") + why[i];
+  return s;
 }
 
 namespace {

@@ -69,6 +69,7 @@ void Diagnoser::test_chunk_order() {
   std::vector<Block> blocks;
   for (size_t i = 0; i < subjects_.size(); ++i) {
     const Subject& s = subjects_[i];
+    if (s.passing) continue;
     const Side& sd = side(s.kv);
     std::vector<uint8_t> rows = flags(s.failing.size());
     // Whole-tensor orders first.
@@ -153,6 +154,7 @@ void Diagnoser::test_chunk_order() {
     std::function<int(const SlotMatch&)> source;  // empty: a list, not reusable
   };
   std::map<int, Pattern> patterns;
+  std::map<int, int> holds_rank_of;  // rank -> the rank whose rows its place holds (a permutation seen with values)
   bool seen_swap = false, seen_contiguous = false;  // rank-independent rules seen on some rank
   auto fits = [&](const std::vector<SlotMatch>& moved, const std::function<int(const SlotMatch&)>& want) {
     for (const SlotMatch& m : moved) {
@@ -198,10 +200,12 @@ void Diagnoser::test_chunk_order() {
     const std::function<int(const SlotMatch&)> permuted = [w, other](const SlotMatch& m) { return m.slot == 0 ? other : 2 * w - 1 - other; };
     if (fits(moved, swap)) p = {"@swap", swap};
     else if (w > 1 && fits(moved, contiguous)) p = {"@contiguous", contiguous};
-    else if (other >= 0 && other < w && other != r && fits(moved, permuted))
+    else if (other >= 0 && other < w && other != r && fits(moved, permuted)) {
       p = {"the place of rank " + std::to_string(r) + " holds rank " + std::to_string(other) + "'s rows (chunks " +
                std::to_string(other) + " and " + std::to_string(2 * w - 1 - other) + "): ranks permuted",
            permuted};
+      holds_rank_of[r] = other;
+    }
     else {
       std::vector<std::string> moves;
       for (const SlotMatch& m : moved)
@@ -225,6 +229,18 @@ void Diagnoser::test_chunk_order() {
       accept(block, found->second.text);
       continue;
     }
+    // Two ranks exchanged: the place of rank a holds rank r's rows, and r's place (whose blocks show no values of their
+    // own: padding, zeros) holds a's.
+    bool exchanged = false;
+    for (const auto& [a, held] : holds_rank_of) {
+      if (held != r || exchanged) continue;
+      const int from = a;
+      if (!fits(block.moved, [w, from](const SlotMatch& m) { return m.slot == 0 ? from : 2 * w - 1 - from; })) continue;
+      accept(block, "the place of rank " + std::to_string(r) + " holds rank " + std::to_string(a) + "'s rows (chunks " +
+                        std::to_string(a) + " and " + std::to_string(2 * w - 1 - a) + "): ranks permuted");
+      exchanged = true;
+    }
+    if (exchanged) continue;
     // A rule the other ranks follow (a rank whose chunks are all padding shows no values of its own).
     if (seen_contiguous && w > 1 && fits(block.moved, [r](const SlotMatch& m) { return m.slot == 0 ? 2 * r : 2 * r + 1; }))
       accept(block, "@contiguous");

@@ -75,8 +75,10 @@ std::optional<TensorView<float>> Diagnoser::result_view(const TensorResult& r) c
 }
 
 void Diagnoser::build_subjects() {
+  // Every result the candidate holds: the failing ones to explain, the passing ones as evidence against a hypothesis
+  // (a recomputed variant must agree with them too).
   for (const TensorResult& r : report_.results) {
-    if (r.missing || r.ok() || r.step >= 0) continue;
+    if (r.missing || r.step >= 0) continue;
     const std::optional<TensorView<float>> view = result_view(r);
     if (!view) continue;
     const Quantity q = *parse_quantity(r.tensor);
@@ -99,6 +101,7 @@ void Diagnoser::build_subjects() {
     s.limit = r.evaluation.limits.max;
     s.mean_limit = r.evaluation.limits.mean;
     s.precision = check_precision(q, fx().spec.dtype);
+    s.passing = r.ok();
     subjects_.push_back(std::move(s));
   }
   for (Subject& s : subjects_) classify(s);
@@ -119,7 +122,7 @@ void Diagnoser::classify(Subject& s) {
     const bool valid = g >= 0 && g < static_cast<int64_t>(sd.valid.size()) && sd.valid[static_cast<size_t>(g)];
     if (!valid) {
       // LSE pad rows are never read; under --pad-rows unwritten neither are those of the other tensors
-      if (s.lse || in_.pad_rows == PadRows::unwritten) continue;
+      if (s.lse || in_.pad_rows == PadRows::unwritten || s.passing) continue;
       for (int64_t h = 0; h < heads; ++h)
         for (int64_t x = 0; x < dim; ++x) {
           const float c = s.cand(row, h, x);
@@ -128,7 +131,7 @@ void Diagnoser::classify(Subject& s) {
         }
       continue;
     }
-    for (int64_t h = 0; h < heads; ++h) {
+    for (int64_t h = 0; h < heads && !s.passing; ++h) {
       bool bad = false;
       double worst = 0;
       for (int64_t x = 0; x < dim; ++x) {
@@ -222,6 +225,117 @@ bool Diagnoser::all_explained_so_far() const {
   return true;
 }
 
+namespace {
+
+// Symptoms: what the outputs show (garbage or NaN where it does not belong), not a mechanism.
+bool is_symptom(DiagnosisKind kind) {
+  return kind == DiagnosisKind::pad_rows_not_zero || kind == DiagnosisKind::nonfinite_leak;
+}
+
+int64_t count_rows(const std::map<size_t, std::vector<uint8_t>>& rows, const std::vector<Subject>& subjects) {
+  int64_t n = 0;
+  for (const auto& [index, marks] : rows)
+    for (size_t r = 0; r < marks.size(); ++r) n += marks[r] && subjects[index].failing[r];
+  return n;
+}
+
+}  // namespace
+
+std::string Diagnoser::queryless_keys(nlohmann::ordered_json& where) const {
+  const ThdLayout& l = fx().layout;
+  std::vector<uint8_t> key(static_cast<size_t>(l.kv.total_rows), 0);
+  std::set<std::string> tiles;
+  for (const sim::Tile& t : plan().backward.tiles) {
+    if (!t.computed) continue;
+    for (size_t b = 0; b < t.call.sequences.size(); ++b) {
+      const SequenceTile& seq = t.call.sequences[b];
+      if (!seq.q.empty() || seq.kv.empty()) continue;
+      for (const RowSegment& k : seq.kv)
+        for (int32_t x = 0; x < k.count; ++x)
+          key[static_cast<size_t>(l.kv.offset(static_cast<int>(b)) + k.position + x)] = 1;
+      tiles.insert("rank " + std::to_string(t.rank) + " step " + std::to_string(t.step) + " sequence " + std::to_string(b));
+    }
+  }
+  int64_t rows = 0;
+  std::vector<std::string> names;
+  for (const Subject& s : subjects_) {
+    if (s.passing) continue;
+    bool any = false;
+    for (size_t r = 0; r < s.failing.size(); ++r) {
+      if (!s.failing[r]) continue;
+      const int64_t g = s.global[r];
+      if (!s.kv || s.quantity == Quantity::o || g < 0 || g >= static_cast<int64_t>(key.size()) || !key[static_cast<size_t>(g)])
+        return {};
+      ++rows, any = true;
+    }
+    if (any) names.push_back(s.name);
+  }
+  if (rows == 0) return {};
+  where["queryless_key_rows"] = rows;
+  where["queryless_tiles"] = std::vector<std::string>(tiles.begin(), tiles.end());
+  return "every failing row (" + std::to_string(rows) + " of " + names_text(names) +
+         ") is the dK/dV of a key that a backward step holds without any query of its sequence (" +
+         list_text(std::vector<std::string>(tiles.begin(), tiles.end()), 4) +
+         "), where the gradients must be exactly 0: a kernel that writes dK/dV for a query-less sequence "
+         "(TransformerEngine's finding 3, docs/findings/te-3-gqa-query-less-dkdv.md)";
+}
+
+Diagnosis Diagnoser::unexplained_line(const std::vector<const Finding*>& partial, int64_t failing,
+                                      int64_t explained, const std::string& headline) const {
+  std::vector<std::string> names;
+  for (const Subject& s : subjects_)
+    if (!s.passing) names.push_back(s.name);
+  for (const TensorResult& r : report_.results)
+    if (!r.ok() && (r.missing || r.step >= 0))
+      names.push_back(result_name(r) +
+                      (r.step >= 0 ? "/s" + std::to_string(r.step) + (r.pass == "forward" ? "f" : "b") : "") +
+                      (r.missing ? " (missing)" : ""));
+  Diagnosis d;
+  d.kind = DiagnosisKind::unexplained;
+  d.evidence = headline.empty() ? "no modelled mistake and no tested kind accounts for every failing row of " + names_text(names)
+                                 : headline + " (" + names_text(names) + ")";
+  if (headline.empty() && failing > 0 && explained > 0)
+    d.evidence += " (" + std::to_string(explained) + " of " + std::to_string(failing) + " failing rows fit the partial findings below)";
+  nlohmann::ordered_json symptoms = nlohmann::ordered_json::array(), partials = nlohmann::ordered_json::array();
+  std::vector<std::string> symptom_texts, partial_texts;
+  for (const Finding* f : partial) {
+    nlohmann::ordered_json j;
+    j["kind"] = std::string(diagnosis_kind_name(f->kind));
+    j["evidence"] = f->evidence;
+    j["rows"] = count_rows(f->rows, subjects_);
+    if (f->where.contains("replay")) j["mistake"] = f->where["replay"]["mistake"];
+    if (is_symptom(f->kind)) {
+      symptoms.push_back(j);
+      symptom_texts.push_back(f->evidence);
+    } else {
+      partials.push_back(j);
+      partial_texts.push_back(std::string(diagnosis_kind_name(f->kind)) + " on " + std::to_string(j["rows"].get<int64_t>()) +
+                              " of " + std::to_string(failing) + " failing rows (" + f->evidence + ")");
+    }
+  }
+  nlohmann::ordered_json queryless;
+  const std::string keys = queryless_keys(queryless);
+  if (!keys.empty()) {
+    queryless["kind"] = "queryless_keys";
+    queryless["evidence"] = keys;
+    symptoms.push_back(queryless);
+    symptom_texts.push_back(keys);
+  }
+  if (!symptom_texts.empty()) d.evidence += "; symptoms seen: " + list_text(symptom_texts, 3);
+  if (!partial_texts.empty())
+    d.evidence += std::string(headline.empty() ? "; partial fits, not a diagnosis: " : "; the fits: ") + list_text(partial_texts, 3);
+  if (!replay_closest_.empty()) d.evidence += "; " + replay_closest_;
+  d.evidence += "; the first divergence above is where to start";
+  if (!not_tested_.empty()) d.evidence += "; not tested: " + list_text(not_tested_, 2);
+  d.where["results"] = names;
+  d.where["rows"] = failing;
+  d.where["explained_rows"] = explained;
+  d.where["symptoms"] = symptoms;
+  d.where["partial"] = partials;
+  d.where["closest"] = replay_closest_json_;
+  return d;
+}
+
 std::vector<Diagnosis> Diagnoser::run() {
   // A pass has no diagnosis; neither has a check that failed only because it compared nothing (the report says so).
   // A candidate that states other inputs is diagnosed even when its results pass.
@@ -242,9 +356,11 @@ std::vector<Diagnosis> Diagnoser::run() {
   q_.build(fx().layout.q, plan().partition.q);
   kv_.build(fx().layout.kv, plan().partition.kv);
   build_subjects();
+  bool any_failing = false;
+  for (const Subject& s : subjects_) any_failing |= !s.passing;
 
   test_digest();
-  if (!subjects_.empty()) {
+  if (any_failing) {
     test_nonfinite_and_pad();
     test_chunk_order();
     test_tail_rows();
@@ -261,17 +377,14 @@ std::vector<Diagnosis> Diagnoser::run() {
         not_tested_.push_back(std::string(what) + " (" + e.what() + ")");
       }
     };
-    if (!all_explained_so_far()) attempt("softmax scale, mask edge, KV heads by recomputation", &Diagnoser::test_variants);
+    // Run even where cheaper tests explain every row: a variant that fits the same rows is another name for them.
+    attempt("softmax scale, mask edge, KV heads by recomputation", &Diagnoser::test_variants);
     if (!report_.foreign_inputs() && in_.replay_budget_seconds > 0) attempt("replay of modelled mistakes", &Diagnoser::test_replay);
-    const bool digests_agree = !report_.inputs.empty() && !report_.foreign_inputs();
-    if (findings_.empty() && replay_findings_.empty() && !digests_agree)
-      attempt("inputs by recomputation", &Diagnoser::test_inputs_by_recomputation);
   }
 
   // Selection, a greedy cover of the failing rows: the finding that explains the most failing rows not yet explained
   // is kept first (ties: the more specific kind), until no finding adds any; a finding whose rows another one
-  // explains as well is left out (one mechanism for those rows, the one that also explains the most others). The
-  // kept ones are listed most specific first, one line per kind.
+  // explains as well is left out (one mechanism for those rows, the one that also explains the most others).
   auto rank_of = [](const Finding& f) {
     if (f.priority >= 0) return f.priority;
     switch (f.kind) {
@@ -321,57 +434,151 @@ std::vector<Diagnosis> Diagnoser::run() {
       for (const auto& [index, rows] : findings_[best].rows)
         for (size_t r = 0; r < rows.size(); ++r) explained[index][r] |= rows[r];
     }
-  std::vector<Diagnosis> out;
-  std::map<DiagnosisKind, std::map<size_t, std::vector<uint8_t>>> rows_of_kind;
-  // The replayed mistakes first: a cause, listed before the symptoms the other kinds name (which stay listed).
-  for (const Finding& f : replay_findings_) {
-    for (const auto& [index, rows] : f.rows) {
-      std::vector<uint8_t>& mine = rows_of_kind[f.kind][index];
-      if (mine.empty()) mine = flags(rows.size());
-      for (size_t r = 0; r < rows.size(); ++r) mine[r] |= rows[r];
-    }
-    out.push_back({f.kind, f.evidence, f.where});
-  }
+
+  // What is stated: the replayed mistakes first (causes the simulation confirmed, listed before the symptoms the
+  // other kinds name, which stay listed), then the kept findings; a kept finding of a cause kind whose rows the
+  // replayed mistakes explain already is the same failure under a less specific name and is left out.
+  std::vector<std::vector<uint8_t>> replay_rows(subjects_.size());
+  for (size_t i = 0; i < subjects_.size(); ++i) replay_rows[i] = flags(subjects_[i].failing.size());
+  for (const Finding& f : replay_findings_)
+    for (const auto& [index, rows] : f.rows)
+      for (size_t r = 0; r < rows.size(); ++r) replay_rows[index][r] |= rows[r];
+  auto within_replay = [&](const Finding& f) {
+    if (replay_findings_.empty()) return false;
+    for (const auto& [index, rows] : f.rows)
+      for (size_t r = 0; r < rows.size(); ++r)
+        if (rows[r] && subjects_[index].failing[r] && !replay_rows[index][r]) return false;
+    return true;
+  };
+  std::vector<const Finding*> stated;
+  std::set<DiagnosisKind> replayed_kinds;
+  for (const Finding& f : replay_findings_) stated.push_back(&f), replayed_kinds.insert(f.kind);
   for (size_t i = 0; i < findings_.size(); ++i) {
     if (!kept[i]) continue;
     const Finding& f = findings_[i];
+    // Of the replayed mistake's own kind it joins its line (the block matching's chunk numbers beside the replay).
+    if (!f.always && !is_symptom(f.kind) && !replayed_kinds.count(f.kind) && within_replay(f)) continue;
+    stated.push_back(&f);
+  }
+  // Every failing row must be accounted for: a kind is stated only where the findings explain the whole failure
+  // (partial fits can be coincidences: a block of one row that matches another chunk, a gradient that happens to be
+  // the golden times a constant). Otherwise one unexplained line lists them as partial fits beside the symptoms.
+  std::vector<std::vector<uint8_t>> covered(subjects_.size());
+  for (size_t i = 0; i < subjects_.size(); ++i) covered[i] = flags(subjects_[i].failing.size());
+  for (const Finding* f : stated)
+    for (const auto& [index, rows] : f->rows)
+      for (size_t r = 0; r < rows.size(); ++r) covered[index][r] |= rows[r];
+  int64_t failing = 0, uncovered = 0;
+  for (size_t i = 0; i < subjects_.size(); ++i)
+    for (size_t r = 0; r < subjects_[i].failing.size(); ++r)
+      if (subjects_[i].failing[r]) {
+        ++failing;
+        uncovered += !covered[i][r];
+      }
+  bool digest = false;
+  for (const Finding* f : stated) digest |= f->always;
+  std::vector<Diagnosis> out;
+  if (stated.empty() || (uncovered > 0 && !digest)) {
+    std::vector<const Finding*> partial;
+    for (const Finding& f : replay_findings_) partial.push_back(&f);
+    for (const Finding& f : findings_)
+      if (count_rows(f.rows, subjects_) > 0) partial.push_back(&f);
+    out.push_back(unexplained_line(partial, failing, failing - uncovered));
+    if (!not_tested_.empty()) out.back().where["not_tested"] = not_tested_;
+    return out;
+  }
+  // Other names for the same rows: a finding of another cause kind (stated or not) that explains every failing row a
+  // stated one explains; the case cannot tell them apart (one token under a wrong scale is an LSE in another base).
+  auto also_fits = [&](const Finding& f) {
+    std::set<std::string> kinds;
+    auto covers = [&](const Finding& g) {
+      if (g.kind == f.kind || is_symptom(g.kind) || g.priority >= 10) return false;
+      int64_t mine = 0;
+      for (const auto& [index, rows] : f.rows)
+        for (size_t r = 0; r < rows.size(); ++r) {
+          if (!rows[r] || !subjects_[index].failing[r]) continue;
+          ++mine;
+          const auto found = g.rows.find(index);
+          if (found == g.rows.end() || r >= found->second.size() || !found->second[r]) return false;
+        }
+      return mine > 0;
+    };
+    for (const Finding& g : findings_)
+      if (covers(g)) kinds.insert(std::string(diagnosis_kind_name(g.kind)));
+    for (const Finding& g : replay_findings_)
+      if (covers(g)) kinds.insert(std::string(diagnosis_kind_name(g.kind)));
+    return std::vector<std::string>(kinds.begin(), kinds.end());
+  };
+  // Two replayed mistakes of different kinds that both reproduce the whole candidate are two names for one failure (one
+  // token that a count one short and the cu // W shortcut both leave unwritten): the case cannot tell them apart.
+  {
+    std::set<DiagnosisKind> replayed_kinds;
+    for (const Finding& f : replay_findings_) replayed_kinds.insert(f.kind);
+    if (replayed_kinds.size() > 1) {
+      std::vector<std::string> kinds, mistakes;
+      for (const Finding& f : replay_findings_) {
+        kinds.push_back(std::string(diagnosis_kind_name(f.kind)));
+        mistakes.push_back(f.where["replay"]["mistake"].get<std::string>());
+      }
+      std::vector<const Finding*> partial;
+      for (const Finding& f : replay_findings_) partial.push_back(&f);
+      Diagnosis d = unexplained_line(partial, failing, failing - uncovered,
+                                     "the simulations of " + list_text(mistakes, 4) + " (" + list_text(kinds, 4) +
+                                         ") reproduce the candidate alike: this case cannot tell them apart");
+      d.where["ambiguous"] = kinds;
+      out.push_back(std::move(d));
+      if (!not_tested_.empty()) out.back().where["not_tested"] = not_tested_;
+      return out;
+    }
+  }
+  // Without a replayed mistake to confirm a mechanism, two kinds that fit the same rows leave the name open (one token
+  // under a scale x log2 e is an LSE in base 2 as well): the report says so instead of picking one.
+  if (replay_findings_.empty()) {
+    for (const Finding* fp : stated) {
+      if (is_symptom(fp->kind) || fp->always) continue;
+      const std::vector<std::string> other = also_fits(*fp);
+      if (other.empty()) continue;
+      std::vector<const Finding*> partial;
+      for (const Finding& f : findings_)
+        if (count_rows(f.rows, subjects_) > 0) partial.push_back(&f);
+      Diagnosis d = unexplained_line(partial, failing, failing,
+                                     "the failing rows fit " + std::string(diagnosis_kind_name(fp->kind)) + " and " +
+                                         list_text(other, 4) + " alike: this case cannot tell them apart");
+      std::vector<std::string> fits = {std::string(diagnosis_kind_name(fp->kind))};
+      fits.insert(fits.end(), other.begin(), other.end());
+      d.where["ambiguous"] = fits;
+      out.push_back(std::move(d));
+      if (!not_tested_.empty()) out.back().where["not_tested"] = not_tested_;
+      return out;
+    }
+  }
+  std::map<DiagnosisKind, std::map<size_t, std::vector<uint8_t>>> rows_of_kind;
+  for (const Finding* fp : stated) {
+    const Finding& f = *fp;
     for (const auto& [index, rows] : f.rows) {
       std::vector<uint8_t>& mine = rows_of_kind[f.kind][index];
       if (mine.empty()) mine = flags(rows.size());
       for (size_t r = 0; r < rows.size(); ++r) mine[r] |= rows[r];
     }
     bool joined = false;
-    for (Diagnosis& d : out)
-      if (d.kind == f.kind) {
-        d.evidence += "; " + f.evidence;
-        joined = true;
-        nlohmann::ordered_json w = where_of(rows_of_kind[f.kind]);  // the union's results, ranks, sequences, rows
-        for (auto& [key, value] : w.items()) d.where[key] = value;
+    if (!f.replayed)
+      for (Diagnosis& d : out)
+        if (d.kind == f.kind) {
+          d.evidence += "; " + f.evidence;
+          joined = true;
+          nlohmann::ordered_json w = where_of(rows_of_kind[f.kind]);  // the union's results, ranks, sequences, rows
+          for (auto& [key, value] : w.items()) d.where[key] = value;
+        }
+    if (joined) continue;
+    Diagnosis d{f.kind, f.evidence, f.where};
+    if (!is_symptom(f.kind) && !f.always) {
+      const std::vector<std::string> other = also_fits(f);
+      if (!other.empty()) {
+        d.evidence += "; the same rows fit " + list_text(other, 4) + " as well: this case cannot tell them apart";
+        d.where["also_fits"] = other;
       }
-    if (!joined) out.push_back({f.kind, f.evidence, f.where});
-  }
-  if (out.empty()) {
-    std::vector<std::string> names;
-    int64_t rows = 0;
-    for (const Subject& s : subjects_) {
-      names.push_back(s.name);
-      for (uint8_t x : s.failing) rows += x;
     }
-    for (const TensorResult& r : report_.results)
-      if (!r.ok() && (r.missing || r.step >= 0))
-        names.push_back(result_name(r) +
-                        (r.step >= 0 ? "/s" + std::to_string(r.step) + (r.pass == "forward" ? "f" : "b") : "") +
-                        (r.missing ? " (missing)" : ""));
-    Diagnosis d;
-    d.kind = DiagnosisKind::unexplained;
-    d.evidence = "none of the tested kinds fits the failures of " + names_text(names) +
-                 " (tail rows, chunk order, pad rows, non-finite values, softmax scale, mask edge, head mapping, LSE "
-                 "convention, merge, inputs): the first divergence above is where to start";
-    if (!replay_closest_.empty()) d.evidence += "; " + replay_closest_;
-    if (!not_tested_.empty()) d.evidence += "; not tested: " + list_text(not_tested_, 2);
-    d.where["results"] = names;
-    d.where["rows"] = rows;
-    out.push_back(d);
+    out.push_back(std::move(d));
   }
   if (!not_tested_.empty()) out.back().where["not_tested"] = not_tested_;
   return out;

@@ -117,6 +117,7 @@ struct Subject {
   std::vector<uint8_t> failing;      // row_bad | pad_nonzero | nonfinite: what a finding has to explain
   std::vector<uint8_t> explained;    // set by the findings kept
   int64_t bad_items = 0;
+  bool passing = false;              // a result the check passed: evidence against a hypothesis, never to explain
   bool mean_only = false;            // nothing past the max limit: the items with the largest errors stand in
   float gold(int64_t row, int64_t head, int64_t x) const { return golden->view(global[static_cast<size_t>(row)], head, x); }
 };
@@ -128,6 +129,7 @@ struct Finding {
   nlohmann::ordered_json where;
   std::map<size_t, std::vector<uint8_t>> rows;  // subject index -> rows it explains
   bool always = false;                          // kept whatever the rows (the digest)
+  bool replayed = false;                        // a replayed mistake's (a cause the simulation confirmed)
   int priority = -1;                            // specificity rank when not the kind's own (a generic merge finding)
 };
 
@@ -215,10 +217,17 @@ class Diagnoser {
   void test_gradient_factor();
   void test_lse_forms();
   void test_merge();
-  void test_inputs_by_recomputation();
   void test_replay();
   std::vector<Finding> replay_findings_;  // matched mistakes, listed first (cause first)
   std::string replay_closest_;            // when none matched: the closest ones, for an unexplained line
+  nlohmann::ordered_json replay_closest_json_ = nlohmann::ordered_json::array();
+  // What the findings say when they do not account for every failing row: one unexplained line with the symptoms,
+  // the partial fits and the closest replayed mistakes.
+  Diagnosis unexplained_line(const std::vector<const Finding*>& partial, int64_t failing, int64_t explained,
+                             const std::string& headline = {}) const;
+  // A symptom the unexplained line names: every failing row is a dK or dV row of a key that some backward step holds
+  // with none of its sequence's queries (empty when that is not so).
+  std::string queryless_keys(nlohmann::ordered_json& where) const;
 
   // Recomputation.
   std::vector<Item> sample(const std::vector<size_t>& subject_ids, int bad_per_subject, int good_per_subject,
@@ -231,7 +240,8 @@ class Diagnoser {
       const Variant& v, const std::vector<Item>& items) const;
   struct Verdict {
     bool match = false;         // every sampled item matches and at least one failing item is explained
-    bool contradicted = false;  // some sampled item does not match
+    bool contradicted = false;  // a sampled item far off the variant, or more than 1 in 8 off by a few tolerances
+    int64_t far = 0, near = 0;  // sampled items off the variant by more than 4 tolerances, by 1 to 4
     int64_t explained = 0;      // failing items where the variant differs from the golden and matches the candidate
     int64_t items = 0;          // sampled items of the result
   };

@@ -169,15 +169,30 @@ ReplayOutcome replay_mistakes(const FixtureFile& fixture, const sim::CaseInputs&
   outcome.sequences = chosen;
 
   SubCase sub = make_sub_case(spec, layout, inputs, chosen, h0, h1, k0, k1);
-  // Non-finite pad values (pad_fill nan or inf): which valid rows a pad value read as a token turns non-finite depends
-  // on a kernel's tiling (0 x NaN inside a block of keys), not on the mistake. The replay runs on inputs with those
-  // values 0 and leaves the candidate's non-finite elements out of the comparison (nonfinite_leak names them).
+  // Non-finite input values (pad_fill nan or inf): the replay runs twice, once with those values 0 and once with
+  // other finite values (distinct per element). An element the two runs give alike does not depend on them under the
+  // mistake; one they give differently does (the mistake reads a pad value into it): what the candidate holds there
+  // is what the implementation makes of a non-finite value (NaN, or a finite value where it drops a NaN partial), and
+  // any value is the mistake's. Elsewhere a non-finite candidate element is left out of the comparison: which
+  // elements a pad value turns non-finite beyond those depends on an implementation's tiling (0 x NaN inside a block
+  // of keys), not on the mistake, and nonfinite_leak names them. A mistake is then confirmed only by a failing row it
+  // reproduces with finite values where it reads no pad value.
   bool nonfinite_inputs = false;
   for (const Tensor3<float>* t : {&inputs.q, &inputs.k, &inputs.v, &inputs.dout})
     nonfinite_inputs |= std::any_of(t->values.begin(), t->values.end(), [](float x) { return !std::isfinite(x); });
-  for (Tensor3<float>* t : {&sub.inputs.q, &sub.inputs.k, &sub.inputs.v, &sub.inputs.dout})
-    for (float& x : t->values)
-      if (!std::isfinite(x)) x = 0.f;
+  sim::CaseInputs other_pads = sub.inputs;
+  {
+    Tensor3<float>* zeroed[4] = {&sub.inputs.q, &sub.inputs.k, &sub.inputs.v, &sub.inputs.dout};
+    Tensor3<float>* other[4] = {&other_pads.q, &other_pads.k, &other_pads.v, &other_pads.dout};
+    for (int t = 0; t < 4; ++t)
+      for (size_t i = 0; i < zeroed[t]->values.size(); ++i)
+        if (!std::isfinite(zeroed[t]->values[i])) {
+          zeroed[t]->values[i] = 0.f;
+          // in [0.375, 0.625), a different value for each element (no two read pad values cancel)
+          const uint32_t hash = static_cast<uint32_t>((i + 1u + 0x3C6EF372u * static_cast<uint32_t>(t)) * 2654435761u);
+          other[t]->values[i] = 0.375f + 0.25f * static_cast<float>(hash >> 8) / 16777216.f;
+        }
+  }
   const sim::Plan plan = sim::make_plan(sub.spec);
 
   bool any_backward = false;
@@ -208,7 +223,7 @@ ReplayOutcome replay_mistakes(const FixtureFile& fixture, const sim::CaseInputs&
       const auto t0 = std::chrono::steady_clock::now();
       (void)sim::run_cp_oracle(sim::make_plan(small), small_inputs, run_options);
       const double t = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      forward_seconds = t * padded_pairs(sub.spec) / std::max(1.0, padded_pairs(small));
+      forward_seconds = t * padded_pairs(sub.spec) / std::max(1.0, padded_pairs(small)) * (nonfinite_inputs ? 2 : 1);
     } catch (const std::exception&) {
       forward_seconds = 0;  // no estimate: the budget bounds the start of each mistake only
     }
@@ -219,8 +234,8 @@ ReplayOutcome replay_mistakes(const FixtureFile& fixture, const sim::CaseInputs&
     return std::string(buffer);
   };
 
-  for (const std::string& name : sim::mistake_catalogue(plan)) {
-    std::optional<sim::Mistake> mistake = sim::make_mistake(plan, name);
+  for (const std::string& name : sim::mistake_catalogue(plan, spec.dtype)) {
+    std::optional<sim::Mistake> mistake = sim::make_mistake(plan, name, spec.dtype);
     if (!mistake) continue;  // changes nothing for this case
     if (elapsed() > options.budget_seconds) {
       outcome.not_replayed.push_back(name);
@@ -237,16 +252,41 @@ ReplayOutcome replay_mistakes(const FixtureFile& fixture, const sim::CaseInputs&
     for (const sim::TileRef& t : mistake->changed_tiles)
       if (t.pass == sim::PassKind::forward) result.tiles.push_back(t);
     // The rows each rank of the whole case holds under the mistake (a layout mistake's, or the partition's).
-    std::vector<std::vector<int64_t>> held_q = right_q, held_kv = right_kv;
-    if (!mistake->variation.q_rows.empty()) {
-      std::optional<sim::Mistake> whole_mistake = sim::make_mistake(whole, name);
-      if (!whole_mistake || whole_mistake->variation.q_rows.empty()) continue;
-      held_q = whole_mistake->variation.q_rows;
-      held_kv = whole_mistake->variation.kv_rows;
+    // held_o: the rows a rank's O and LSE hold (the same, or another order for an output reorder).
+    std::vector<std::vector<int64_t>> held_q = right_q, held_kv = right_kv, held_o = right_q;
+    if (!mistake->variation.q_rows.empty() || !mistake->output_q_rows.empty()) {
+      std::optional<sim::Mistake> whole_mistake = sim::make_mistake(whole, name, spec.dtype);
+      if (!whole_mistake) continue;
+      if (!mistake->variation.q_rows.empty()) {
+        if (whole_mistake->variation.q_rows.empty()) continue;
+        held_q = held_o = whole_mistake->variation.q_rows;
+        held_kv = whole_mistake->variation.kv_rows;
+      }
+      if (!mistake->output_q_rows.empty()) {
+        if (whole_mistake->output_q_rows.empty()) continue;
+        held_o = whole_mistake->output_q_rows;
+      }
     }
+    // A global O or LSE row under an output reorder holds the row its rank's reorder put in its place.
+    std::vector<int64_t> o_source;
+    if (!mistake->output_q_rows.empty()) {
+      o_source.resize(info_q.sequence.size());
+      for (size_t g = 0; g < o_source.size(); ++g) o_source[g] = static_cast<int64_t>(g);
+      for (int r = 0; r < whole.cp_size; ++r)
+        for (size_t x = 0; x < right_q[static_cast<size_t>(r)].size(); ++x) {
+          const int64_t g = right_q[static_cast<size_t>(r)][x];
+          if (g >= 0 && g < static_cast<int64_t>(o_source.size())) o_source[static_cast<size_t>(g)] = held_o[static_cast<size_t>(r)][x];
+        }
+    }
+    // The whole-case row a candidate row holds under the mistake.
+    auto source_row = [&](const ReplaySubject& s, const std::vector<int64_t>* held, size_t row) -> int64_t {
+      if (held) return (*held)[row];
+      if (!o_source.empty() && is_forward(s.quantity) && row < o_source.size()) return o_source[row];
+      return static_cast<int64_t>(row);
+    };
     std::vector<int> owner_q(info_q.sequence.size(), -1), owner_kv(info_kv.sequence.size(), -1);
     for (int r = 0; r < whole.cp_size; ++r) {
-      for (int64_t g : held_q[static_cast<size_t>(r)])
+      for (int64_t g : held_o[static_cast<size_t>(r)])
         if (g >= 0 && g < static_cast<int64_t>(owner_q.size())) owner_q[static_cast<size_t>(g)] = r;
       for (int64_t g : held_kv[static_cast<size_t>(r)])
         if (g >= 0 && g < static_cast<int64_t>(owner_kv.size())) owner_kv[static_cast<size_t>(g)] = r;
@@ -256,41 +296,51 @@ ReplayOutcome replay_mistakes(const FixtureFile& fixture, const sim::CaseInputs&
 
     // The mistake's simulation of the chosen sequences, gathered to the sub-case's global rows: a candidate row
     // holding whole-case global row G (per rank: the row the mistake puts there) is compared with sub row of G.
-    auto compare = [&](const sim::CpRun<double>& run, bool forward) {
+    // other: the run with other finite values where the inputs are non-finite (nullptr: the inputs are finite).
+    auto compare = [&](const sim::CpRun<double>& run, const sim::CpRun<double>* other, bool forward) {
       const sim::GlobalOutputs<double> global = sim::gather_outputs(plan, run.ranks, mistake->variation);
+      sim::GlobalOutputs<double> global_other;
+      if (other) global_other = sim::gather_outputs(plan, other->ranks, mistake->variation);
       for (size_t i = 0; i < subjects.size(); ++i) {
         const ReplaySubject& s = subjects[i];
         if (is_forward(s.quantity) != forward) continue;
         const bool kv = is_kv(s.quantity), lse = s.quantity == Quantity::lse;
-        // A gradient that holds non-finite values where the inputs do: how NaN spreads through the backward's sums
-        // (dV over queries, dQ over keys) depends on how an implementation masks, so it is no evidence either way.
-        if (nonfinite_inputs && !forward &&
-            std::any_of(s.cand.data, s.cand.data + s.cand.size(), [](float v) { return !std::isfinite(v); }))
-          continue;
-        TensorView<double> sim;
-        switch (s.quantity) {
-          case Quantity::o: sim = view_of(global.o); break;
-          case Quantity::lse: sim = view_of(global.lse); break;
-          case Quantity::dq: sim = view_of(global.dq); break;
-          case Quantity::dk: sim = view_of(global.dk); break;
-          case Quantity::dv: sim = view_of(global.dv); break;
-        }
+        auto pick = [&](const sim::GlobalOutputs<double>& g) {
+          switch (s.quantity) {
+            case Quantity::o: return view_of(g.o);
+            case Quantity::lse: return view_of(g.lse);
+            case Quantity::dq: return view_of(g.dq);
+            case Quantity::dk: return view_of(g.dk);
+            case Quantity::dv: return view_of(g.dv);
+          }
+          return view_of(g.o);
+        };
+        const TensorView<double> sim = pick(global);
+        TensorView<double> sim_other;
+        if (other) sim_other = pick(global_other);
         const RowInfo& info = kv ? info_kv : info_q;
         const std::vector<int64_t>& sub_row = kv ? sub.kv_row_of : sub.q_row_of;
         const std::vector<int>& owner = kv ? owner_kv : owner_q;
-        const std::vector<int64_t>* held = s.rank >= 0 ? &(kv ? held_kv : held_q)[static_cast<size_t>(s.rank)] : nullptr;
+        const std::vector<int64_t>* held =
+            s.rank >= 0 ? &(kv ? held_kv : is_forward(s.quantity) ? held_o : held_q)[static_cast<size_t>(s.rank)] : nullptr;
         const std::vector<int64_t>* expected = s.rank >= 0 ? &(kv ? right_kv : right_q)[static_cast<size_t>(s.rank)] : nullptr;
         const int c0 = kv ? k0 : h0, c1 = kv ? k1 : h1;
-        std::vector<uint8_t> matched(static_cast<size_t>(s.cand.rows), 0);
+        std::vector<uint8_t> matched(static_cast<size_t>(s.cand.rows), 0), closer(static_cast<size_t>(s.cand.rows), 0),
+            finite(static_cast<size_t>(s.cand.rows), 0);
         for (int64_t row = 0; row < s.cand.rows; ++row) {
-          const int64_t g = held ? (*held)[static_cast<size_t>(row)] : row;
+          const int64_t g = source_row(s, held, static_cast<size_t>(row));
           if (g < 0 || g >= static_cast<int64_t>(sub_row.size())) continue;
           const int64_t sg = sub_row[static_cast<size_t>(g)];
           if (sg < 0) continue;  // a sequence not replayed, or a tail row
-          const bool is_valid = info.valid[static_cast<size_t>(g)];
-          if (!is_valid && (lse || options.pad_rows == PadRows::unwritten)) continue;
           const int64_t ge = expected ? (*expected)[static_cast<size_t>(row)] : row;
-          bool ok = true, moved = false;  // moved: the mistake's value is not the golden's (it explains the row)
+          // Pad rows as the check sees them: the row it compared (a rank holding other rows under a layout mistake
+          // still has its LSE of a row it believes valid compared).
+          const int64_t checked = ge >= 0 && ge < static_cast<int64_t>(info.valid.size()) ? ge : g;
+          const bool is_valid = info.valid[static_cast<size_t>(checked)];
+          if (!is_valid && (lse || options.pad_rows == PadRows::unwritten)) continue;
+          bool ok = true, moved = false, half_moved = false;  // moved: the mistake's value is not the golden's
+          double to_sim = 0, to_golden = 0;                   // the row's largest distances of the candidate
+          bool finite_moved = false;  // an element where candidate and simulation are finite and the mistake moved it
           int64_t compared = 0;
           for (int h = c0; h < c1; ++h)
             for (int64_t x = 0; x < s.cand.dim; ++x) {
@@ -299,9 +349,20 @@ ReplayOutcome replay_mistakes(const FixtureFile& fixture, const sim::CaseInputs&
               if (lse && options.empty_row_lse == EmptyRowLse::pos_inf && c == kInf && p == -kInf) c = -kInf;
               // A valid row no call of the mistake reads: an unwritten LSE (0 of a zeroed buffer, or an infinity).
               if (lse && p == -kInf && (c == 0 || std::isinf(c))) c = -kInf;
-              if (nonfinite_inputs && !std::isfinite(c) && !(lse && std::isinf(c))) continue;
+              // Where the inputs hold non-finite values: an element the mistake makes depend on them (the two runs
+              // differ) holds whatever the implementation makes of a non-finite value (NaN, an infinity, or a finite
+              // value where it drops a NaN partial from its merge): any candidate value is the mistake's there. Any
+              // other non-finite candidate element is left out (above).
+              const bool c_bad = std::isnan(c) || (std::isinf(c) && !(lse && c == -kInf));
+              bool reads_pads = false;
+              if (other) {
+                const double po = sim_other(sg, h - c0, x);
+                reads_pads = !(p == po) && !(std::isnan(p) && std::isnan(po));
+              }
+              if (nonfinite_inputs && c_bad && !reads_pads) continue;
               double d;
-              if (std::isnan(c) && std::isnan(p)) d = 0;
+              if (reads_pads) d = 0;
+              else if (std::isnan(c) && std::isnan(p)) d = 0;
               else if (std::isfinite(c) && std::isfinite(p)) d = std::fabs(c - p);
               else d = c == p ? 0 : kInf;
               const double floor = floor_ulps(s.precision) * ulp_in(s.precision, 0.3 + (std::isfinite(p) ? std::fabs(p) : 0));
@@ -310,27 +371,45 @@ ReplayOutcome replay_mistakes(const FixtureFile& fixture, const sim::CaseInputs&
               ++result.elements;
               ++compared;
               if (ratio > 1) ok = false;
+              else ++result.elements_within;
               worst = std::max(worst, ratio);
-              if (!moved && ge >= 0 && ge < s.golden.rows) {
+              if (reads_pads) {
+                // the golden never reads a pad value: the mistake moved the element
+                moved = half_moved = true;
+                to_golden = kInf;
+                continue;
+              }
+              if (ge >= 0 && ge < s.golden.rows) {
                 const double o = s.golden(ge, h, x);
                 const double dg = std::isfinite(o) && std::isfinite(p) ? std::fabs(o - p) : (o == p ? 0 : kInf);
-                moved = dg > tol;
+                moved |= dg > tol;
+                const double explain = s.explain_limit > 0 ? s.explain_limit : s.limit;
+                half_moved |= dg > 0.5 * explain;
+                finite_moved |= std::isfinite(c) && std::isfinite(p) && std::isfinite(o) && dg > 0.5 * explain;
+                const double co = std::isfinite(o) && std::isfinite(c) ? std::fabs(o - c) : (o == c ? 0 : kInf);
+                to_golden = std::max(to_golden, co);
+                to_sim = std::max(to_sim, d);
               }
             }
-          // A row whose every element was left out (non-finite in the candidate) is no evidence for the mistake.
-          matched[static_cast<size_t>(row)] = ok && compared > 0 && moved;
+          // A row whose every element was left out (non-finite in the candidate) is no evidence for the mistake. The
+          // mistake explains the row where its simulation is not the golden: moved past the tolerance, or (a row the
+          // check failed by little) moved by half the limit with the candidate nearer the simulation than the golden.
+          matched[static_cast<size_t>(row)] = ok && compared > 0 && (moved || (half_moved && to_sim < to_golden));
+          closer[static_cast<size_t>(row)] = compared > 0 && half_moved && to_sim < to_golden;
+          finite[static_cast<size_t>(row)] = finite_moved;
         }
         if (s.failing.empty()) continue;
         std::vector<uint8_t>& explained = result.rows[i];
         explained.assign(s.failing.size(), 0);
         for (size_t row = 0; row < s.failing.size(); ++row) {
           if (!s.failing[row]) continue;
-          const int64_t g = held ? (*held)[row] : static_cast<int64_t>(row);
+          const int64_t g = source_row(s, held, row);
           if (g < 0 || g >= static_cast<int64_t>(sub_row.size()) || sub_row[static_cast<size_t>(g)] < 0) continue;
-          ++result.failing_rows;  // of the sequences replayed
+          result.failing_rows_closer += closer[row];
           if (!matched[row]) continue;
           explained[row] = 1;
           ++result.failing_rows_matched;
+          result.failing_rows_finite += finite[row];
           if (s.rank >= 0) ranks.insert(s.rank);
           else if (g >= 0 && g < static_cast<int64_t>(owner.size()) && owner[static_cast<size_t>(g)] >= 0)
             ranks.insert(owner[static_cast<size_t>(g)]);
@@ -338,15 +417,42 @@ ReplayOutcome replay_mistakes(const FixtureFile& fixture, const sim::CaseInputs&
       }
     };
 
-    try {
-      sim::ExecutorOptions run_options;
-      run_options.variation = &mistake->variation;
-      run_options.record_trace = false;
-      run_options.backward = false;
+    // The failing rows of the sequences replayed, every result's (those of a pass the replay does not reach count too).
+    for (const ReplaySubject& s : subjects) {
+      const bool kv = is_kv(s.quantity);
+      const std::vector<int64_t>& sub_row = kv ? sub.kv_row_of : sub.q_row_of;
+      const std::vector<int64_t>* held =
+          s.rank >= 0 ? &(kv ? held_kv : is_forward(s.quantity) ? held_o : held_q)[static_cast<size_t>(s.rank)] : nullptr;
+      for (size_t row = 0; row < s.failing.size(); ++row) {
+        if (!s.failing[row]) continue;
+        const int64_t g = source_row(s, held, row);
+        if (g >= 0 && g < static_cast<int64_t>(sub_row.size()) && sub_row[static_cast<size_t>(g)] >= 0) ++result.failing_rows;
+      }
+    }
+    // Every run ends by the budget's deadline (checked before each tile's call): a mistake whose run passes it is
+    // named as not replayed, with the time it had run, never left out silently.
+    sim::ExecutorOptions run_options;
+    run_options.record_trace = false;
+    run_options.backward = false;
+    run_options.deadline = start + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                       std::chrono::duration<double>(options.budget_seconds));
+    const auto run_started = std::chrono::steady_clock::now();
+    auto run = [&](bool backward) {
+      run_options.backward = backward;
       ++outcome.runs;
-      auto t0 = std::chrono::steady_clock::now();
-      compare(sim::run_cp_oracle(mistake->plan, sub.inputs, run_options), true);
-      forward_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      const auto t0 = std::chrono::steady_clock::now();
+      const sim::CpRun<double> zeroed = sim::run_mistake(*mistake, sub.inputs, run_options);
+      if (nonfinite_inputs) {
+        ++outcome.runs;
+        const sim::CpRun<double> other = sim::run_mistake(*mistake, other_pads, run_options);
+        compare(zeroed, &other, !backward);
+      } else {
+        compare(zeroed, nullptr, !backward);
+      }
+      return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    };
+    try {
+      forward_seconds = run(false);
       // A backward costs about two forwards more (dQ, dK and dV) until one is measured.
       const double backward_estimate = backward_seconds > 0 ? backward_seconds : 3 * forward_seconds;
       if (any_backward && worst <= 1 && elapsed() + backward_estimate > options.budget_seconds) {
@@ -355,19 +461,22 @@ ReplayOutcome replay_mistakes(const FixtureFile& fixture, const sim::CaseInputs&
         continue;
       }
       if (any_backward && worst <= 1) {
-        run_options.backward = true;
-        ++outcome.runs;
         result.backward_run = true;
-        t0 = std::chrono::steady_clock::now();
-        compare(sim::run_cp_oracle(mistake->plan, sub.inputs, run_options), false);
-        backward_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        backward_seconds = run(true);
       }
+    } catch (const sim::RunStopped&) {
+      const double ran = std::chrono::duration<double>(std::chrono::steady_clock::now() - run_started).count();
+      outcome.not_replayed.push_back(name + " (stopped at the budget after " + seconds_text(ran) + ")");
+      continue;
     } catch (const std::exception&) {
       continue;  // a mistake the simulator cannot run for this case (a call its checks refuse): not a candidate
     }
     result.worst_ratio = worst;
     result.ranks.assign(ranks.begin(), ranks.end());
-    result.matches = worst <= 1 && result.failing_rows_matched > 0 && (!any_backward || result.backward_run);
+    // With non-finite pads, the candidate's non-finite rows are no evidence: the mistake is confirmed by a failing
+    // row it reproduces with finite values.
+    result.matches = worst <= 1 && result.failing_rows_matched > 0 && (!any_backward || result.backward_run) &&
+                     (!nonfinite_inputs || result.failing_rows_finite > 0);
     outcome.results.push_back(std::move(result));
   }
   std::stable_sort(outcome.results.begin(), outcome.results.end(), [](const ReplayResult& a, const ReplayResult& b) {
@@ -375,6 +484,10 @@ ReplayOutcome replay_mistakes(const FixtureFile& fixture, const sim::CaseInputs&
     const double fa = a.failing_rows ? double(a.failing_rows_matched) / a.failing_rows : 0;
     const double fb = b.failing_rows ? double(b.failing_rows_matched) / b.failing_rows : 0;
     if (fa != fb) return fa > fb;
+    if (a.failing_rows_closer != b.failing_rows_closer) return a.failing_rows_closer > b.failing_rows_closer;
+    const double ea = a.elements ? double(a.elements_within) / a.elements : 0;
+    const double eb = b.elements ? double(b.elements_within) / b.elements : 0;
+    if (ea != eb) return ea > eb;
     return a.worst_ratio < b.worst_ratio;
   });
   outcome.seconds = elapsed();

@@ -27,12 +27,15 @@ struct ReplaySubject {
   TensorView<float> cand;       // [rows, heads, dim]; LSE [rows, heads, 1]
   TensorView<float> golden;     // the golden's global tensor, same shape convention (rows: global rows)
   double limit = 0;             // the deciding max limit of the result
+  double explain_limit = 0;     // what a failing element is past (the mean limit for a result failed on the mean only;
+                                // 0: the max limit)
   DType precision = DType::fp32;
   std::vector<uint8_t> failing;  // per row: the check found it wrong (empty: the result passed)
 };
 
 struct ReplayOptions {
-  double budget_seconds = 30;     // stop starting mistakes past this; the ones left are named as not replayed
+  double budget_seconds = 30;     // no mistake starts past this (or when its run is expected to end past it), a
+                                  // run past it stops at its next tile; the ones left are named as not replayed
   PadRows pad_rows = PadRows::zero;
   EmptyRowLse empty_row_lse = EmptyRowLse::neg_inf;
   int q_head = 0;                 // p2p, all_gather: a query head that fails; its KV head and group are replayed
@@ -47,8 +50,11 @@ struct ReplayResult {
   bool matches = false;
   double worst_ratio = 0;          // largest |candidate - simulation| / tolerance over the compared elements
   int64_t elements = 0;            // elements compared
-  int64_t failing_rows = 0;        // failing rows of the subjects in the sequences replayed
+  int64_t elements_within = 0;     // of them within the tolerance
+  int64_t failing_rows = 0;        // failing rows of the subjects in the sequences replayed (every pass's)
   int64_t failing_rows_matched = 0;
+  int64_t failing_rows_closer = 0;
+  int64_t failing_rows_finite = 0;  // reproduced failing rows with a finite element the mistake moved  // failing rows where the simulation sits nearer the candidate than the golden
   std::map<size_t, std::vector<uint8_t>> rows;  // subject index -> failing rows the simulation reproduces
   std::vector<sim::TileRef> tiles;              // forward tiles the mistake changes (mask, counts)
   std::vector<int> ranks;                       // ranks whose results differ from the golden under the mistake

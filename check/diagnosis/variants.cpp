@@ -22,8 +22,20 @@ void Diagnoser::test_variants() {
     if (subjects_[id].bad_items > 0) usable.push_back(id);
   if (usable.empty()) return;
   load_inputs();
-  const std::vector<Item> items = sample(usable, 8, 4);
+  // The failing results' items and, as evidence against a variant, right items of every result (a variant that one
+  // result fits and another contradicts is no explanation: the scale of one gradient that happens to be the golden
+  // times a constant while O is wrong otherwise).
+  std::vector<size_t> passing;
+  for (size_t id = 0; id < subjects_.size(); ++id)
+    if (subjects_[id].passing) passing.push_back(id);
+  std::vector<Item> items = sample(usable, 8, 4);
   if (items.empty()) return;
+  for (const Item& item : sample(passing, 0, 4)) items.push_back(item);
+  auto consistent = [](const std::map<size_t, Verdict>& verdicts) {
+    for (const auto& [id, verdict] : verdicts)
+      if (verdict.contradicted) return false;
+    return true;
+  };
 
   // Families: one finding per family, from its variant that explains the most.
   struct Best {
@@ -34,6 +46,7 @@ void Diagnoser::test_variants() {
   };
   auto consider = [&](Best& best, const Variant& v, double scale_value) {
     const std::map<size_t, Verdict> verdicts = judge(v, items);
+    if (!consistent(verdicts)) return;
     int64_t explained = 0;
     for (const auto& [id, verdict] : verdicts) explained += verdict.match ? verdict.explained : 0;
     if (explained > best.explained) best = {v.label, verdicts, explained, scale_value};
@@ -43,19 +56,23 @@ void Diagnoser::test_variants() {
     Finding f;
     f.kind = kind;
     std::vector<std::string> names;
-    int64_t sampled = 0;
+    int64_t sampled = 0, near = 0;
     for (const auto& [id, verdict] : best.verdicts) {
       if (!verdict.match) continue;
       const Subject& s = subjects_[id];
       names.push_back(s.name);
       sampled += verdict.items;
+      near += verdict.near;
       std::vector<uint8_t> rows = flags(s.failing.size());
       for (int64_t row = 0; row < s.cand.rows; ++row) rows[static_cast<size_t>(row)] = s.row_bad[static_cast<size_t>(row)];
       f.rows[id] = rows;
     }
     f.evidence = names_text(names) + " match" + (names.size() == 1 ? "es" : "") + " attention recomputed " + prefix +
-                 best.label + " on every one of " + std::to_string(sampled) + " sampled rows x heads (" +
-                 std::to_string(best.explained) + " of them failing against the golden)";
+                 best.label + (near == 0 ? " on every one of " + std::to_string(sampled)
+                                         : " on " + std::to_string(sampled - near) + " of " + std::to_string(sampled)) +
+                 " sampled rows x heads (" + std::to_string(best.explained) + " of them failing against the golden" +
+                 (near == 0 ? std::string(")") : "; the others within 4 times the tolerance of it)") +
+                 "; every result the candidate holds agrees with it";
     f.where = where_of(f.rows);
     for (auto& [key, value] : extra.items()) f.where[key] = value;
     add(std::move(f));
@@ -118,6 +135,8 @@ void Diagnoser::test_variants() {
         if (subjects_[item.subject].kv) kv_items.push_back(item);
       for (const auto& [id, verdict] : judge(full, kv_items))
         if (verdict.match) explained_by_subject[id] += verdict.explained;
+      // Every result, the passing ones too, must agree with the whole map.
+      if (!consistent(judge(full, items))) explained_by_subject.clear();
       bool interleaved = true;
       std::vector<std::string> moves;
       for (const auto& [h, g] : remap) {
@@ -157,7 +176,7 @@ void Diagnoser::test_variants() {
       std::map<size_t, Verdict> verdicts = judge(v, items);
       bool lse_matched = false;
       for (const auto& [id, verdict] : verdicts) lse_matched |= verdict.match && subjects_[id].lse;
-      if (!lse_matched) verdicts.clear();
+      if (!lse_matched || !consistent(verdicts)) verdicts.clear();
       Finding f;
       f.kind = DiagnosisKind::lse_convention;
       std::vector<std::string> names;

@@ -19,6 +19,47 @@ from .errors import CheckInputError, InputError
 from .fixture import OUTPUT_NAMES, Fixture
 
 _SEED_MAX = 2 ** 64 - 1
+# Diagnosis kinds that say what the outputs show, not a cause: they may come and go with the padding and the pad fill.
+_SYMPTOMS = ("pad_rows_not_zero", "nonfinite_leak")
+
+
+def _same_way(kinds, original_kinds, found, status="fails"):
+    """check/shrink.cpp's shrink_same_way (without the tensors): a failure naming every kind of `kinds` and, unless
+    any failure is kept (`kinds` empty), no cause kind the original's diagnosis does not name."""
+    if status != "fails" or not all(k in found for k in kinds):
+        return False
+    return not kinds or all(k in _SYMPTOMS or k in original_kinds for k in found)
+
+
+def _name_note(kinds, before, after):
+    """check/shrink.cpp's shrink_name_note: why the smallest case's diagnosis (after) is not the original's (before),
+    or "" where it names the same kinds."""
+    def text(items):
+        return ", ".join(items) or "no diagnosis"
+
+    symptoms, not_required, other = [], [], []
+    for k in before:
+        if k not in after:
+            (symptoms if k in _SYMPTOMS else other if k in kinds else not_required).append(k)
+    for k in after:
+        if k not in before:
+            (symptoms if k in _SYMPTOMS else other).append(k)
+    if not (symptoms or not_required or other):
+        return ""
+    why = []
+    if not kinds:
+        why.append("any failure was kept, whatever its diagnosis (any failure)")
+    else:
+        if symptoms:
+            many = len(symptoms) > 1
+            why.append(text(symptoms) + (" are symptoms, which come and go" if many else
+                                         " is a symptom, which comes and goes") + " with the padding and the pad fill")
+        if not_required:
+            why.append(text(not_required) + (" were" if len(not_required) > 1 else " was") +
+                       f" not required (a kept failure names {text(kinds)})")
+        if other:
+            why.append(f"the kinds {text(other)} changed")
+    return f"the smallest case's diagnosis ({text(after)}) is not the original's ({text(before)}): " + "; ".join(why)
 
 
 class ShrinkResult(dict):
@@ -247,6 +288,10 @@ def shrink(start, fn, *, kind=None, any_failure=False, same_tensors=False, budge
     if out["stopped"] != "minimal" and (out.smaller or out["not_reproduced"]):
         out["notes"].insert(0, f"the search stopped early ({out['stopped']}: {out['stop_detail']}): this is the "
                                "smallest failing case found so far")
+    if out["smallest_verdict"]["status"] == "fails":
+        note = _name_note(out["kinds"], out["original_verdict"]["kinds"], out["smallest_verdict"]["kinds"])
+        if note:
+            out["notes"].append(note)
     out["rows_q"], out["tokens_q"] = _rows_q(out["smallest"]), _tokens_q(out["smallest"])
     out["report"] = reports.get(out["smallest"])
     out["reproduce"] = f"cpgold gen --case '{out['smallest']}' -o case.h5"
@@ -267,7 +312,7 @@ def _confirm(out, runner, confirm, kept, progress, state, seconds):
         out["steps"] = out["steps"][:len(kept)]
 
     def same_way(v):
-        if v[0] != "fails" or not all(k in v[1] for k in out["kinds"]):
+        if not _same_way(out["kinds"], out["original_verdict"]["kinds"], v[1], v[0]):
             return False
         tensors = list(v[3]) if len(v) > 3 else []
         return not out["same_tensors"] or tensors == list(out["original_verdict"]["tensors"])

@@ -14,7 +14,9 @@ the captured pad rows, so NaN pads stay NaN). After each cut the golden is made 
   characters only, COMMAND runs in a process group of its own under a run timeout (its escaped descendants reaped
   by a child subreaper, _REAPER below), and the candidate file it writes is checked.
 
-A cut is kept only while the check still fails with every diagnosis kind of the original failure. Cuts are tried
+A cut is kept only while the check still fails with every diagnosis kind of the original failure and names no cause
+the original's does not (symptoms apart: pad_rows_not_zero, nonfinite_leak), as cpgold.shrink keeps a case; where
+the answer's diagnosis is not the original's, a note says why. Cuts are tried
 greedily, biggest first, until none is kept, the budget is spent or max_runs is reached; the answer is then rerun
 `confirm` times, as `cpgold shrink` confirms its answer. The smallest case is saved as case.json and inputs.h5, which
 `cpgold gen --case "$(cat case.json)" --inputs inputs.h5 -o X.h5` turns into its fixture.
@@ -38,6 +40,7 @@ import h5py
 import numpy as np
 
 from ..errors import CheckInputError, InputError
+from ..shrink import _name_note, _same_way
 from . import _folder
 from .joining import load_joined
 
@@ -789,7 +792,9 @@ class _Search:
                                int(smallest["total_tokens_q"])})
 
     def same_way(self, verdict):
-        return verdict["status"] == "fails" and self.kinds <= set(verdict["kinds"])
+        # cpgold.shrink's rule (check/shrink.cpp, shrink_same_way): every kind of the original's diagnosis, and no
+        # cause it does not name (symptoms apart), so that the smallest case carries the original's name
+        return _same_way(sorted(self.kinds), self.original_verdict["kinds"], verdict["kinds"], verdict["status"])
 
     def run(self):
         from ..cases import normalize_case
@@ -917,6 +922,10 @@ def _finish(search, result, out, record, command):
     if command is not None:
         reproduce += search.runner.reproduce(record, int(best_case["cp_size"]))
     report = best_verdict["report"]
+    if best_verdict["status"] == "fails":
+        note = _name_note(sorted(search.kinds), search.original_verdict["kinds"], best_verdict["kinds"])
+        if note:
+            result["notes"].append(note)
     out_dict = {"original": json.dumps(search.case), "smallest": json.dumps(best_case), "kinds": sorted(search.kinds),
                 "steps": [k[0] for k in kept], "command": command, **search.counts,
                 "seconds": search.elapsed(), **result, "case_path": case_path, "inputs_path": inputs_path,
