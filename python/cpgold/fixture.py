@@ -24,6 +24,13 @@ OUTPUT_NAMES = ("o", "lse", "dq", "dk", "dv")
 SIDE = {"q": "q", "dout": "q", "o": "q", "lse": "q", "dq": "q", "k": "kv", "v": "kv", "dk": "kv", "dv": "kv"}
 
 
+def _case_property(key, convert=None):
+    """A read-only property: the case's field `key`, as `convert` makes it where given."""
+    if convert is None:
+        return property(lambda self: self.case[key], doc=f"The case's {key}.")
+    return property(lambda self: convert(self.case[key]), doc=f"The case's {key}.")
+
+
 class FixtureError(InputError):
     """A fixture that this package cannot use (missing file or dataset, unknown schema version, anything
     `cpgold inspect --no-verify` refuses); `field` names the file, object or attribute."""
@@ -142,33 +149,13 @@ class Fixture:
         """'bf16', 'fp16' or 'fp32': the dtype of the inputs and of the peer."""
         return self.case["dtype"]
 
-    @property
-    def cp_size(self):
-        return int(self.case["cp_size"])
-
-    @property
-    def comm(self):
-        return self.case["comm"]
-
-    @property
-    def heads_q(self):
-        return int(self.case["heads_q"])
-
-    @property
-    def heads_kv(self):
-        return int(self.case["heads_kv"])
-
-    @property
-    def dim_qk(self):
-        return int(self.case["dim_qk"])
-
-    @property
-    def dim_v(self):
-        return int(self.case["dim_v"])
-
-    @property
-    def softmax_scale(self):
-        return float(self.case["softmax_scale"])
+    cp_size = _case_property("cp_size", int)
+    comm = _case_property("comm")
+    heads_q = _case_property("heads_q", int)
+    heads_kv = _case_property("heads_kv", int)
+    dim_qk = _case_property("dim_qk", int)
+    dim_v = _case_property("dim_v", int)
+    softmax_scale = _case_property("softmax_scale", float)
 
     @property
     def causal(self):

@@ -139,11 +139,16 @@ def test_reference_passes_every_rank_and_the_gathered_outputs(core, cpgold_bin, 
     assert {e["versions_digest"] for e in summary["fixtures"]} == {run["versions_digest"]}
 
 
-def test_a2a_p2p_groups_at_four_ranks(core, fixture_dir, tmp_path):
+def run_at_four_ranks(folder, tmp_path):
+    """The entries of a run over the fixtures of `folder` at W = 4 (exit 0)."""
     out = tmp_path / "w4"
-    rc, text, _ = launch(4, ["torch_allgather", fixture_dir, "--out", out, "--timeout", 30, "--grace", 2])
+    rc, text, _ = launch(4, ["torch_allgather", folder, "--out", out, "--timeout", 30, "--grace", 2])
     assert rc == 0, text
-    e = entries(out)
+    return entries(out)
+
+
+def test_a2a_p2p_groups_at_four_ranks(core, fixture_dir, tmp_path):
+    e = run_at_four_ranks(fixture_dir, tmp_path)
     w4 = e["a2a_p2p_w4_causal_window"]
     assert w4["status"] == "pass" and w4["ranks_pass"] and w4["gathered_pass"], w4
     assert sorted(w4["rank_worst"]) == ["0", "1", "2", "3"]
@@ -161,10 +166,7 @@ def test_ranks_without_valid_rows_at_four_ranks(core, tmp_path):
                                             window=[1, 0], cp_size=4, comm="all_gather", seed=8, pad_fill="nan")}
     for name, case in cases.items():
         cpgold.generate(case, path=str(folder / f"{name}.h5"))
-    out = tmp_path / "w4"
-    rc, text, _ = launch(4, ["torch_allgather", folder, "--out", out, "--timeout", 30, "--grace", 2])
-    assert rc == 0, text
-    e = entries(out)
+    e = run_at_four_ranks(folder, tmp_path)
     two = e["p2p_w4_two_tokens"]
     assert two["status"] == "pass" and two["ranks_pass"] and two["gathered_pass"], two
     assert e["all_gather_w4_no_token"]["status"] in ("pass", "empty"), e["all_gather_w4_no_token"]

@@ -87,6 +87,16 @@ class RingRank {
     }
   }
 
+  // One exchange of an a2a: out_bufs[i] goes to rank out_peers[i], in_bufs[i] comes from in_msgs[i]'s sender.
+  void exchange_messages(std::vector<Tensor>& out_bufs, const std::vector<int>& out_peers,
+                         std::vector<Tensor>& in_bufs, const std::vector<const Message*>& in_msgs) {
+    std::vector<Outgoing<B>> sends;
+    std::vector<Incoming<B>> recvs;
+    for (size_t i = 0; i < out_bufs.size(); ++i) sends.push_back({out_peers[i], &out_bufs[i], nullptr});
+    for (size_t i = 0; i < in_bufs.size(); ++i) recvs.push_back({in_msgs[i]->from_rank, &in_bufs[i], nullptr});
+    b_.exchange(sends, recvs);
+  }
+
   // a2a before the ring: send head slices of the local shard to the group, assemble rank order -> sequence order.
   Tensor scatter_to_group(const PassPlan& pass, Payload payload, const std::vector<int64_t>& level_map,
                           int64_t group_rows) {
@@ -109,11 +119,7 @@ class RingRank {
         in_msgs.push_back(&m);
       }
     }
-    std::vector<Outgoing<B>> sends;
-    std::vector<Incoming<B>> recvs;
-    for (size_t i = 0; i < out_bufs.size(); ++i) sends.push_back({out_peers[i], &out_bufs[i], nullptr});
-    for (size_t i = 0; i < in_bufs.size(); ++i) recvs.push_back({in_msgs[i]->from_rank, &in_bufs[i], nullptr});
-    b_.exchange(sends, recvs);
+    exchange_messages(out_bufs, out_peers, in_bufs, in_msgs);
     Tensor seq = b_.zeros(group_rows, h, ls.dim, BufferKind::storage);
     const int64_t piece_rows = static_cast<int64_t>(level_map.size()) / A_;
     std::vector<int> have(static_cast<size_t>(A_), 0);
@@ -254,11 +260,7 @@ class RingRank {
         in_msgs.push_back(&m);
       }
     }
-    std::vector<Outgoing<B>> sends;
-    std::vector<Incoming<B>> recvs;
-    for (size_t i = 0; i < out_bufs.size(); ++i) sends.push_back({out_peers[i], &out_bufs[i], nullptr});
-    for (size_t i = 0; i < in_bufs.size(); ++i) recvs.push_back({in_msgs[i]->from_rank, &in_bufs[i], nullptr});
-    b_.exchange(sends, recvs);
+    exchange_messages(out_bufs, out_peers, in_bufs, in_msgs);
     Tensor out = b_.zeros(side.local_rows(), heads, gs.dim, kind);
     const std::vector<int64_t> rows = program_detail::identity_rows(std::min(side.local_rows(), piece_rows));
     int seen = 0;

@@ -15,6 +15,29 @@ def offsets(lengths):
     return out
 
 
+def cu_seqlens(torch, device, seqlens_q, seqlens_kv, padded_q, padded_kv):
+    """TransformerEngine's THD offsets (int32 on `device`) of the sequences and of their padded slots."""
+    i32 = dict(dtype=torch.int32, device=device)
+    return {"cu_seqlens_q": torch.tensor(offsets(seqlens_q), **i32),
+            "cu_seqlens_kv": torch.tensor(offsets(seqlens_kv), **i32),
+            "cu_seqlens_q_padded": torch.tensor(offsets(padded_q), **i32),
+            "cu_seqlens_kv_padded": torch.tensor(offsets(padded_kv), **i32)}
+
+
+def padded_bf16_inputs(torch, seed, slots, lengths, heads_q, heads_kv, dim_qk, dim_v):
+    """q, k, v, dout (rows of the padded slots, standard normal from a generator seeded with `seed`, zero in each
+    slot's padding) in bf16, and the slot offsets."""
+    g = torch.Generator().manual_seed(seed)
+    rows = sum(slots)
+    x = {"q": torch.randn(rows, heads_q, dim_qk, generator=g), "k": torch.randn(rows, heads_kv, dim_qk, generator=g),
+         "v": torch.randn(rows, heads_kv, dim_v, generator=g), "dout": torch.randn(rows, heads_q, dim_v, generator=g)}
+    off = offsets(slots)
+    for t in x.values():
+        for b, n in enumerate(lengths):
+            t[off[b] + n:off[b + 1]] = 0
+    return {n: t.to(torch.bfloat16) for n, t in x.items()}, off
+
+
 def gqa_reference(q, k, v, dout, scale, causal):
     """Masked attention of one sequence and its gradients in float64. q, dout: [n_q, hq, d]; k, v: [n, hkv, d]; query
     head h reads KV head h // (hq / hkv); causal (top-left) needs n_q = n."""

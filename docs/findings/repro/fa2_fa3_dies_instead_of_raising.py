@@ -27,7 +27,7 @@ import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import gqa_reference as reference, offsets  # noqa: E402 - after the path
+from _common import gqa_reference as reference, padded_bf16_inputs  # noqa: E402 - after the path
 
 LIMIT_ULPS = 32
 CONFIGS = {
@@ -63,15 +63,7 @@ def child(impl, name, device):
                    seqused_k=used, causal=c["causal"], deterministic=c["det"])
             return r[0] if isinstance(r, (tuple, list)) else r
     (hq, hkv), (dqk, dv) = c["heads"], c["dims"]
-    g = torch.Generator().manual_seed(0)
-    total = sum(c["padded"])
-    x = {"q": torch.randn(total, hq, dqk, generator=g), "k": torch.randn(total, hkv, dqk, generator=g),
-         "v": torch.randn(total, hkv, dv, generator=g), "dout": torch.randn(total, hq, dv, generator=g)}
-    off = offsets(c["padded"])
-    for t in x.values():
-        for b, n in enumerate(c["lengths"]):
-            t[off[b] + n:off[b + 1]] = 0
-    x = {n: t.to(torch.bfloat16) for n, t in x.items()}
+    x, off = padded_bf16_inputs(torch, 0, c["padded"], c["lengths"], hq, hkv, dqk, dv)
     i32 = dict(dtype=torch.int32, device=device)
     cu, used = torch.tensor(off, **i32), torch.tensor(c["lengths"], **i32)
     q, k, v = (x[n].to(device).requires_grad_() for n in ("q", "k", "v"))

@@ -25,7 +25,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import (  # noqa: E402 - after the path
-    import_torch_te, offsets, rank_results, rank_start, run_ranks, versions)
+    cu_seqlens, import_torch_te, offsets, rank_results, rank_start, run_ranks, versions)
 
 LIMIT_ULPS = 32   # an error above this many ulps of the tensor's largest reference value is a wrong result
 CASES = {
@@ -147,11 +147,7 @@ def rank_main(case_name):
     x = make_inputs(case)
     want = expected(case, x)
     dev = torch.device("cuda", rank)
-    i32 = dict(dtype=torch.int32, device=dev)
-    cu = {"cu_seqlens_q": torch.tensor(offsets(case["seqlens_q"]), **i32),
-          "cu_seqlens_kv": torch.tensor(offsets(case["seqlens_kv"]), **i32),
-          "cu_seqlens_q_padded": torch.tensor(offsets(case["padded_q"]), **i32),
-          "cu_seqlens_kv_padded": torch.tensor(offsets(case["padded_kv"]), **i32)}
+    cu = cu_seqlens(torch, dev, case["seqlens_q"], case["seqlens_kv"], case["padded_q"], case["padded_kv"])
     idx_q = tex.thd_get_partitioned_indices(cu["cu_seqlens_q_padded"], x["q"].shape[0], world, rank).long().cpu()
     idx_kv = tex.thd_get_partitioned_indices(cu["cu_seqlens_kv_padded"], x["k"].shape[0], world, rank).long().cpu()
     (hq, hkv), (dqk, dv) = case["heads"], case["dims"]

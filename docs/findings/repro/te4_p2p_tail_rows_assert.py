@@ -25,7 +25,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import (  # noqa: E402 - after the path
-    causal_reference as reference, import_torch_te, offsets, rank_start, run_ranks, versions)
+    causal_reference as reference, cu_seqlens, import_torch_te, rank_start, run_ranks, versions)
 
 WORLD = 2
 CASE = dict(seqlens=[3], padded=[4], rows=8, heads=2, dim=64)
@@ -51,11 +51,7 @@ def rank_main():
     import transformer_engine_torch as tex
     x = make_inputs()
     dev = torch.device("cuda", rank)
-    i32 = dict(dtype=torch.int32, device=dev)
-    cu = {"cu_seqlens_q": torch.tensor(offsets(CASE["seqlens"]), **i32),
-          "cu_seqlens_kv": torch.tensor(offsets(CASE["seqlens"]), **i32),
-          "cu_seqlens_q_padded": torch.tensor(offsets(CASE["padded"]), **i32),
-          "cu_seqlens_kv_padded": torch.tensor(offsets(CASE["padded"]), **i32)}
+    cu = cu_seqlens(torch, dev, CASE["seqlens"], CASE["seqlens"], CASE["padded"], CASE["padded"])
     idx = tex.thd_get_partitioned_indices(cu["cu_seqlens_q_padded"], CASE["rows"], world, rank).long().cpu()
     h, d = CASE["heads"], CASE["dim"]
     report = {"rank": rank, "rows": idx.tolist(),

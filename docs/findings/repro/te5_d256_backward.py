@@ -24,7 +24,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import (  # noqa: E402 - after the path
-    gqa_reference as reference, import_te_one_gpu, offsets, te_ran, versions)
+    gqa_reference as reference, import_te_one_gpu, offsets, padded_bf16_inputs, te_ran, versions)
 
 LIMIT_ULPS = 64
 LAYOUTS = {
@@ -36,15 +36,7 @@ DIMS = [(256, 256), (128, 128)]
 
 def run(te, torch, layout, heads_q, heads_kv, dim_qk, dim_v, seed=40):
     """{tensor: (worst error in dims < 128, worst in dims >= 128, largest |reference|)} of one forward and backward."""
-    g = torch.Generator().manual_seed(seed)
-    rows = sum(layout["slots"])
-    x = {"q": torch.randn(rows, heads_q, dim_qk, generator=g), "k": torch.randn(rows, heads_kv, dim_qk, generator=g),
-         "v": torch.randn(rows, heads_kv, dim_v, generator=g), "dout": torch.randn(rows, heads_q, dim_v, generator=g)}
-    off = offsets(layout["slots"])
-    for t in x.values():
-        for b, n in enumerate(layout["seqlens"]):
-            t[off[b] + n:off[b + 1]] = 0
-    x = {n: t.to(torch.bfloat16) for n, t in x.items()}
+    x, off = padded_bf16_inputs(torch, seed, layout["slots"], layout["seqlens"], heads_q, heads_kv, dim_qk, dim_v)
     i32 = dict(dtype=torch.int32, device="cuda")
     cu_s, cu_p = torch.tensor(offsets(layout["seqlens"]), **i32), torch.tensor(off, **i32)
     scale = dim_qk ** -0.5
@@ -55,7 +47,7 @@ def run(te, torch, layout, heads_q, heads_kv, dim_qk, dim_v, seed=40):
     o = dpa(q, k, v, cu_seqlens_q=cu_s, cu_seqlens_kv=cu_s, cu_seqlens_q_padded=cu_p, cu_seqlens_kv_padded=cu_p)
     o.backward(x["dout"].cuda().reshape(o.shape))
     torch.cuda.synchronize()
-    got = {"o": o.detach().view(rows, heads_q, dim_v).double().cpu(), "dq": q.grad.double().cpu(),
+    got = {"o": o.detach().view(off[-1], heads_q, dim_v).double().cpu(), "dq": q.grad.double().cpu(),
            "dk": k.grad.double().cpu(), "dv": v.grad.double().cpu()}
     worst = {n: [0.0, 0.0, 0.0] for n in got}
     for b, n in enumerate(layout["seqlens"]):

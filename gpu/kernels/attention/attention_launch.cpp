@@ -33,12 +33,8 @@ AttentionParams forward_params(const AttentionPlan::Impl& plan, const ForwardBuf
 }
 
 AttentionParams backward_params(const AttentionPlan::Impl& plan, const BackwardBuffers& b) {
-  AttentionParams p = base_params(plan);
-  p.q = b.q;
-  p.k = b.k;
-  p.v = b.v;
-  p.o = const_cast<void*>(b.o);
-  p.lse = const_cast<float*>(b.lse);
+  // The backward reads O and the LSE; the kernels' parameter block holds them as the forward writes them.
+  AttentionParams p = forward_params(plan, {b.q, b.k, b.v, const_cast<void*>(b.o), const_cast<float*>(b.lse)});
   p.dout = b.dout;
   p.dq = b.dq;
   p.dk = b.dk;

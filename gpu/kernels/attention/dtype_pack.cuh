@@ -9,18 +9,25 @@
 
 namespace cpgold::gpu {
 
+// The two-element vector type of a 16-bit element type and its conversions from / to float2 (round to nearest even).
 template <class T>
-__device__ __forceinline__ uint32_t pack2(float lo, float hi);
+struct Pair;
 template <>
-__device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
-  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  uint32_t r;
-  memcpy(&r, &v, 4);
-  return r;
-}
+struct Pair<__nv_bfloat16> {
+  using type = __nv_bfloat162;
+  static __device__ __forceinline__ float2 to_float2(type v) { return __bfloat1622float2(v); }
+  static __device__ __forceinline__ type from_floats(float a, float b) { return __floats2bfloat162_rn(a, b); }
+};
 template <>
-__device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
-  __half2 v = __floats2half2_rn(lo, hi);
+struct Pair<__half> {
+  using type = __half2;
+  static __device__ __forceinline__ float2 to_float2(type v) { return __half22float2(v); }
+  static __device__ __forceinline__ type from_floats(float a, float b) { return __floats2half2_rn(a, b); }
+};
+
+template <class T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  const typename Pair<T>::type v = Pair<T>::from_floats(lo, hi);
   uint32_t r;
   memcpy(&r, &v, 4);
   return r;

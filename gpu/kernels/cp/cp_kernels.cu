@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "gpu/kernels/attention/dtype_pack.cuh"  // Pair
 #include "gpu/kernels/cp/cp_kernels.hpp"
 
 namespace cpgold::gpu {
@@ -39,32 +40,19 @@ __device__ __forceinline__ void store1(__nv_bfloat16* p, float x) { *p = __float
 __device__ __forceinline__ void store1(__half* p, float x) { *p = __float2half_rn(x); }
 
 __device__ __forceinline__ float4 load4(const float* p) { return *reinterpret_cast<const float4*>(p); }
-__device__ __forceinline__ float4 load4(const __nv_bfloat16* p) {
+template <class T>
+__device__ __forceinline__ float4 load4(const T* p) {
   const uint2 u = *reinterpret_cast<const uint2*>(p);
-  __nv_bfloat162 a, b;
+  typename Pair<T>::type a, b;
   memcpy(&a, &u.x, 4);
   memcpy(&b, &u.y, 4);
-  const float2 fa = __bfloat1622float2(a), fb = __bfloat1622float2(b);
-  return make_float4(fa.x, fa.y, fb.x, fb.y);
-}
-__device__ __forceinline__ float4 load4(const __half* p) {
-  const uint2 u = *reinterpret_cast<const uint2*>(p);
-  __half2 a, b;
-  memcpy(&a, &u.x, 4);
-  memcpy(&b, &u.y, 4);
-  const float2 fa = __half22float2(a), fb = __half22float2(b);
+  const float2 fa = Pair<T>::to_float2(a), fb = Pair<T>::to_float2(b);
   return make_float4(fa.x, fa.y, fb.x, fb.y);
 }
 __device__ __forceinline__ void store4(float* p, float4 x) { *reinterpret_cast<float4*>(p) = x; }
-__device__ __forceinline__ void store4(__nv_bfloat16* p, float4 x) {
-  const __nv_bfloat162 a = __floats2bfloat162_rn(x.x, x.y), b = __floats2bfloat162_rn(x.z, x.w);
-  uint2 u;
-  memcpy(&u.x, &a, 4);
-  memcpy(&u.y, &b, 4);
-  *reinterpret_cast<uint2*>(p) = u;
-}
-__device__ __forceinline__ void store4(__half* p, float4 x) {
-  const __half2 a = __floats2half2_rn(x.x, x.y), b = __floats2half2_rn(x.z, x.w);
+template <class T>
+__device__ __forceinline__ void store4(T* p, float4 x) {
+  const typename Pair<T>::type a = Pair<T>::from_floats(x.x, x.y), b = Pair<T>::from_floats(x.z, x.w);
   uint2 u;
   memcpy(&u.x, &a, 4);
   memcpy(&u.y, &b, 4);

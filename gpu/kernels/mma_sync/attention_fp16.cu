@@ -1,20 +1,4 @@
 // fp16 instantiations of the attention kernels (one translation unit per dtype keeps nvcc runs parallel).
 #include "gpu/kernels/mma_sync/attention_launch.cuh"
 
-namespace cpgold::gpu::detail {
-
-Outcome launch_forward_fp16(const AttentionPlan::Impl& plan, const ForwardBuffers& buffers, cudaStream_t stream) {
-  return forward_typed<__half>(plan, buffers, stream);
-}
-
-Outcome launch_backward_fp16(const AttentionPlan::Impl& plan, const BackwardBuffers& buffers, BackwardMode mode,
-                             cudaStream_t stream) {
-  return backward_typed<__half>(plan, buffers, mode, stream);
-}
-
-Outcome launch_row_delta_fp16(const AttentionShape& shape, const void* o, const void* dout, int64_t rows, float* delta,
-                              cudaStream_t stream) {
-  return row_delta_typed<__half>(shape, o, dout, rows, delta, stream);
-}
-
-}  // namespace cpgold::gpu::detail
+CPGOLD_MMA_SYNC_ENTRY_POINTS(fp16, __half)

@@ -43,6 +43,7 @@
 #include "gpu/kernels/attention/backward_rows.cuh"
 #include "gpu/kernels/attention/kernel_params.hpp"
 #include "gpu/kernels/attention/mask_ranges.cuh"
+#include "gpu/kernels/attention/online_softmax.cuh"
 
 namespace cpgold::gpu::detail {
 
@@ -401,13 +402,8 @@ __global__ void __launch_bounds__(WARPS * 32) attention_forward_kernel(Attention
         float m = -INFINITY;
 #pragma unroll
         for (int nt = 0; nt < kNT; ++nt) m = fmaxf(m, fmaxf(s[nt][2 * half], s[nt][2 * half + 1]));
-        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
-        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
-        const float m_new = fmaxf(row_max[half], m);
-        const float m_use = m_new == -INFINITY ? 0.f : m_new;  // fully masked so far: avoid (-inf) - (-inf)
-        const float alpha = exp2f((row_max[half] - m_use) * sl2);
-        row_max[half] = m_new;
-        const float bias = -m_use * sl2;
+        const SoftmaxStep step = online_softmax_step(row_max[half], m, sl2);
+        const float alpha = step.alpha, bias = step.bias;
         float sum = 0.f;
 #pragma unroll
         for (int nt = 0; nt < kNT; ++nt) {
@@ -433,14 +429,8 @@ __global__ void __launch_bounds__(WARPS * 32) attention_forward_kernel(Attention
   float inv[2];
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
-    float l = row_sum[half];
-    l += __shfl_xor_sync(0xffffffffu, l, 1);
-    l += __shfl_xor_sync(0xffffffffu, l, 2);
-    inv[half] = l > 0.f ? 1.f / l : 0.f;
     const int r = warp * 16 + g + half * 8;
-    if (t == 0 && r < tile.rows)
-      p.lse[static_cast<int64_t>(head) * p.q_rows + tile.first_row + r] =
-          l > 0.f ? row_max[half] * p.softmax_scale + logf(l) : -INFINITY;
+    inv[half] = finish_row(p, row_sum[half], row_max[half], head, tile.first_row, r, t == 0 && r < tile.rows);
   }
 #pragma unroll
   for (int ot = 0; ot < kOT; ++ot) {

@@ -136,3 +136,22 @@ Outcome row_delta_typed(const AttentionShape& shape, const void* o, const void* 
 }
 
 }  // namespace cpgold::gpu::detail
+
+// The dtype's entry points (declared in gpu/kernels/attention/attention_launch.hpp), one translation unit per dtype:
+// CPGOLD_MMA_SYNC_ENTRY_POINTS(bf16, __nv_bfloat16) defines launch_forward_bf16, launch_backward_bf16 and
+// launch_row_delta_bf16.
+#define CPGOLD_MMA_SYNC_ENTRY_POINTS(SUFFIX, T)                                                                        \
+  namespace cpgold::gpu::detail {                                                                                      \
+  Outcome launch_forward_##SUFFIX(const AttentionPlan::Impl& plan, const ForwardBuffers& buffers,                      \
+                                  cudaStream_t stream) {                                                               \
+    return forward_typed<T>(plan, buffers, stream);                                                                    \
+  }                                                                                                                    \
+  Outcome launch_backward_##SUFFIX(const AttentionPlan::Impl& plan, const BackwardBuffers& buffers,                    \
+                                   BackwardMode mode, cudaStream_t stream) {                                           \
+    return backward_typed<T>(plan, buffers, mode, stream);                                                             \
+  }                                                                                                                    \
+  Outcome launch_row_delta_##SUFFIX(const AttentionShape& shape, const void* o, const void* dout, int64_t rows,        \
+                                    float* delta, cudaStream_t stream) {                                               \
+    return row_delta_typed<T>(shape, o, dout, rows, delta, stream);                                                    \
+  }                                                                                                                    \
+  }  // namespace cpgold::gpu::detail

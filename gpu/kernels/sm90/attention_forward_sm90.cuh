@@ -39,6 +39,7 @@
 
 #include "gpu/kernels/attention/kernel_params.hpp"
 #include "gpu/kernels/attention/mask_ranges.cuh"
+#include "gpu/kernels/attention/online_softmax.cuh"
 #include "gpu/kernels/sm90/ptx_sm90.cuh"
 #include "gpu/kernels/sm90/wgmma_ops.cuh"
 
@@ -175,6 +176,20 @@ struct ItemCursor {
   int q_loads = 0;  // work items with key blocks before this one (phase of q_full / q_empty)
 };
 
+// The producer's loop over an item's key blocks: block i waits for its ring stage to be free, then
+// load(i, it, stage, segment) issues its copies.
+template <class Cfg, class Load>
+__device__ __forceinline__ void for_each_key_block(const KeyBlocks<Cfg::kBlockN>& kb, const ItemCursor& cur,
+                                                   Barriers<Cfg>& bars, const Watchdog& dog, Load&& load) {
+#pragma unroll 1
+  for (int i = 0; i < kb.total; ++i) {
+    const int it = cur.it0 + i;
+    const int stage = bars.ring.stage(it);
+    bars.ring.producer_acquire(it, dog);
+    load(i, it, stage, kb.segment(i));
+  }
+}
+
 // Producer warpgroup, one work item with key blocks: the first K/V blocks into the ring (their stages are freed by
 // the previous item's last releases, so they load while the consumers finish that item), then Q once the previous
 // item's consumers are done with the Q tile (q_empty), then the remaining K/V blocks.
@@ -195,12 +210,7 @@ __device__ __forceinline__ void produce(const AttentionParams& p, const ForwardT
     const T* q = static_cast<const T*>(p.q);
     const T* k = static_cast<const T*>(p.k);
     const T* v = static_cast<const T*>(p.v);
-#pragma unroll 1
-    for (int i = 0; i < kb.total; ++i) {
-      const int it = cur.it0 + i;
-      const int stage = bars.ring.stage(it);
-      bars.ring.producer_acquire(it, dog);
-      const int s = kb.segment(i);
+    for_each_key_block(kb, cur, bars, dog, [&](int i, int it, int stage, int s) {
       const int key0 = kb.key0(i);
       const int valid = min(Cfg::kBlockN, seq.kv_count[s] - key0);
       const int64_t row0 = seq.kv_first_row[s] + key0;
@@ -217,19 +227,14 @@ __device__ __forceinline__ void produce(const AttentionParams& p, const ForwardT
                                                        q_stride, tile.rows, q, tid);
         mbar_arrive_on_cp_async(bars.q_full);
       }
-    }
+    });
   } else {
     if (cur.q_loads == 0) {  // first item with key blocks (so the K and V maps are encoded)
       tma_prefetch_descriptor(&maps.q);
       tma_prefetch_descriptor(&maps.k);
       tma_prefetch_descriptor(&maps.v);
     }
-#pragma unroll 1
-    for (int i = 0; i < kb.total; ++i) {
-      const int it = cur.it0 + i;
-      const int stage = bars.ring.stage(it);
-      bars.ring.producer_acquire(it, dog);
-      const int s = kb.segment(i);
+    for_each_key_block(kb, cur, bars, dog, [&](int i, int it, int stage, int s) {
       const int row0 = static_cast<int>(seq.kv_first_row[s] + kb.key0(i));
       mbar_arrive_expect_tx(bars.ring.full_k(it), Cfg::kKBytes);
 #pragma unroll
@@ -249,7 +254,7 @@ __device__ __forceinline__ void produce(const AttentionParams& p, const ForwardT
           tma_load_3d(smem + Cfg::kOffQ + b * Cfg::kBlockM * 128, &maps.q, 64 * b, head,
                       static_cast<int>(tile.first_row), bars.q_full);
       }
-    }
+    });
   }
 }
 
@@ -357,13 +362,8 @@ __device__ __forceinline__ void consume(const AttentionParams& p, const Watchdog
       float m = -INFINITY;
 #pragma unroll
       for (int j = 0; j < BN / 8; ++j) m = fmaxf(m, fmaxf(s[4 * j + 2 * half], s[4 * j + 2 * half + 1]));
-      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
-      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
-      const float m_new = fmaxf(row_max[half], m);
-      const float m_use = m_new == -INFINITY ? 0.f : m_new;  // no visible key yet: avoid (-inf) - (-inf)
-      const float alpha = exp2f((row_max[half] - m_use) * sl2);
-      row_max[half] = m_new;
-      const float bias = -m_use * sl2;
+      const SoftmaxStep step = online_softmax_step(row_max[half], m, sl2);
+      const float alpha = step.alpha, bias = step.bias;
       float sum = 0.f;
 #pragma unroll
       for (int j = 0; j < BN / 8; ++j) {
@@ -426,14 +426,8 @@ __device__ __forceinline__ void consume(const AttentionParams& p, const Watchdog
   float inv[2];
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
-    float l = row_sum[half];
-    l += __shfl_xor_sync(0xffffffffu, l, 1);
-    l += __shfl_xor_sync(0xffffffffu, l, 2);
-    inv[half] = l > 0.f ? 1.f / l : 0.f;
     const int r = 64 * cw + 16 * warp + g + 8 * half;
-    if (c == 0 && r < tile.rows)
-      p.lse[static_cast<int64_t>(head) * p.q_rows + tile.first_row + r] =
-          l > 0.f ? row_max[half] * p.softmax_scale + logf(l) : -INFINITY;
+    inv[half] = finish_row(p, row_sum[half], row_max[half], head, tile.first_row, r, c == 0 && r < tile.rows);
   }
   // Stage this warpgroup's O rows (dtype) in its own rows of the Q tile (SW128 layout: the 4-byte stores of a warp
   // fall in 32 distinct banks), then 16-byte coalesced stores of the valid rows.

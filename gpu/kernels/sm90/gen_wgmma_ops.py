@@ -16,6 +16,52 @@ def accumulators(n):
     return regs, ops
 
 
+def member(out, n, ptx, name, a_param, a_inputs, immediates):
+    """Appends one wrapper member: A through the a_inputs operands (one descriptor or four registers), B through a
+    descriptor; immediates: the instruction's trailing imm-trans flags."""
+    regs, ops = accumulators(n)
+    na = n // 2
+    a_regs = ", ".join(f"%{na + i}" for i in range(len(a_inputs)))
+    a_operand = a_regs if len(a_inputs) == 1 else "{" + a_regs + "}"
+    b = na + len(a_inputs)
+    out.append(f"  static __device__ __forceinline__ void {name}(float (&d)[{na}], {a_param}, uint64_t b_desc, int scale_d) {{")
+    out.append("    asm volatile(")
+    out.append('        "{\\n.reg .pred p;\\n"')
+    out.append(f'        "setp.ne.b32 p, %{b + 1}, 0;\\n"')
+    out.append(f'        "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx}.{ptx} "')
+    out.append(f'        "{{{regs}}}, "')
+    out.append(f'        "{a_operand}, %{b}, p, 1, 1, {immediates};\\n}}\\n"')
+    out.append(f"        : {ops}")
+    out.append(f'        : {", ".join(a_inputs)}, "l"(b_desc), "r"(scale_d)')
+    out.append('        : "memory");')
+    out.append("  }")
+
+
+def ss_wrapper(out, n, ptx, trans_a, trans_b):
+    """The ss() member: A and B from shared memory; trans_a / trans_b are the imm-trans-a / imm-trans-b."""
+    member(out, n, ptx, "ss", "uint64_t a_desc", ['"l"(a_desc)'], f"{trans_a}, {trans_b}")
+
+
+def rs_wrapper(out, n, ptx, trans_b):
+    """The rs() member: A from registers (4 x b32), B from shared memory; trans_b is the imm-trans-b."""
+    member(out, n, ptx, "rs", "const uint32_t (&a)[4]", [f'"r"(a[{i}])' for i in range(4)], f"{trans_b}")
+
+
+def specializations(out, name, shapes, members):
+    """Appends the declaration of template `name` and its specializations for every shape, element type and B layout;
+    members(n, ptx, trans_b) appends the members of one."""
+    out.append("template <int N, class T, int TransB>")
+    out.append(f"struct {name};")
+    for n in shapes:
+        for ctype, ptx in TYPES:
+            for trans in (0, 1):
+                out.append("")
+                out.append("template <>")
+                out.append(f"struct {name}<{n}, {ctype}, {trans}> {{")
+                members(n, ptx, trans)
+                out.append("};")
+
+
 def main():
     out = []
     out.append("#pragma once")
@@ -37,66 +83,14 @@ def main():
     out.append("")
     out.append("namespace cpgold::gpu::sm90 {")
     out.append("")
-    out.append("template <int N, class T, int TransB>")
-    out.append("struct Wgmma;")
-    for n in SHAPES:
-        regs, ops = accumulators(n)
-        na = n // 2
-        for ctype, ptx in TYPES:
-            for trans in (0, 1):
-                out.append("")
-                out.append("template <>")
-                out.append(f"struct Wgmma<{n}, {ctype}, {trans}> {{")
-                out.append(f"  static __device__ __forceinline__ void ss(float (&d)[{na}], uint64_t a_desc, uint64_t b_desc, int scale_d) {{")
-                out.append("    asm volatile(")
-                out.append('        "{\\n.reg .pred p;\\n"')
-                out.append(f'        "setp.ne.b32 p, %{na + 2}, 0;\\n"')
-                out.append(f'        "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx}.{ptx} "')
-                out.append(f'        "{{{regs}}}, "')
-                out.append(f'        "%{na}, %{na + 1}, p, 1, 1, 0, {trans};\\n}}\\n"')
-                out.append(f"        : {ops}")
-                out.append('        : "l"(a_desc), "l"(b_desc), "r"(scale_d)')
-                out.append('        : "memory");')
-                out.append("  }")
-                out.append(f"  static __device__ __forceinline__ void rs(float (&d)[{na}], const uint32_t (&a)[4], uint64_t b_desc, int scale_d) {{")
-                out.append("    asm volatile(")
-                out.append('        "{\\n.reg .pred p;\\n"')
-                out.append(f'        "setp.ne.b32 p, %{na + 5}, 0;\\n"')
-                out.append(f'        "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx}.{ptx} "')
-                out.append(f'        "{{{regs}}}, "')
-                out.append(f'        "{{%{na}, %{na + 1}, %{na + 2}, %{na + 3}}}, %{na + 4}, p, 1, 1, {trans};\\n}}\\n"')
-                out.append(f"        : {ops}")
-                out.append('        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(scale_d)')
-                out.append('        : "memory");')
-                out.append("  }")
-                out.append("};")
+    specializations(out, "Wgmma", SHAPES, lambda n, ptx, trans: (ss_wrapper(out, n, ptx, 0, trans),
+                                                                  rs_wrapper(out, n, ptx, trans)))
     # Appended after the forward's wrappers: SS with A MN-major (imm-trans-a = 1), e.g. dS stored [keys][queries]
     # read as the A = dS [queries][keys] of dQ = dS K in the backward.
     out.append("")
     out.append("// WgmmaTA<N, T, TransB>::ss(d, a_desc, b_desc, scale_d): as Wgmma::ss with A MN-major (imm-trans-a = 1): A")
     out.append("//   (64 x 16) stored with M contiguous (e.g. [K][M] rows of an SW128 tile), through an MN-major descriptor.")
-    out.append("template <int N, class T, int TransB>")
-    out.append("struct WgmmaTA;")
-    for n in TA_SHAPES:
-        regs, ops = accumulators(n)
-        na = n // 2
-        for ctype, ptx in TYPES:
-            for trans in (0, 1):
-                out.append("")
-                out.append("template <>")
-                out.append(f"struct WgmmaTA<{n}, {ctype}, {trans}> {{")
-                out.append(f"  static __device__ __forceinline__ void ss(float (&d)[{na}], uint64_t a_desc, uint64_t b_desc, int scale_d) {{")
-                out.append("    asm volatile(")
-                out.append('        "{\\n.reg .pred p;\\n"')
-                out.append(f'        "setp.ne.b32 p, %{na + 2}, 0;\\n"')
-                out.append(f'        "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx}.{ptx} "')
-                out.append(f'        "{{{regs}}}, "')
-                out.append(f'        "%{na}, %{na + 1}, p, 1, 1, 1, {trans};\\n}}\\n"')
-                out.append(f"        : {ops}")
-                out.append('        : "l"(a_desc), "l"(b_desc), "r"(scale_d)')
-                out.append('        : "memory");')
-                out.append("  }")
-                out.append("};")
+    specializations(out, "WgmmaTA", TA_SHAPES, lambda n, ptx, trans: ss_wrapper(out, n, ptx, 1, trans))
     out.append("")
     out.append("}  // namespace cpgold::gpu::sm90")
     print("\n".join(out))

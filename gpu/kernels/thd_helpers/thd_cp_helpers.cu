@@ -208,27 +208,20 @@ __global__ void __launch_bounds__(kThreads) row_kernel(Map map, const uint4* __r
   }
 }
 
-struct SequenceToRankMap {
+// Item gi is row gi of the rank-major layout; ToRank: rank-major <- sequence order, else sequence order <- rank-major.
+template <bool ToRank>
+struct PartitionMap {
   const int32_t* cu;
   int batch, cp_size;
   int64_t per_rank;
   __device__ int operator()(int64_t gi, int64_t& d, int64_t& s) const {
-    d = gi;
-    s = partition_source(cu, batch, cp_size, static_cast<int>(gi / per_rank), gi % per_rank);
+    (ToRank ? d : s) = gi;
+    (ToRank ? s : d) = partition_source(cu, batch, cp_size, static_cast<int>(gi / per_rank), gi % per_rank);
     return kCopy;
   }
 };
-
-struct RankToSequenceMap {
-  const int32_t* cu;
-  int batch, cp_size;
-  int64_t per_rank;
-  __device__ int operator()(int64_t gi, int64_t& d, int64_t& s) const {
-    s = gi;
-    d = partition_source(cu, batch, cp_size, static_cast<int>(gi / per_rank), gi % per_rank);
-    return kCopy;
-  }
-};
+using SequenceToRankMap = PartitionMap<true>;
+using RankToSequenceMap = PartitionMap<false>;
 
 struct ReadHalfMap {
   const int32_t* cu;

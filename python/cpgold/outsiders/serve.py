@@ -434,12 +434,9 @@ def main(argv=None):
             signal.signal(sig, _exit_on_signal)
         try:
             served = serve(args.socket, args.adapter, options, args.timeout, args.read_timeout)
-        except Refusal as e:
+        except (Refusal, RuntimeError) as e:
             print(f"serve start: {e}", file=sys.stderr)
-            return EXIT_BAD_INPUT
-        except RuntimeError as e:
-            print(f"serve start: {e}", file=sys.stderr)
-            return EXIT_ERROR
+            return EXIT_BAD_INPUT if isinstance(e, Refusal) else EXIT_ERROR
         except SystemExit as e:
             print(f"serve: stopped by signal {e.code - 128 if isinstance(e.code, int) else e.code}; the adapter's "
                   "process was killed", file=sys.stderr)
@@ -463,12 +460,9 @@ def main(argv=None):
             print(f"serve run: CANDIDATE: {candidate} exists; nothing was written", file=sys.stderr)
             return EXIT_BAD_INPUT
         entry = request(address, {"op": "run", "fixture": fixture, "candidate": candidate})
-    except Refusal as e:
+    except (Refusal, ConnectionError) as e:
         print(f"serve {args.verb}: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    except ConnectionError as e:
-        print(f"serve {args.verb}: {e}", file=sys.stderr)
-        return EXIT_ERROR
+        return EXIT_BAD_INPUT if isinstance(e, Refusal) else EXIT_ERROR
     if isinstance(entry.get("versions"), dict):   # in COMMAND's output, so what keeps it (shrink's logs) has them
         print(f"serve run: versions {json.dumps(entry['versions'], sort_keys=True)}", flush=True)
     status = entry.get("status")
