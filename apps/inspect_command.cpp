@@ -27,6 +27,14 @@ int run_inspect(const std::string& path, bool verify) {
   std::printf("case      %s\n", fixture.case_json.c_str());
   std::printf("isa level %s\n", fixture.isa_level.empty() ? "not stored (written before the attribute existed)"
                                                            : (fixture.isa_level + " (the generating build's instruction set)").c_str());
+  // The engine that computed the oracle and the peers (fixtures/SCHEMA.md): no attribute, the CPU reference.
+  if (reader.has_attribute("/case", "engine"))
+    std::printf("engine    %s (%s)\n", reader.attr_string("/case", "engine").c_str(),
+                reader.has_attribute("/case", "engine_versions")
+                    ? reader.attr_string("/case", "engine_versions").c_str()
+                    : "no engine_versions attribute");
+  else
+    std::printf("engine    cpu (the CPU reference, the reference of record)\n");
   std::printf("traced    %s\n", fixture.traced ? "yes" : "no");
   if (fixture.inputs_sha256.empty())
     std::printf("inputs    sha256 %s (computed: the file predates the inputs_sha256 attribute)\n",

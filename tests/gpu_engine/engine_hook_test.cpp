@@ -21,6 +21,9 @@
 #include "reference/attention_engine.hpp"
 #include "reference/input_error.hpp"
 #include "sim/case/case_spec.hpp"
+#ifdef CPGOLD_BINARY
+#include "tests/fixtures/cli.hpp"
+#endif
 
 namespace cpgold::fx {
 namespace {
@@ -107,6 +110,14 @@ TEST_CASE("engine hook: a counting engine on the CPU reference gives the CPU fix
   std::erase(names_a, "engine");
   std::erase(names_a, "engine_versions");
   CHECK(names_a == names_b);
+#ifdef CPGOLD_BINARY
+  // `cpgold inspect` names the engine of each.
+  const CliResult ia = run_cli("inspect " + a.string()), ib = run_cli("inspect " + b.string());
+  CHECK(ia.code == 0);
+  CHECK(ia.output.find("engine    counting (test versions 1)") != std::string::npos);
+  CHECK(ib.code == 0);
+  CHECK(ib.output.find("engine    cpu (the CPU reference") != std::string::npos);
+#endif
   std::filesystem::remove(a);
   std::filesystem::remove(b);
 }
@@ -149,7 +160,6 @@ TEST_CASE("engine hook: parts record their engine, the merged fixture keeps it, 
 }
 
 #ifdef CPGOLD_BINARY
-#include "tests/fixtures/cli.hpp"
 
 TEST_CASE("gen --engine: gpu without a GPU engine or device is refused (exit 2, nothing written), auto says which") {
   const std::filesystem::path out = temp("cli.h5");
