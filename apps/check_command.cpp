@@ -53,6 +53,7 @@ int run_check(const CheckArgs& args) {
   }
   if (args.format == "json") std::cout << json_text(fx::to_json(report));
   else std::cout << fx::render_text(report);
+  if (report.undecided()) return kExitUndecided;
   return report.pass() ? kExitPass : kExitFail;
 }
 

@@ -11,6 +11,7 @@ namespace cpgold::app {
 inline constexpr int kExitPass = 0;
 inline constexpr int kExitFail = 1;      // a check failed
 inline constexpr int kExitUnusable = 2;  // bad input: unusable arguments or files
+inline constexpr int kExitUndecided = 3;  // check: a fixture of another engine cannot decide (CheckReport::undecided)
 
 struct Command {
   std::string name;

@@ -42,6 +42,7 @@ struct Context {
   std::map<Quantity, const Values<float>*> peer;
   std::map<Quantity, Values<float>> read_peer;
   Values<float> oracle;  // the oracle of the result being checked when it is not the verified global copy
+  std::string engine = "cpu";  // what computed the fixture's oracle and peers (/case attribute engine)
 };
 
 void locate_global(const Context& ctx, bool kv_side, int64_t global_row, ElementLocation& loc) {
@@ -162,6 +163,7 @@ TensorResult check_one(Context& ctx, const std::string& golden_dataset, Quantity
   const Limits limits = deciding_limits(golden.budgets, scope);
   const Limits other = other_limits(golden.budgets, scope);
   result.evaluation = evaluate(quantity, oracle, view, valid, limits, other, ctx.empty_row_lse, ctx.pad_rows);
+  result.evaluation.engine_bound = engine_limit_bound(ctx.engine, check_precision(quantity, ctx.fixture.spec.dtype));
   const Evaluation& e = result.evaluation;
   if (e.worst) result.worst = locate(ctx, result, quantity, *e.worst, e.worst_candidate, e.worst_oracle);
   if (e.first_divergence) {
@@ -192,11 +194,13 @@ CheckReport run_checks(const h5::Reader& golden, const FixtureFile& fixture, con
   };
   const std::string& golden_path_text = golden.path();
   Context ctx{golden, fixture, options.empty_row_lse, options.pad_rows, {}, {}, {}};
+  if (golden.has_attribute("/case", "engine")) ctx.engine = golden.attr_string("/case", "engine");
   for (Quantity q : kAllQuantities) {
     if (fixture.outputs) ctx.peer[q] = &fixture.outputs->global.at(q).peer;  // verified when the fixture was opened
     else if (golden.exists(peer_path(q))) ctx.peer[q] = &(ctx.read_peer[q] = golden.read_float_values(peer_path(q)));
   }
   CheckReport report;
+  report.engine = ctx.engine;
   report.golden = golden_path_text;
   report.case_json = fixture.case_json;
   report.candidates = std::move(files);
@@ -276,7 +280,7 @@ CheckReport run_checks(const h5::Reader& golden, const FixtureFile& fixture, con
     report.results.push_back(check_one(ctx, dataset, q, rank, step, pass, CandidateScope::cp_output, &tensor,
                                        rows_read(plan_pass.tile(rank, step).call, is_kv_side(q))));
   }
-  if (options.diagnose && !report.pass()) {
+  if (options.diagnose && !report.pass() && !report.undecided()) {
     DiagnosisInput input;
     input.golden = &golden;
     input.fixture = &fixture;

@@ -73,6 +73,11 @@ struct CheckReport {
   // every_result_ok(), something compared and no candidate computed from other inputs. A check that compared nothing
   // fails (the selected ranks hold only padding, say) unless the fixture has no valid element to compare at all.
   bool pass() const;
+  // Not pass, yet nothing failed for certain: the only results short of passing are undecided ones of a fixture of
+  // another engine (Evaluation::undecided), nothing is missing and no candidate comes from other inputs. The CPU
+  // reference's fixture of the same case decides (`cpgold gen --engine cpu`). Exit 3 of `cpgold check`.
+  bool undecided() const;
+  std::string engine = "cpu";  // the engine that computed the fixture's oracle and peers (/case attribute engine)
 };
 
 // Worst ratio of error to limit over the results, against the deciding budget and against the other one.
