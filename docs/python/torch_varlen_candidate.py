@@ -21,6 +21,7 @@ import h5py
 import numpy as np
 
 from check_golden import case_of, round_to, visible
+from write_candidate import rank_outputs
 
 
 def packed_rows(cu, off):
@@ -139,11 +140,8 @@ def main(argv):
         if cp_size > 1:
             for r in range(cp_size):
                 g = cand.create_group(f"ranks/{r}")
-                for name in ("o", "dq"):
-                    g[name] = out[name][idx_q[r]]
-                for name in ("dk", "dv"):
-                    g[name] = out[name][idx_kv[r]]
-                g["lse"] = out["lse"][:, idx_q[r]]
+                for name, x in rank_outputs(out, idx_q, idx_kv, r).items():
+                    g[name] = x
     print(f"wrote {candidate} ({backend})")
     return 0
 

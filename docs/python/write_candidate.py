@@ -17,6 +17,13 @@ import numpy as np
 from check_golden import oracle, round_to
 
 
+def rank_outputs(out, idx_q, idx_kv, r):
+    """Rank r's rows of the global outputs `out`, gathered with the fixture's /layout/partitioned_indices_q (o, dq,
+    and the rows of lse [h, t]) and _kv (dk, dv): what /ranks/<r>/ of a candidate holds."""
+    return {"o": out["o"][idx_q[r]], "dq": out["dq"][idx_q[r]], "dk": out["dk"][idx_kv[r]],
+            "dv": out["dv"][idx_kv[r]], "lse": out["lse"][:, idx_q[r]]}
+
+
 def main(argv):
     if len(argv) < 2:
         print(__doc__)
@@ -43,11 +50,10 @@ def main(argv):
             c.attrs["scope"] = "cp_gathered"
             for r in range(cp_size):
                 g = c.create_group(f"ranks/{r}")
-                for name in ("o", "dq"):
-                    g[name] = out[name][idx_q[r]]
-                for name in ("dk", "dv"):
-                    g[name] = out[name][idx_kv[r]]
-                g["lse"] = out["lse"][:, idx_q[r]].T.copy()  # [t, h] this time, said so in an attribute
+                local = rank_outputs(out, idx_q, idx_kv, r)
+                local["lse"] = local["lse"].T.copy()  # [t, h] this time, said so in an attribute
+                for name, x in local.items():
+                    g[name] = x
                 g["lse"].attrs["lse_layout"] = "th"
     print(f"wrote {candidate}")
     return 0

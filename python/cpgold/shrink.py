@@ -62,6 +62,25 @@ def _name_note(kinds, before, after):
     return f"the smallest case's diagnosis ({text(after)}) is not the original's ({text(before)}): " + "; ".join(why)
 
 
+def headline(result):
+    """What a search's answer is, in words, from its result (a ShrinkResult, or the dict that capture.shrink and
+    `cpgold shrink --format json` give): "smallest failing case (confirmed)", "the original is already minimal", ..."""
+    stop = result["stopped"] + (f": {result['stop_detail']}" if result.get("stop_detail") else "")
+    if result.get("not_reproduced"):
+        return ("the failure does not reproduce: no case of the search, the original included, failed the same "
+                "way in every confirmation run (flaky); the original")
+    if result["steps"]:
+        return ("smallest failing case" + (" (confirmed)" if result.get("confirmed") else
+                                           " (not confirmed)" if result.get("confirm") else ""))
+    if result.get("flaky"):
+        return "no smaller case failed the same way in every confirmation run (flaky); the original"
+    if result["stopped"] == "minimal":
+        return "the original is already minimal"
+    if result["runs"] <= 1:
+        return f"no smaller case was tried: the search stopped before its first step ({stop}); the original"
+    return f"no smaller case failed the same way before the search stopped ({stop}); the original"
+
+
 class ShrinkResult(dict):
     """What the search found (a dict, as `cpgold shrink --format json` gives it, plus the report of the smallest):
     original / smallest (case JSON text, as `cpgold gen --case` takes it), kinds, steps, runs, passed,
@@ -79,20 +98,7 @@ class ShrinkResult(dict):
         return json.loads(self["smallest"])
 
     def headline(self):
-        stop = self["stopped"] + (f": {self['stop_detail']}" if self.get("stop_detail") else "")
-        if self.get("not_reproduced"):
-            return ("the failure does not reproduce: no case of the search, the original included, failed the same "
-                    "way in every confirmation run (flaky); the original")
-        if self.smaller:
-            return ("smallest failing case" + (" (confirmed)" if self.get("confirmed") else
-                                               " (not confirmed)" if self.get("confirm") else ""))
-        if self.get("flaky"):
-            return "no smaller case failed the same way in every confirmation run (flaky); the original"
-        if self["stopped"] == "minimal":
-            return "the original is already minimal"
-        if self["runs"] <= 1:
-            return f"no smaller case was tried: the search stopped before its first step ({stop}); the original"
-        return f"no smaller case failed the same way before the search stopped ({stop}); the original"
+        return headline(self)
 
     def __str__(self):
         lines = [f"{self.headline()} ({self['rows_q']} q rows, {self['tokens_q']} tokens; "

@@ -240,27 +240,35 @@ def ring_attention(fx, mistake="none", backward=True):
     return [{name: a.astype(np.float32) for name, a in out.items()} for out in outputs]
 
 
-def gather(fx, outputs, mistake="none"):
-    """Every rank's outputs scattered to the global layout through the rows the rank really holds (the contiguous
-    layout under contiguous_chunks). Rows no rank holds stay 0 (LSE -inf)."""
-    names = {v: k for k, v in REPLAY_NAME.items()}
-    mistake = names.get(mistake, mistake)
-    side = {"o": "q", "lse": "q", "dq": "q", "dk": "kv", "dv": "kv"}
+OUTPUT_SIDE = {"o": "q", "lse": "q", "dq": "q", "dk": "kv", "dv": "kv"}   # whose rows each output has
+
+
+def scatter(outputs, total_rows, rows_of):
+    """Every rank's outputs (float32; lse [h, t]) scattered to a global layout of total_rows(side) rows, rank r's
+    local rows of a side landing on the global rows rows_of(r, side). Rows no rank holds stay 0 (LSE -inf)."""
     result = {}
     for name, local in outputs[0].items():
-        t = fx.total_rows(side[name])
+        t = total_rows(OUTPUT_SIDE[name])
         if name == "lse":
             result[name] = np.full((local.shape[0], t), -np.inf, dtype=np.float32)
         else:
             result[name] = np.zeros((t,) + local.shape[1:], dtype=np.float32)
     for r, out in enumerate(outputs):
         for name, local in out.items():
-            rows = shard(fx, r, side[name], mistake).rows
+            rows = rows_of(r, OUTPUT_SIDE[name])
             if name == "lse":
                 result[name][:, rows] = local
             else:
                 result[name][rows] = local
     return result
+
+
+def gather(fx, outputs, mistake="none"):
+    """Every rank's outputs scattered to the global layout through the rows the rank really holds (the contiguous
+    layout under contiguous_chunks). Rows no rank holds stay 0 (LSE -inf)."""
+    names = {v: k for k, v in REPLAY_NAME.items()}
+    mistake = names.get(mistake, mistake)
+    return scatter(outputs, fx.total_rows, lambda r, side: shard(fx, r, side, mistake).rows)
 
 
 CASES = {

@@ -4,9 +4,10 @@ can be planted one at a time: the independent implementation the diagnosis's cat
 
 Written from TransformerEngine's p2p semantics on THD, not from cpgold's simulator: the dual-chunk shards, the ring
 steps and their sections, the per-sequence kernel calls with the rows they read (offsets and counts as a varlen
-kernel takes them), the merges and the backward are this file's own code. Only the fixture's case and cu_seqlens are
-read from cpgold; the correct ring's outputs are compared with the fixture's golden and its backward with torch's
-autograd by the tests.
+kernel takes them), the merges and the backward are this file's own code (only the scatter of every rank's outputs to
+the global layout, fed with this file's rows, is python/examples/planted_ring_attention.py's). Only the fixture's case
+and cu_seqlens are read from cpgold; the correct ring's outputs are compared with the fixture's golden and its
+backward with torch's autograd by the tests.
 
 The ring, rank r of W: every sequence b of padded length P_b splits into 2W chunks of C_b = P_b / 2W rows; the rank's
 tensor holds chunk r then chunk 2W-1-r of every sequence (block of 2 C_b rows at local offset cu_padded[b] / W), then
@@ -27,6 +28,8 @@ import re
 
 import numpy as np
 import torch
+
+from planted_ring_attention import scatter
 
 MUTANTS = {
     "none": (None, None),
@@ -459,23 +462,11 @@ class Ring:
         return result
 
     def gather(self, outputs):
-        """Every rank's outputs scattered to the global layout through the rows the rank really holds."""
-        side = {"o": "q", "lse": "q", "dq": "q", "dk": "kv", "dv": "kv"}
-        glob = {}
-        for name, local in outputs[0].items():
-            t = (self.q if side[name] == "q" else self.kv).total
-            if name == "lse":
-                glob[name] = np.full((local.shape[0], t), -np.inf, dtype=np.float32)
-            else:
-                glob[name] = np.zeros((t,) + local.shape[1:], dtype=np.float32)
-        for r, out in enumerate(outputs):
-            for name, local in out.items():
-                rows = (self.q if side[name] == "q" else self.kv).global_rows(r, self.mutant)
-                if name == "lse":
-                    glob[name][:, rows] = local
-                else:
-                    glob[name][rows] = local
-        return glob
+        """Every rank's outputs scattered to the global layout through the rows the rank really holds (the
+        bookkeeping of planted_ring_attention.scatter; the rows are this ring's own)."""
+        geometry = {"q": self.q, "kv": self.kv}
+        return scatter(outputs, lambda side: geometry[side].total,
+                       lambda r, side: geometry[side].global_rows(r, self.mutant))
 
 
 def ring_attention(fx, mutant="none", backward=True):

@@ -26,6 +26,7 @@ from cpgold.thread_ranks import ThreadRanks  # noqa: E402
 
 import capture_fakes  # noqa: E402
 import capture_ring as ring  # noqa: E402
+import capture_shrink_command  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PYTHONPATH = os.pathsep.join(p for p in sys.path if p)
@@ -463,19 +464,9 @@ def test_bad_options_are_named():
 
 
 def _rerun(bug):
-    """The user's attention rerun on a fixture's shards, every rank, forward and backward (shrink's fn)."""
-    def fn(fx):
-        def rank_main(rank, ranks):
-            x = fx.rank_inputs(rank, "torch")
-            q, k, v = (x[n].requires_grad_() for n in ("q", "k", "v"))
-            cu = {s: (torch.as_tensor(fx.cu_seqlens(s)), torch.as_tensor(fx.cu_seqlens(s, padded=True)))
-                  for s in ("q", "kv")}
-            o, lse = ring.ring_attention(q, k, v, cu["q"][0], cu["kv"][0], cu["q"][1], cu["kv"][1], ranks.group(),
-                                         causal=fx.causal, scale=fx.softmax_scale, bug=bug)
-            dq, dk, dv = torch.autograd.grad(o, (q, k, v), x["dout"])
-            return {"o": o.detach(), "lse": lse.detach(), "dq": dq, "dk": dk, "dv": dv}
-        return ThreadRanks(fx.cp_size, device="cpu", timeout=30).run(rank_main)
-    return fn
+    """The user's attention rerun on a fixture's shards, every rank, forward and backward (shrink's fn): the rerun
+    that capture_shrink_command.py runs as a COMMAND."""
+    return lambda fx: capture_shrink_command.rerun(fx, bug)
 
 
 def test_shrink_a_captured_failure(tmp_path):

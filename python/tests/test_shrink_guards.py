@@ -35,22 +35,23 @@ START = {"seqlens_q": [150, 3, 61], "padded_q": [160, 16, 64], "heads_q": 4, "he
 LONG = {"seqlens_q": [3999], "heads_q": 1, "dim_qk": 8, "cp_size": 2, "comm": "p2p", "pad_fill": "nan"}
 
 
-@pytest.fixture(scope="module")
-def golden(tmp_path_factory):
+def generated(tmp_path_factory, case, folder, name):
+    """The fixture of `case`, made by `cpgold gen` in a fresh folder."""
     if not BIN:
         pytest.skip("CPGOLD_BIN is not set")
-    path = str(tmp_path_factory.mktemp("guards") / "start.h5")
-    subprocess.run([BIN, "gen", "--case", json.dumps(START), "-o", path], check=True, capture_output=True)
+    path = str(tmp_path_factory.mktemp(folder) / name)
+    subprocess.run([BIN, "gen", "--case", json.dumps(case), "-o", path], check=True, capture_output=True)
     return path
+
+
+@pytest.fixture(scope="module")
+def golden(tmp_path_factory):
+    return generated(tmp_path_factory, START, "guards", "start.h5")
 
 
 @pytest.fixture(scope="module")
 def long_golden(tmp_path_factory):
-    if not BIN:
-        pytest.skip("CPGOLD_BIN is not set")
-    path = str(tmp_path_factory.mktemp("guards_long") / "long.h5")
-    subprocess.run([BIN, "gen", "--case", json.dumps(LONG), "-o", path], check=True, capture_output=True)
-    return path
+    return generated(tmp_path_factory, LONG, "guards_long", "long.h5")
 
 
 def planted(kind="chunk_order", form=0, quote=""):

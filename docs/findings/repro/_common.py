@@ -1,5 +1,6 @@
 """What the reproductions of this folder share: offsets, the float64 references, the library versions and the launcher
 of rank processes. Torch and the libraries only, no cpgold; each script imports it from its own folder."""
+import argparse
 import json
 import os
 import socket
@@ -109,7 +110,7 @@ def import_torch_te():
 def import_te_one_gpu(deterministic):
     """torch, transformer_engine and transformer_engine.pytorch set for cuDNN FusedAttention alone (and
     NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 when deterministic) on a GPU; None after a `cannot run` line."""
-    os.environ.update(NVTE_FLASH_ATTN="0", NVTE_FUSED_ATTN="1", NVTE_UNFUSED_ATTN="0")
+    os.environ.update(FUSED_ONLY, NVTE_UNFUSED_ATTN="0")
     if deterministic:
         os.environ["NVTE_ALLOW_NONDETERMINISTIC_ALGO"] = "0"
     try:
@@ -123,6 +124,48 @@ def import_te_one_gpu(deterministic):
         print("cannot run: no GPU visible")
         return None
     return torch, transformer_engine, te
+
+
+def te_one_gpu_start(doc, add_arguments=None):
+    """The start of a one-GPU reproduction's main: its command line (--deterministic, then what add_arguments(parser)
+    adds) parsed, and torch and TE imported for cuDNN FusedAttention alone (import_te_one_gpu). Returns (the
+    arguments, (torch, transformer_engine, transformer_engine.pytorch), the backward's mode in words); where it cannot
+    run, it ends the process with exit 2 after a `cannot run` line, as the parser does on a bad command line."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--deterministic", action="store_true", help="NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 (set at import)")
+    if add_arguments is not None:
+        add_arguments(ap)
+    a = ap.parse_args()
+    libs = import_te_one_gpu(a.deterministic)
+    if libs is None:
+        raise SystemExit(2)
+    mode = "deterministic (NVTE_ALLOW_NONDETERMINISTIC_ALGO=0)" if a.deterministic else "default (non-deterministic)"
+    return a, libs, mode
+
+
+def te_one_gpu_end(libs, what, count):
+    """The end of a one-GPU reproduction's main: the backend TE ran, the versions of `libs` (torch,
+    transformer_engine, transformer_engine.pytorch) and `what: count`. Returns its exit: 1 when count is not 0."""
+    print(f"TE ran: {te_ran()}")
+    print("versions: " + json.dumps(versions(*libs)))
+    print(f"{what}: {count}")
+    return 1 if count else 0
+
+
+FUSED_ONLY = {"NVTE_FLASH_ATTN": "0", "NVTE_FUSED_ATTN": "1"}   # TE's backends: cuDNN FusedAttention alone
+
+
+def cp_launcher_start(rank_worker, rank_main, backends=FUSED_ONLY):
+    """The start of a CP reproduction's main, TE's attention backends set by `backends` (and NVTE_UNFUSED_ATTN=0).
+    In a rank process (rank_worker set by run_ranks' --rank-worker) it runs rank_main() and returns (0, None): main
+    ends with exit 0. In the launcher it returns (None, (torch, transformer_engine)) after a line of their versions,
+    or (2, None) after a `cannot run` line."""
+    os.environ.update(backends, NVTE_UNFUSED_ATTN="0")
+    if rank_worker:
+        rank_main()
+        return 0, None
+    libs = import_torch_te()
+    return (2, None) if libs is None else (None, libs)
 
 
 def rank_start():

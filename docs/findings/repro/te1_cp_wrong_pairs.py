@@ -25,7 +25,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import (  # noqa: E402 - after the path
-    cu_seqlens, import_torch_te, offsets, rank_results, rank_start, run_ranks, versions)
+    FUSED_ONLY, cp_launcher_start, cu_seqlens, offsets, rank_results, rank_start, run_ranks, versions)
 
 LIMIT_ULPS = 32   # an error above this many ulps of the tensor's largest reference value is a wrong result
 CASES = {
@@ -190,16 +190,11 @@ def main():
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds a case may take (default 300)")
     ap.add_argument("--rank-worker", help=argparse.SUPPRESS)
     a = ap.parse_args()
-    env = {"fused": {"NVTE_FLASH_ATTN": "0", "NVTE_FUSED_ATTN": "1"},
-           "flash": {"NVTE_FLASH_ATTN": "1", "NVTE_FUSED_ATTN": "0"}}[a.backend]
-    os.environ.update(env, NVTE_UNFUSED_ATTN="0")
-    if a.rank_worker:
-        rank_main(a.rank_worker)
-        return 0
-    libs = import_torch_te()
-    if libs is None:
-        return 2
-    torch, transformer_engine = libs
+    backends = {"fused": FUSED_ONLY, "flash": {"NVTE_FLASH_ATTN": "1", "NVTE_FUSED_ATTN": "0"}}[a.backend]
+    done, libs = cp_launcher_start(a.rank_worker, lambda: rank_main(a.rank_worker), backends)
+    if done is not None:
+        return done
+    torch, _ = libs
     if not torch.cuda.is_available() or torch.cuda.device_count() < WORLD:
         print(f"cannot run: {WORLD} GPUs needed, {torch.cuda.device_count() if torch.cuda.is_available() else 0} "
               "visible")

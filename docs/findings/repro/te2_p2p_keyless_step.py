@@ -28,7 +28,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import (  # noqa: E402 - after the path
-    cu_seqlens, import_torch_te, offsets, rank_results, rank_start, run_ranks, versions)
+    cp_launcher_start, cu_seqlens, offsets, rank_results, rank_start, run_ranks, versions)
 
 LIMIT_ULPS = 32
 WORLD = 2
@@ -233,14 +233,10 @@ def main():
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds a case may take (default 300)")
     ap.add_argument("--rank-worker", help=argparse.SUPPRESS)
     a = ap.parse_args()
-    os.environ.update(NVTE_FLASH_ATTN="0", NVTE_FUSED_ATTN="1", NVTE_UNFUSED_ATTN="0")
-    if a.rank_worker:
-        rank_main(a.rank_worker)
-        return 0
-    libs = import_torch_te()
-    if libs is None:
-        return 2
-    torch, transformer_engine = libs
+    done, libs = cp_launcher_start(a.rank_worker, lambda: rank_main(a.rank_worker))
+    if done is not None:
+        return done
+    torch, _ = libs
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if a.stats:
         if gpus < 1:

@@ -16,13 +16,11 @@ within a few ulps of a plain attention in float64 on the CPU (in _common.py). Ex
 a non-zero or non-finite dK/dV, 0 when none does, 2 when it cannot run. --deterministic sets
 NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 before TE is imported (TE reads it then).
 """
-import argparse
-import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import gqa_reference, import_te_one_gpu, offsets, te_ran, versions  # noqa: E402 - after the path
+from _common import gqa_reference, offsets, te_one_gpu_end, te_one_gpu_start  # noqa: E402 - after the path
 
 SEQLENS_Q, SEQLENS_KV = [4, 0], [4, 6]
 PADDED_Q, PADDED_KV = [4, 0], [4, 6]
@@ -85,15 +83,9 @@ def run(te, torch, dtype, heads_kv, poison, heads_q=4, seed=1):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--deterministic", action="store_true", help="NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 (set at import)")
-    ap.add_argument("--dtype", choices=("fp16", "bf16", "both"), default="both")
-    a = ap.parse_args()
-    libs = import_te_one_gpu(a.deterministic)
-    if libs is None:
-        return 2
-    torch, transformer_engine, te = libs
-    mode = "deterministic (NVTE_ALLOW_NONDETERMINISTIC_ALGO=0)" if a.deterministic else "default (non-deterministic)"
+    a, libs, mode = te_one_gpu_start(
+        __doc__, lambda ap: ap.add_argument("--dtype", choices=("fp16", "bf16", "both"), default="both"))
+    torch, _, te = libs
     print(f"TE-3: TransformerEngine non-CP, cuDNN FusedAttention, {mode} backward; seqlens_q {SEQLENS_Q}, "
           f"seqlens_kv {SEQLENS_KV}, padded {PADDED_Q}/{PADDED_KV}, head dim {DIM}, no mask")
     dtypes = {"fp16": [torch.float16], "bf16": [torch.bfloat16], "both": [torch.float16, torch.bfloat16]}[a.dtype]
@@ -120,10 +112,7 @@ def main():
                                                                    if ulps > LIMIT_ULPS else ""))
                     print(f"  {str(dtype)[6:]:8} heads 4/{heads_kv} {'poisoned cache' if poison else 'fresh cache   '}:"
                           f" sequence {b} ({nq} queries, {nk} keys): {what}")
-    print(f"TE ran: {te_ran()}")
-    print("versions: " + json.dumps(versions(torch, transformer_engine, te)))
-    print(f"query-less sequences with non-zero dK/dV: {wrong}")
-    return 1 if wrong else 0
+    return te_one_gpu_end(libs, "query-less sequences with non-zero dK/dV", wrong)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import (  # noqa: E402 - after the path
-    causal_reference as reference, cu_seqlens, import_torch_te, rank_start, run_ranks, versions)
+    causal_reference as reference, cp_launcher_start, cu_seqlens, rank_start, run_ranks, versions)
 
 WORLD = 2
 CASE = dict(seqlens=[3], padded=[4], rows=8, heads=2, dim=64)
@@ -114,14 +114,10 @@ def main():
     ap.add_argument("--timeout", type=float, default=180.0, help="seconds the CP run may take (default 180)")
     ap.add_argument("--rank-worker", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
-    os.environ.update(NVTE_FLASH_ATTN="0", NVTE_FUSED_ATTN="1", NVTE_UNFUSED_ATTN="0")
-    if a.rank_worker:
-        rank_main()
-        return 0
-    libs = import_torch_te()
-    if libs is None:
-        return 2
-    torch, transformer_engine = libs
+    done, libs = cp_launcher_start(a.rank_worker, rank_main)
+    if done is not None:
+        return done
+    torch, _ = libs
     if a.helper:
         return helper_main()
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -17,14 +17,12 @@ printed in bf16 ulps of the reference's largest magnitude, separately for head d
 Expected: a few ulps in both halves. Exit 1 when a tensor is off by more than 64 ulps (a wrong result, not rounding),
 0 when none is, 2 when it cannot run. --deterministic sets NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 before TE is imported.
 """
-import argparse
-import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import (  # noqa: E402 - after the path
-    gqa_reference as reference, import_te_one_gpu, offsets, padded_bf16_inputs, te_ran, versions)
+    gqa_reference as reference, offsets, padded_bf16_inputs, te_one_gpu_end, te_one_gpu_start)
 
 LIMIT_ULPS = 64
 LAYOUTS = {
@@ -63,14 +61,8 @@ def run(te, torch, layout, heads_q, heads_kv, dim_qk, dim_v, seed=40):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--deterministic", action="store_true", help="NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 (set at import)")
-    a = ap.parse_args()
-    libs = import_te_one_gpu(a.deterministic)
-    if libs is None:
-        return 2
-    torch, transformer_engine, te = libs
-    mode = "deterministic (NVTE_ALLOW_NONDETERMINISTIC_ALGO=0)" if a.deterministic else "default (non-deterministic)"
+    _, libs, mode = te_one_gpu_start(__doc__)
+    torch, _, te = libs
     print(f"TE-5: TransformerEngine non-CP, cuDNN FusedAttention, {mode} backward, bf16; worst |error| in bf16 ulps "
           f"of the reference's largest magnitude, head dims 0-127 / 128-255; wrong above {LIMIT_ULPS}")
     bad = 0
@@ -91,10 +83,7 @@ def main():
                         marks.append(t)
                 bad += len(marks)
                 print(f"{label}: " + "  ".join(cells) + (f"   <-- wrong: {', '.join(marks)}" if marks else ""))
-    print(f"TE ran: {te_ran()}")
-    print("versions: " + json.dumps(versions(torch, transformer_engine, te)))
-    print(f"tensors over {LIMIT_ULPS} ulps: {bad}")
-    return 1 if bad else 0
+    return te_one_gpu_end(libs, f"tensors over {LIMIT_ULPS} ulps", bad)
 
 
 if __name__ == "__main__":

@@ -65,27 +65,12 @@ def _progress(p):
           f"; smallest {p['smallest_rows_q']} q rows", file=sys.stderr, flush=True)
 
 
-def _headline(r):
-    stop = r["stopped"] + (f": {r['stop_detail']}" if r.get("stop_detail") else "")
-    if r["not_reproduced"]:
-        return ("the failure does not reproduce: no case of the search, the original included, failed the same way "
-                "in every confirmation run (flaky); the original")
-    if r["steps"]:
-        return "smallest failing case" + (" (confirmed)" if r["confirmed"] else
-                                          " (not confirmed)" if r["confirm"] else "")
-    if r["flaky"]:
-        return "no smaller case failed the same way in every confirmation run (flaky); the original"
-    if r["stopped"] == "minimal":
-        return "the original is already minimal"
-    if r["runs"] <= 1:
-        return f"no smaller case was tried: the search stopped before its first step ({stop}); the original"
-    return f"no smaller case failed the same way before the search stopped ({stop}); the original"
-
-
 def _shrink_text(r):
+    from ..shrink import headline
+
     lines = [f"original: {r['original_size']}; fails: {', '.join(r['original_diagnosis']) or 'no diagnosis'}",
              f"kept when: the diagnosis names {', '.join(r['kinds'])}" if r["kinds"] else "kept when: any failure",
-             f"{_headline(r)}: {r['smallest_size']} ({len(r['steps'])} steps kept; stopped: {r['stopped']})",
+             f"{headline(r)}: {r['smallest_size']} ({len(r['steps'])} steps kept; stopped: {r['stopped']})",
              r["smallest"]]
     lines += [f"note: {n}" for n in r["notes"]]
     if r["steps"]:

@@ -198,6 +198,20 @@ def write_new_json(path, obj):
     write_new_bytes(path, (json.dumps(obj, indent=1, allow_nan=False) + "\n").encode())
 
 
+def write_case(folder, case, inputs):
+    """case.json (the case) and inputs.h5 (q, k, v, dout of `inputs`) in `folder`, each new: what a joined call and
+    its shrunk case hold for `cpgold gen --case ... --inputs ...`."""
+    import h5py
+
+    write_new_bytes(os.path.join(folder, "case.json"), (json.dumps(case) + "\n").encode())
+
+    def fill(tmp):
+        with h5py.File(tmp, "x") as f:
+            for name in ("q", "k", "v", "dout"):
+                f.create_dataset(name, data=inputs[name])
+    write_new(os.path.join(folder, "inputs.h5"), fill)
+
+
 def safe_name(text):
     """A file-name-safe form of a layer name (letters, digits, '_', '.', '-'; anything else becomes '_')."""
     out = re.sub(r"[^A-Za-z0-9_.-]", "_", str(text))

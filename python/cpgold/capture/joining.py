@@ -229,13 +229,7 @@ def _write_joined(target, case, inputs, outputs, info, entry):
     from ..candidate import write_global, write_ranks
 
     os.mkdir(target)   # FileExistsError: joined before (never replaced)
-    _folder.write_new_bytes(os.path.join(target, "case.json"), (json.dumps(case) + "\n").encode())
-
-    def fill(tmp):
-        with h5py.File(tmp, "x") as f:
-            for name in ("q", "k", "v", "dout"):
-                f.create_dataset(name, data=inputs[name])
-    _folder.write_new(os.path.join(target, "inputs.h5"), fill)
+    _folder.write_case(target, case, inputs)
     candidate = os.path.join(target, "candidate.h5")
     if case["cp_size"] == 1:
         write_global(candidate, outputs[0], scope="global", lse_layout="ht")

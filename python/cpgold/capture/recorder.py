@@ -216,6 +216,17 @@ def _o3(o, heads):
     raise Unsupported(f"the output has shape {tuple(o.shape)}: expected [t, {heads}, dv] or [t, {heads} * dv]")
 
 
+def _o_lse(result, heads):
+    """(o as [t, h, dv], o as returned, lse or None) from a FlashAttention-style result: o, or a tuple whose first
+    item is o and whose second, when a tensor, is the LSE."""
+    if isinstance(result, (tuple, list)):
+        o = result[0]
+        lse = result[1] if len(result) > 1 and hasattr(result[1], "dim") else None
+    else:
+        o, lse = result, None
+    return _o3(o, heads), o, lse
+
+
 # ---------------------------------------------------------------------------------------------- sources
 
 
@@ -432,15 +443,7 @@ def flash_view(source, sig):
             a["q"], a["k"], a["v"] = q2, k2, v2
             return b.args, b.kwargs
 
-        def outputs(result):
-            if isinstance(result, (tuple, list)):
-                o = result[0]
-                lse = result[1] if len(result) > 1 and hasattr(result[1], "dim") else None
-            else:
-                o, lse = result, None
-            return _o3(o, q.shape[1]), o, lse
-
-        return _View(q, k, v, layout, replace, outputs)
+        return _View(q, k, v, layout, replace, lambda result: _o_lse(result, q.shape[1]))
 
     return view
 
@@ -476,15 +479,7 @@ def varlen_view(sig):
             a[names[0]], a[names[1]], a[names[2]] = q2, k2, v2
             return b.args, b.kwargs
 
-        def outputs(result):
-            if isinstance(result, (tuple, list)):
-                o = result[0]
-                lse = result[1] if len(result) > 1 and hasattr(result[1], "dim") else None
-            else:
-                o, lse = result, None
-            return _o3(o, q.shape[1]), o, lse
-
-        return _View(q, k, v, layout, replace, outputs)
+        return _View(q, k, v, layout, replace, lambda result: _o_lse(result, q.shape[1]))
 
     return view
 

@@ -36,7 +36,6 @@ import tempfile
 import threading
 import time
 
-import h5py
 import numpy as np
 
 from ..errors import CheckInputError, InputError
@@ -159,16 +158,6 @@ def _candidates(case):
         if 1 <= g2 < g:
             out.append((f"query heads per KV head {g} -> {g2}", dict(group=g2)))
     return [c for c in out if c is not None]
-
-
-def _save(out, case, inputs):
-    _folder.write_new_bytes(os.path.join(out, "case.json"), (json.dumps(case) + "\n").encode())
-
-    def fill(tmp):
-        with h5py.File(tmp, "x") as f:
-            for name in ("q", "k", "v", "dout"):
-                f.create_dataset(name, data=inputs[name])
-    _folder.write_new(os.path.join(out, "inputs.h5"), fill)
 
 
 # ---------------------------------------------------------------------------------------------- COMMAND's runs
@@ -911,7 +900,7 @@ def _finish(search, result, out, record, command):
     best_case, best_inputs, best_verdict = result.pop("best")
     kept = result.pop("kept")
     os.makedirs(out, exist_ok=True)
-    _save(out, best_case, best_inputs)
+    _folder.write_case(out, best_case, best_inputs)
     case_path, inputs_path = os.path.join(out, "case.json"), os.path.join(out, "inputs.h5")
     signals = getattr(search.runner, "signals", None)
     signum = signals.signal if signals is not None else 0

@@ -15,7 +15,7 @@ import time
 
 from . import ADAPTERS, make
 from .environment import describe, differences, digest, process_versions
-from .harness import counts, fixture_list, markdown, read_results
+from .harness import add_selection_arguments, argument_parser, counts, fixture_list, markdown, read_results
 from .runner import isolated, run_and_write, worker
 
 
@@ -98,18 +98,14 @@ def write_run_file(run_file, record):
 
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
-    ap = argparse.ArgumentParser(prog="python3 -m cpgold.outsiders", description=__doc__.splitlines()[0],
-                                 epilog="adapters: " + "; ".join(f"{k}: {v[2]}" for k, v in ADAPTERS.items()))
-    ap.add_argument("adapter", choices=sorted(ADAPTERS))
-    ap.add_argument("fixtures", nargs="+", help="fixture folders (the folder's name is the suite) or files")
+    ap = argument_parser("python3 -m cpgold.outsiders", __doc__, ADAPTERS)
     ap.add_argument("--summary", help="JSON summary to write (default: ADAPTER.json)")
     ap.add_argument("--table", help="markdown verdict tables to write (default: printed only)")
     ap.add_argument("--cpgold", help="cpgold binary to check with (default: the in-process engine, else PATH)")
     ap.add_argument("--deterministic", action="store_true",
                     help="deterministic backward (FA3/FA4 deterministic=True; TE NVTE_ALLOW_NONDETERMINISTIC_ALGO=0)")
     ap.add_argument("--backend", choices=("fused", "flash"), help="TE adapters: the backend TE's variables select")
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="another adapter option")
-    ap.add_argument("--only", type=lambda s: [x for x in s.split(",") if x], help="comma-separated fixtures to run")
+    add_selection_arguments(ap)
     ap.add_argument("--first", action="append", default=[], metavar="SUITE=N",
                     help="only the first N fixtures (by name) of the folder named SUITE")
     ap.add_argument("--isolate", action="store_true",

@@ -13,6 +13,7 @@ or one process per rank (ranks.py, `torchrun ... -m cpgold.outsiders.ranks`). Al
   inside a fixture after a peer failed, and the process groups' own timeout (backstop) lies beyond both;
 - tabulate their verdicts with the same tables (markdown, counts).
 """
+import argparse
 import json
 import os
 import signal
@@ -72,6 +73,24 @@ def backstop(timeout, grace):
     """Seconds of the process groups' own timeout: beyond the fixture's timeout and the grace, so that the
     harness's watchdog acts first and the groups' timeout only ends what the watchdog could not."""
     return timeout + grace + 60
+
+
+# ------------------------------------------------------------------ command line
+def argument_parser(prog, doc, adapters):
+    """The command line every way of running starts with: the adapter (a name of `adapters`, each (module, class,
+    description), described in the epilog) and the fixtures; each way adds its own options."""
+    ap = argparse.ArgumentParser(prog=prog, description=doc.splitlines()[0],
+                                 epilog="adapters: " + "; ".join(f"{k}: {v[2]}" for k, v in adapters.items()))
+    ap.add_argument("adapter", choices=sorted(adapters))
+    ap.add_argument("fixtures", nargs="+", help="fixture folders (the folder's name is the suite) or files")
+    return ap
+
+
+def add_selection_arguments(ap):
+    """--set KEY=VALUE (another adapter option, repeatable) and --only (the fixtures to run), as every way takes
+    them."""
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="another adapter option")
+    ap.add_argument("--only", type=lambda s: [x for x in s.split(",") if x], help="comma-separated fixtures to run")
 
 
 # ------------------------------------------------------------------ fixtures

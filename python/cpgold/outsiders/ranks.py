@@ -28,7 +28,6 @@ ran passed (skipped and refused ones aside), 1 one failed or errored, 2 bad usag
 cp_size = the world size; when a rank fails the run stops: 1 on the rank that raised, 75 (CONTEXT_LOST) on a rank
 whose CUDA context was lost (a device-side assert), 4 on the ranks stopped because of it.
 """
-import argparse
 import json
 import os
 import sys
@@ -36,7 +35,7 @@ import threading
 import time
 import traceback
 
-from .harness import FIXTURE_TIMEOUT, PEER_GRACE, exit_code
+from .harness import FIXTURE_TIMEOUT, PEER_GRACE, add_selection_arguments, argument_parser, exit_code
 
 PROG = "cpgold.outsiders.ranks"
 EXIT_NOTHING_RAN = 3
@@ -50,18 +49,14 @@ def fail_usage(message):
 def parse_args(argv):
     from .rank_adapter import RANK_ADAPTERS
 
-    ap = argparse.ArgumentParser(prog=f"torchrun --nproc-per-node W -m {PROG}", description=__doc__.splitlines()[0],
-                                 epilog="adapters: " + "; ".join(f"{k}: {v[2]}" for k, v in RANK_ADAPTERS.items()))
-    ap.add_argument("adapter", choices=sorted(RANK_ADAPTERS))
-    ap.add_argument("fixtures", nargs="+", help="fixture folders (the folder's name is the suite) or files")
+    ap = argument_parser(f"torchrun --nproc-per-node W -m {PROG}", __doc__, RANK_ADAPTERS)
     ap.add_argument("--out", required=True, help="folder of the rank files, results.jsonl, summary.json, summary.md")
     ap.add_argument("--dist-backend", choices=("nccl", "gloo"), default="nccl",
                     help="torch.distributed backend: nccl (GPUs, one per process; the default) or gloo (CPU)")
     ap.add_argument("--backend", choices=("fused", "flash"), help="te_cp: the backend TE's variables select")
     ap.add_argument("--deterministic", action="store_true", help="deterministic backward (TE: "
                     "NVTE_ALLOW_NONDETERMINISTIC_ALGO=0)")
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="another adapter option")
-    ap.add_argument("--only", type=lambda s: [x for x in s.split(",") if x], help="comma-separated fixtures to run")
+    add_selection_arguments(ap)
     ap.add_argument("--timeout", type=float, default=FIXTURE_TIMEOUT,
                     help="seconds one fixture (run, exchange and check) may take on a rank; also the process groups' "
                          f"timeout (default {FIXTURE_TIMEOUT:g})")
