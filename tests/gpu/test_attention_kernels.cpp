@@ -29,6 +29,10 @@ namespace fx = cpgold::fx;
 namespace {
 
 struct Case {
+  Case() = default;
+  // The name, dtype, head counts and head dims; the call and the inputs are the maker's.
+  Case(std::string name, DType dtype, int hq, int hkv, int d, int dv)
+      : name(std::move(name)), dtype(dtype), heads_q(hq), heads_kv(hkv), dim_qk(d), dim_v(dv) {}
   std::string name;
   DType dtype = DType::bf16;
   int heads_q = 2, heads_kv = 2, dim_qk = 128, dim_v = 128;
@@ -70,13 +74,7 @@ void fill_inputs(Case& c, uint64_t seed) {
 // A non-CP case: each sequence padded by 0..7 rows (seeded), 5 tail rows after the last.
 Case make_case(std::string name, DType dtype, int hq, int hkv, int d, int dv, Window window,
                const std::vector<int32_t>& lens_q, const std::vector<int32_t>& lens_kv, uint64_t seed) {
-  Case c;
-  c.name = std::move(name);
-  c.dtype = dtype;
-  c.heads_q = hq;
-  c.heads_kv = hkv;
-  c.dim_qk = d;
-  c.dim_v = dv;
+  Case c(std::move(name), dtype, hq, hkv, d, dv);
   std::mt19937_64 rng(seed * 7919 + 17);
   std::vector<int32_t> pad_q, pad_kv;
   for (int32_t len : lens_q) pad_q.push_back(len + static_cast<int32_t>(rng() % 8));
@@ -260,11 +258,7 @@ TEST_CASE("gpu attention: every mask kind x dtype x head dims on random layouts 
 TEST_CASE("gpu attention: a CP-step call (two Q segments mid-sequence, two KV segments) matches the reference") {
   CPGOLD_REQUIRE_DEVICE();
   for (Window w : {Window{-1, 0}, Window{-1, -1}, Window{40, 0}}) {
-    Case c;
-    c.name = "cp-step segments";
-    c.dtype = DType::bf16;
-    c.heads_q = 4;
-    c.heads_kv = 2;
+    Case c("cp-step segments", DType::bf16, 4, 2, 128, 128);
     c.call.window = w;
     c.call.softmax_scale = 1.0 / std::sqrt(128.0);
     c.call.q_rows = 200;
@@ -623,35 +617,29 @@ TEST_CASE("gpu attention: a plan that leaves rows outside its segments is refuse
   void* p = reinterpret_cast<void*>(uintptr_t{4096});
   float* f = static_cast<float*>(p);
   const int64_t* rows = static_cast<const int64_t*>(p);
+  auto refused_naming = [](const gpu::Outcome& o, const char* rule) {
+    CHECK(o.status == gpu::Status::invalid_argument);
+    CHECK(o.message.find(rule) != std::string::npos);
+  };
   gpu::BackwardBuffers plain{p, p, p, p, p, f, p, p, p, {}, {}, {}, nullptr};
-  const gpu::Outcome a = gpu::attention_backward(plan, plain);
-  CHECK(a.status == gpu::Status::invalid_argument);
-  CHECK(a.message.find("leave_kv") != std::string::npos);
+  refused_naming(gpu::attention_backward(plan, plain), "leave_kv");
   gpu::BackwardBuffers fresh{p, p, p, p, p, f, nullptr, nullptr, nullptr, {f, rows, false}, {f, rows, true},
                              {f, rows, true}, nullptr};
   CHECK(gpu::attention_backward(plan, fresh).status == gpu::Status::invalid_argument);
   gpu::AttentionPlan plan_q;
   REQUIRE(plan_q.build(call, {DType::bf16, 2, 2, 64, 64}, {.leave_q = true, .leave_kv = false}).ok());
-  const gpu::Outcome b = gpu::attention_backward(plan_q, plain);
-  CHECK(b.status == gpu::Status::invalid_argument);
-  CHECK(b.message.find("leave_q") != std::string::npos);
+  refused_naming(gpu::attention_backward(plan_q, plain), "leave_q");
   gpu::BackwardBuffers fresh_q{p, p, p, p, p, f, nullptr, nullptr, nullptr, {f, rows, true}, {f, rows, false},
                                {f, rows, false}, nullptr};
   CHECK(gpu::attention_backward(plan_q, fresh_q).status == gpu::Status::invalid_argument);
-  const gpu::Outcome c = gpu::attention_forward(plan_q, {p, p, p, p, f});
-  CHECK(c.status == gpu::Status::invalid_argument);
-  CHECK(c.message.find("leave_q") != std::string::npos);
+  refused_naming(gpu::attention_forward(plan_q, {p, p, p, p, f}), "leave_q");
   // A last contribution (RowSum::result) would leave the result rows outside the segments unwritten.
   gpu::BackwardBuffers last_q{p, p, p, p, p, f, nullptr, nullptr, nullptr, {f, rows, false, p}, {f, rows, false},
                               {f, rows, false}, nullptr};
-  const gpu::Outcome d = gpu::attention_backward(plan_q, last_q);
-  CHECK(d.status == gpu::Status::invalid_argument);
-  CHECK(d.message.find("result") != std::string::npos);
+  refused_naming(gpu::attention_backward(plan_q, last_q), "result");
   gpu::BackwardBuffers last_kv{p, p, p, p, p, f, nullptr, nullptr, nullptr, {f, rows, false}, {f, rows, false, p},
                                {f, rows, false, p}, nullptr};
-  const gpu::Outcome e = gpu::attention_backward(plan, last_kv);
-  CHECK(e.status == gpu::Status::invalid_argument);
-  CHECK(e.message.find("result") != std::string::npos);
+  refused_naming(gpu::attention_backward(plan, last_kv), "result");
 }
 
 namespace {
@@ -702,6 +690,33 @@ TEST_CASE("gpu attention: the forward kernel chosen per head dims and device is 
   CHECK_FALSE(gpu::parse_forward_kernel("sm90").has_value());
 }
 
+namespace {
+
+// Relative Frobenius difference of two tensors over the valid rows; counts pad-row elements that are not +0.
+double rel_diff(const Tensor3<float>& a, const Tensor3<float>& b, const std::vector<uint8_t>& valid,
+                int64_t& pad_nonzero) {
+  double diff2 = 0, norm2 = 0;
+  for (int64_t r = 0; r < a.rows; ++r)
+    for (int64_t h = 0; h < a.heads; ++h)
+      for (int64_t x = 0; x < a.dim; ++x) {
+        const double m = a(r, h, x), w = b(r, h, x);
+        if (!valid[static_cast<size_t>(r)]) {
+          pad_nonzero += (m != 0.0 || std::signbit(m)) + (w != 0.0 || std::signbit(w));
+          continue;
+        }
+        diff2 += (m - w) * (m - w);
+        norm2 += m * m;
+      }
+  return norm2 > 0 ? std::sqrt(diff2 / norm2) : std::sqrt(diff2);
+}
+
+bool same_values(const Tensor3<float>& a, const Tensor3<float>& b) {
+  return a.values.size() == b.values.size() &&
+         std::memcmp(a.values.data(), b.values.data(), a.values.size() * sizeof(float)) == 0;
+}
+
+}  // namespace
+
 // The two forwards on the same inputs: both within the budget against the oracle (run_case's rule), and against each
 // other: pad rows exactly 0 in both, the same set of -inf LSE rows, O within a relative Frobenius difference of 1e-2
 // and LSE within 2e-3 (P is rounded to the dtype at different points of the sum). On a device that is not 9.0 the
@@ -737,26 +752,17 @@ TEST_CASE("gpu attention: the wgmma forward against the mma.sync forward") {
                  fx::view_of(wg.o), c.q_valid);
     check_tensor(label + " wgmma", fx::Quantity::lse, c.dtype, fx::view_of(oracle.lse), fx::view_of(peer.lse),
                  fx::view_of(wg.lse), c.q_valid);
-    double diff2 = 0, norm2 = 0, lse_diff = 0;
     int64_t pad_nonzero = 0, inf_mismatch = 0;
-    for (int64_t r = 0; r < c.call.q_rows; ++r)
+    const double rel = rel_diff(mma.o, wg.o, c.q_valid, pad_nonzero);
+    double lse_diff = 0;
+    for (int64_t r = 0; r < c.call.q_rows; ++r) {
+      if (!c.q_valid[static_cast<size_t>(r)]) continue;
       for (int h = 0; h < c.heads_q; ++h) {
-        const bool valid = c.q_valid[static_cast<size_t>(r)] != 0;
-        for (int x = 0; x < c.dim_v; ++x) {
-          const double m = mma.o(r, h, x), w = wg.o(r, h, x);
-          if (!valid) {
-            pad_nonzero += (m != 0.0 || std::signbit(m)) + (w != 0.0 || std::signbit(w));
-            continue;
-          }
-          diff2 += (m - w) * (m - w);
-          norm2 += m * m;
-        }
-        if (!valid) continue;
         const float lm = mma.lse(h, r), lw = wg.lse(h, r);
         if (std::isinf(lm) || std::isinf(lw)) inf_mismatch += lm != lw;
         else lse_diff = std::max(lse_diff, static_cast<double>(std::fabs(lm - lw)));
       }
-    const double rel = norm2 > 0 ? std::sqrt(diff2 / norm2) : std::sqrt(diff2);
+    }
     std::printf("A/B %-50s O rel diff %.3e, LSE max diff %.3e, pad elements not +0: %lld, -inf mismatches: %lld\n",
                 label.c_str(), rel, lse_diff, static_cast<long long>(pad_nonzero), static_cast<long long>(inf_mismatch));
     CHECK(pad_nonzero == 0);
@@ -813,33 +819,6 @@ TEST_CASE("gpu attention: the backward kernel chosen per head dims and device is
   CHECK(gpu::backward_kernel_name(gpu::BackwardKernel::wgmma) == "wgmma");
   CHECK(gpu::backward_kernel_name(gpu::BackwardKernel::mma_sync) == "mma.sync");
 }
-
-namespace {
-
-// Relative Frobenius difference of two tensors over the valid rows; counts pad-row elements that are not +0.
-double rel_diff(const Tensor3<float>& a, const Tensor3<float>& b, const std::vector<uint8_t>& valid,
-                int64_t& pad_nonzero) {
-  double diff2 = 0, norm2 = 0;
-  for (int64_t r = 0; r < a.rows; ++r)
-    for (int64_t h = 0; h < a.heads; ++h)
-      for (int64_t x = 0; x < a.dim; ++x) {
-        const double m = a(r, h, x), w = b(r, h, x);
-        if (!valid[static_cast<size_t>(r)]) {
-          pad_nonzero += (m != 0.0 || std::signbit(m)) + (w != 0.0 || std::signbit(w));
-          continue;
-        }
-        diff2 += (m - w) * (m - w);
-        norm2 += m * m;
-      }
-  return norm2 > 0 ? std::sqrt(diff2 / norm2) : std::sqrt(diff2);
-}
-
-bool same_values(const Tensor3<float>& a, const Tensor3<float>& b) {
-  return a.values.size() == b.values.size() &&
-         std::memcmp(a.values.data(), b.values.data(), a.values.size() * sizeof(float)) == 0;
-}
-
-}  // namespace
 
 // The two backwards on the same inputs (the forward's O and LSE), both modes: both within the budget against the
 // oracle (run_case's rule), and against each other: pad rows exactly +0 in both, dK and dV within a relative
@@ -1003,13 +982,7 @@ namespace {
 // the diagonal step), at their global positions; segments separated by 0..3 NaN pad rows.
 Case make_chunk_case(std::string name, DType dtype, int hq, int hkv, int d, int dv, Window window,
                      const std::vector<int32_t>& lengths, uint64_t seed) {
-  Case c;
-  c.name = std::move(name);
-  c.dtype = dtype;
-  c.heads_q = hq;
-  c.heads_kv = hkv;
-  c.dim_qk = d;
-  c.dim_v = dv;
+  Case c(std::move(name), dtype, hq, hkv, d, dv);
   c.call.window = window;
   c.call.softmax_scale = 1.0 / std::sqrt(static_cast<double>(d));
   std::mt19937_64 rng(seed);

@@ -12,23 +12,33 @@ using namespace cpgold;
 using namespace cpgold::gpu;
 
 TEST_CASE("capability table: supported shapes pass, others are unsupported with the reason") {
-  CHECK(check_capability({DType::bf16, 4, 2, 64, 64}).ok());
-  CHECK(check_capability({DType::fp16, 4, 1, 128, 128}).ok());
-  CHECK(check_capability({DType::bf16, 8, 8, 192, 128}).ok());
-  const Outcome fp32 = check_capability({DType::fp32, 4, 4, 128, 128});
-  CHECK(fp32.status == Status::unsupported);
-  CHECK(fp32.message.find("fp32") != std::string::npos);
-  CHECK(check_capability({DType::bf16, 4, 4, 32, 32}).ok());
-  CHECK(check_capability({DType::fp16, 4, 4, 96, 96}).ok());
-  CHECK(check_capability({DType::bf16, 4, 2, 256, 256}).ok());
-  const Outcome d80 = check_capability({DType::bf16, 4, 4, 80, 80});
-  CHECK(d80.status == Status::unsupported);
-  CHECK(d80.message.find("d_qk=80") != std::string::npos);
-  CHECK(check_capability({DType::bf16, 4, 4, 256, 128}).status == Status::unsupported);
-  CHECK(check_capability({DType::bf16, 4, 4, 16, 16}).status == Status::unsupported);
-  CHECK(check_capability({DType::bf16, 4, 4, 128, 64}).ok());  // TransformerEngine's fused CP MLA configuration
-  CHECK(check_capability({DType::bf16, 4, 4, 64, 128}).status == Status::unsupported);
-  CHECK(check_capability({DType::bf16, 6, 4, 128, 128}).status == Status::invalid_argument);
+  struct Row {
+    AttentionShape shape;
+    Status status;
+    const char* reason;  // a part of the message, or nullptr
+  };
+  const Row rows[] = {
+      {{DType::bf16, 4, 2, 64, 64}, Status::ok, nullptr},
+      {{DType::fp16, 4, 1, 128, 128}, Status::ok, nullptr},
+      {{DType::bf16, 8, 8, 192, 128}, Status::ok, nullptr},
+      {{DType::fp32, 4, 4, 128, 128}, Status::unsupported, "fp32"},
+      {{DType::bf16, 4, 4, 32, 32}, Status::ok, nullptr},
+      {{DType::fp16, 4, 4, 96, 96}, Status::ok, nullptr},
+      {{DType::bf16, 4, 2, 256, 256}, Status::ok, nullptr},
+      {{DType::bf16, 4, 4, 80, 80}, Status::unsupported, "d_qk=80"},
+      {{DType::bf16, 4, 4, 256, 128}, Status::unsupported, nullptr},
+      {{DType::bf16, 4, 4, 16, 16}, Status::unsupported, nullptr},
+      {{DType::bf16, 4, 4, 128, 64}, Status::ok, nullptr},  // TransformerEngine's fused CP MLA configuration
+      {{DType::bf16, 4, 4, 64, 128}, Status::unsupported, nullptr},
+      {{DType::bf16, 6, 4, 128, 128}, Status::invalid_argument, nullptr},
+  };
+  for (const Row& row : rows) {
+    INFO(dtype_name(row.shape.dtype) << ", heads " << row.shape.heads_q << "/" << row.shape.heads_kv << ", d_qk "
+         << row.shape.dim_qk << ", d_v " << row.shape.dim_v);
+    const Outcome outcome = check_capability(row.shape);
+    CHECK(outcome.status == row.status);
+    if (row.reason) CHECK(outcome.message.find(row.reason) != std::string::npos);
+  }
   // An unsupported shape never builds a plan (no silent fallback).
   AttentionPlan plan;
   ThdLayout layout{make_packed_sequences({5}, {}, -1, "q"), make_packed_sequences({5}, {}, -1, "kv")};

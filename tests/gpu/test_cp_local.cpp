@@ -14,6 +14,7 @@
 #include <cstring>
 #include <cstdio>
 #include <filesystem>
+#include <limits>
 #include <string>
 #include <thread>
 #include <vector>
@@ -28,24 +29,12 @@
 #include "gpu/verify/fixture_verify.hpp"
 #include "sim/case/case_inputs.hpp"
 #include "sim/program/cp_program.hpp"
+#include "tests/gpu/require_device.hpp"
 
 using namespace cpgold;
 namespace fs = std::filesystem;
 
 namespace {
-
-bool have_device() {
-  static const int count = gpu::cuda_device_count();
-  return count > 0;
-}
-
-#define CPGOLD_REQUIRE_DEVICE()                 \
-  do {                                          \
-    if (!have_device()) {                       \
-      std::printf("SKIPPED: no CUDA device\n"); \
-      return;                                   \
-    }                                           \
-  } while (0)
 
 struct TempDir {
   fs::path path = fs::temp_directory_path() / ("cpgold-cp-local-" + std::to_string(::getpid()));
@@ -112,10 +101,41 @@ void check_same_outputs(const sim::CpRun<float>& want, const sim::CpRun<float>& 
   }
 }
 
+// The deterministic backward, all else as it comes: the schedule whose bits the other options must give.
+gpu::CpGpuOptions deterministic_options() {
+  gpu::CpGpuOptions options;
+  options.mode = gpu::BackwardMode::deterministic;
+  return options;
+}
+
+// Turns on the phase breakdown, whose serialised operations may take longer than the default timeout allows.
+void add_phase_breakdown(gpu::CpGpuOptions& options) {
+  options.phases = std::make_shared<gpu::PhaseTimes>();
+  options.timeout = std::chrono::milliseconds(20000);
+}
+
 // Calls of one phase in a PhaseTimes (0 if it never ran).
 int64_t phase_calls(const gpu::PhaseTimes& times, const std::string& name) {
   const auto it = times.phases.find(name);
   return it == times.phases.end() ? 0 : it->second.calls;
+}
+
+// Two runs of a case under `options` with the phase breakdown on, the switch `flag` off ([0]) and on ([1]): their
+// outputs and the calls of `phase` in each.
+struct OffAndOn {
+  sim::CpRun<float> runs[2];
+  size_t calls[2] = {0, 0};
+};
+OffAndOn run_off_and_on(const sim::Plan& plan, const sim::CaseInputs& inputs, DType dtype, gpu::CpGpuOptions options,
+                        bool gpu::CpGpuOptions::*flag, const std::string& phase) {
+  OffAndOn out;
+  for (const bool on : {false, true}) {
+    options.*flag = on;
+    add_phase_breakdown(options);
+    out.runs[on] = gpu::LocalCpExecutor(plan, inputs, dtype, options).run(true);
+    out.calls[on] = static_cast<size_t>(phase_calls(*options.phases, phase));
+  }
+  return out;
 }
 
 // The first quick case of each comm type inside the GPU table.
@@ -133,6 +153,36 @@ std::vector<fx::SuiteCase> one_case_per_comm() {
       if (found) break;
     }
   return out;
+}
+
+// body(c, plan, inputs) on each case of one_case_per_comm, with its Plan and inputs.
+template <class Body>
+void for_one_case_per_comm(Body&& body) {
+  for (const fx::SuiteCase& c : one_case_per_comm()) {
+    CAPTURE(c.name);
+    body(c, sim::make_plan(c.spec), sim::make_case_inputs(c.spec));
+  }
+}
+
+const int kEveryCase = std::numeric_limits<int>::max();
+
+// body(c, plan, inputs) on the cases of the quick and edge suites inside the GPU table that `wanted` takes, at most
+// `per_suite` of each suite; at least 4 in all. Returns how many.
+template <class Wanted, class Body>
+int sweep_quick_and_edge(Wanted&& wanted, int per_suite, Body&& body) {
+  int cases = 0;
+  for (const std::string suite : {"quick", "edge"}) {
+    int taken = 0;
+    for (const fx::SuiteCase& c : fx::suite_cases(suite)) {
+      if (c.cpu_only || !fx::inside_gpu_table(c.spec) || !wanted(c.spec) || taken == per_suite) continue;
+      ++taken;
+      ++cases;
+      CAPTURE(c.name);
+      body(c, sim::make_plan(c.spec), sim::make_case_inputs(c.spec));
+    }
+  }
+  CHECK(cases >= 4);
+  return cases;
 }
 
 }  // namespace
@@ -198,12 +248,8 @@ TEST_CASE("local CP: traced cases pass step by step, --inject is caught and loca
 
 TEST_CASE("local CP: the deterministic backward gives the same bits on 5 reruns, every comm type") {
   CPGOLD_REQUIRE_DEVICE();
-  for (const fx::SuiteCase& c : one_case_per_comm()) {
-    CAPTURE(c.name);
-    const sim::Plan plan = sim::make_plan(c.spec);
-    const sim::CaseInputs inputs = sim::make_case_inputs(c.spec);
-    gpu::CpGpuOptions options;
-    options.mode = gpu::BackwardMode::deterministic;
+  for_one_case_per_comm([&](const fx::SuiteCase& c, const sim::Plan& plan, const sim::CaseInputs& inputs) {
+    gpu::CpGpuOptions options = deterministic_options();
     gpu::LocalCpExecutor executor(plan, inputs, c.spec.dtype, options);
     const sim::CpRun<float> first = executor.run(true);
     for (int rerun = 0; rerun < 4; ++rerun) {
@@ -218,7 +264,7 @@ TEST_CASE("local CP: the deterministic backward gives the same bits on 5 reruns,
         CHECK(std::memcmp(a.dv.values.data(), b.dv.values.data(), a.dv.values.size() * 4) == 0);
       }
     }
-  }
+  });
 }
 
 // CpGpuOptions::accumulate_aside changes the schedule only: the accumulation of the backward partials moves to a
@@ -228,15 +274,11 @@ TEST_CASE("local CP: the deterministic backward gives the same bits on 5 reruns,
 // reuses blocks freed on the accumulation stream) stay equal too.
 TEST_CASE("local CP: accumulating on its own stream gives the in-order bits, every comm type") {
   CPGOLD_REQUIRE_DEVICE();
-  for (const fx::SuiteCase& c : one_case_per_comm()) {
-    CAPTURE(c.name);
-    const sim::Plan plan = sim::make_plan(c.spec);
-    const sim::CaseInputs inputs = sim::make_case_inputs(c.spec);
+  for_one_case_per_comm([&](const fx::SuiteCase& c, const sim::Plan& plan, const sim::CaseInputs& inputs) {
     sim::CpRun<float> in_order_plain;  // the untraced in-order run, also the reference of the phase breakdown below
     for (const bool traced : {false, true}) {
       CAPTURE(traced);
-      gpu::CpGpuOptions in_order;
-      in_order.mode = gpu::BackwardMode::deterministic;
+      gpu::CpGpuOptions in_order = deterministic_options();
       in_order.record_trace = traced;
       gpu::CpGpuOptions aside = in_order;
       aside.accumulate_aside = true;
@@ -257,18 +299,16 @@ TEST_CASE("local CP: accumulating on its own stream gives the in-order bits, eve
         }
       }
     }
-    gpu::CpGpuOptions timed;
-    timed.mode = gpu::BackwardMode::deterministic;
+    gpu::CpGpuOptions timed = deterministic_options();
     timed.accumulate_aside = true;
-    timed.phases = std::make_shared<gpu::PhaseTimes>();
-    timed.timeout = std::chrono::milliseconds(20000);
+    add_phase_breakdown(timed);
     const sim::CpRun<float> got = gpu::LocalCpExecutor(plan, inputs, c.spec.dtype, timed).run(true);
     for (int r = 0; r < plan.cp_size; ++r) {
       CHECK(same(in_order_plain.ranks[static_cast<size_t>(r)].dq, got.ranks[static_cast<size_t>(r)].dq));
       CHECK(same(in_order_plain.ranks[static_cast<size_t>(r)].dk, got.ranks[static_cast<size_t>(r)].dk));
     }
     CHECK(timed.phases->phases.count("scatter_add") == 1);
-  }
+  });
 }
 
 // CpGpuOptions::sum_in_backward: the ring steps' attention backward adds dQ, dK, dV into the rank's float32 sums
@@ -277,17 +317,13 @@ TEST_CASE("local CP: accumulating on its own stream gives the in-order bits, eve
 // scatter_add (all_gather keeps its own accumulation); a traced run ignores the option and keeps its partials.
 TEST_CASE("local CP: summing inside the backward kernels gives the bits of backward + scatter_add, every comm type") {
   CPGOLD_REQUIRE_DEVICE();
-  for (const fx::SuiteCase& c : one_case_per_comm()) {
-    CAPTURE(c.name);
-    const sim::Plan plan = sim::make_plan(c.spec);
-    const sim::CaseInputs inputs = sim::make_case_inputs(c.spec);
-    gpu::CpGpuOptions in_order;
-    in_order.mode = gpu::BackwardMode::deterministic;
+  for_one_case_per_comm([&](const fx::SuiteCase& c, const sim::Plan& plan, const sim::CaseInputs& inputs) {
+    gpu::CpGpuOptions in_order = deterministic_options();
     const sim::CpRun<float> want = gpu::LocalCpExecutor(plan, inputs, c.spec.dtype, in_order).run(true);
+    gpu::CpGpuOptions summing = in_order;
+    summing.sum_in_backward = true;
     for (const bool aside : {false, true}) {
       CAPTURE(aside);
-      gpu::CpGpuOptions summing = in_order;
-      summing.sum_in_backward = true;
       summing.accumulate_aside = aside;
       gpu::LocalCpExecutor executor(plan, inputs, c.spec.dtype, summing);
       for (int run = 0; run < 3; ++run) {
@@ -298,8 +334,7 @@ TEST_CASE("local CP: summing inside the backward kernels gives the bits of backw
     }
     gpu::CpGpuOptions timed = in_order;
     timed.sum_in_backward = true;
-    timed.phases = std::make_shared<gpu::PhaseTimes>();
-    timed.timeout = std::chrono::milliseconds(20000);
+    add_phase_breakdown(timed);
     const sim::CpRun<float> got = gpu::LocalCpExecutor(plan, inputs, c.spec.dtype, timed).run(true);
     for (int r = 0; r < plan.cp_size; ++r)
       CHECK(same(want.ranks[static_cast<size_t>(r)].dk, got.ranks[static_cast<size_t>(r)].dk));
@@ -311,7 +346,7 @@ TEST_CASE("local CP: summing inside the backward kernels gives the bits of backw
     CHECK(with_trace.trace.backward.size() >= static_cast<size_t>(plan.cp_size));
     for (int r = 0; r < plan.cp_size; ++r)
       CHECK(same(want.ranks[static_cast<size_t>(r)].dq, with_trace.ranks[static_cast<size_t>(r)].dq));
-  }
+  });
 }
 
 // CpGpuOptions::last_sum_in_dtype: the summing backward's last step over a whole side writes the finished dQ (dK, dV)
@@ -321,44 +356,30 @@ TEST_CASE("local CP: summing inside the backward kernels gives the bits of backw
 // sums whose last step reads a half.
 TEST_CASE("local CP: the last summing step writes the dtype, with the bits of converting afterwards") {
   CPGOLD_REQUIRE_DEVICE();
-  int cases = 0, whole = 0;
-  for (const std::string suite : {"quick", "edge"}) {
-    for (const fx::SuiteCase& c : fx::suite_cases(suite)) {
-      if (c.cpu_only || !fx::inside_gpu_table(c.spec) || c.spec.comm != sim::CommType::p2p) continue;
-      ++cases;
-      CAPTURE(c.name);
-      const sim::Plan plan = sim::make_plan(c.spec);
-      const sim::CaseInputs inputs = sim::make_case_inputs(c.spec);
-      sim::CpRun<float> runs[2];
-      size_t converts[2] = {0, 0};
-      for (const bool last_dtype : {false, true}) {
-        gpu::CpGpuOptions options;
-        options.mode = gpu::BackwardMode::deterministic;
-        options.sum_in_backward = true;
-        options.last_sum_in_dtype = last_dtype;
-        options.phases = std::make_shared<gpu::PhaseTimes>();
-        options.timeout = std::chrono::milliseconds(20000);
-        runs[last_dtype] = gpu::LocalCpExecutor(plan, inputs, c.spec.dtype, options).run(true);
-        converts[last_dtype] = static_cast<size_t>(phase_calls(*options.phases, "convert"));
-      }
-      // Conversions left: a sum whose last step reads only a half of its side (Q and KV geometries that differ
-      // select chunks by visibility, so the last step may be a half) ends in float32 and is converted.
-      size_t left = 0;
-      for (int r = 0; r < plan.cp_size; ++r) {
-        const sim::Tile* last = nullptr;
-        for (int i = 0; i < plan.backward.steps; ++i)
-          if (plan.backward.tile(r, i).computed) last = &plan.backward.tile(r, i);
-        if (last == nullptr) continue;
-        left += last->q_half != sim::HalfSelect::full ? 1 : 0;
-        left += last->step != plan.backward.steps - 1 || last->kv_half != sim::HalfSelect::full ? 2 : 0;
-      }
-      check_same_outputs(runs[0], runs[1]);
-      CHECK(converts[0] == 3u * static_cast<size_t>(plan.cp_size));
-      CHECK(converts[1] == left);
-      whole += left == 0 ? 1 : 0;
+  int whole = 0;
+  const auto p2p = [](const sim::CaseSpec& spec) { return spec.comm == sim::CommType::p2p; };
+  const auto compare = [&](const fx::SuiteCase& c, const sim::Plan& plan, const sim::CaseInputs& inputs) {
+    gpu::CpGpuOptions options = deterministic_options();
+    options.sum_in_backward = true;
+    const OffAndOn last_dtype =
+        run_off_and_on(plan, inputs, c.spec.dtype, options, &gpu::CpGpuOptions::last_sum_in_dtype, "convert");
+    // Conversions left: a sum whose last step reads only a half of its side (Q and KV geometries that differ
+    // select chunks by visibility, so the last step may be a half) ends in float32 and is converted.
+    size_t left = 0;
+    for (int r = 0; r < plan.cp_size; ++r) {
+      const sim::Tile* last = nullptr;
+      for (int i = 0; i < plan.backward.steps; ++i)
+        if (plan.backward.tile(r, i).computed) last = &plan.backward.tile(r, i);
+      if (last == nullptr) continue;
+      left += last->q_half != sim::HalfSelect::full ? 1 : 0;
+      left += last->step != plan.backward.steps - 1 || last->kv_half != sim::HalfSelect::full ? 2 : 0;
     }
-  }
-  CHECK(cases >= 4);
+    check_same_outputs(last_dtype.runs[0], last_dtype.runs[1]);
+    CHECK(last_dtype.calls[0] == 3u * static_cast<size_t>(plan.cp_size));
+    CHECK(last_dtype.calls[1] == left);
+    whole += left == 0 ? 1 : 0;
+  };
+  const int cases = sweep_quick_and_edge(p2p, kEveryCase, compare);
   CHECK(whole >= 4);
   MESSAGE("VERDICT last summing step in the dtype: " << cases << " p2p cases (" << whole
                                                      << " with no conversion left), same bits as converting afterwards");
@@ -371,44 +392,29 @@ TEST_CASE("local CP: the last summing step writes the dtype, with the bits of co
 // atomics may add in another order from run to run), and the in-place runs gather fewer tensors.
 TEST_CASE("local CP: reading the K/V halves in place gives the bits of gathering them") {
   CPGOLD_REQUIRE_DEVICE();
-  int cases = 0, with_halves = 0;
-  for (const std::string suite : {"quick", "edge"}) {
-    int taken = 0;
-    for (const fx::SuiteCase& c : fx::suite_cases(suite)) {
-      if (c.cpu_only || !fx::inside_gpu_table(c.spec) || !c.spec.causal || c.spec.cp_size < 2 ||
-          (c.spec.comm != sim::CommType::p2p && c.spec.comm != sim::CommType::a2a_p2p) || taken == 5)
-        continue;
-      ++taken;
-      ++cases;
-      CAPTURE(c.name);
-      const sim::Plan plan = sim::make_plan(c.spec);
-      const sim::CaseInputs inputs = sim::make_case_inputs(c.spec);
-      bool halves = false;
-      for (const sim::Tile& t : plan.forward.tiles) halves |= t.computed && t.kv_half != sim::HalfSelect::full;
-      with_halves += halves;
-      for (const gpu::BackwardMode mode : {gpu::BackwardMode::deterministic, gpu::BackwardMode::atomic}) {
-        CAPTURE(static_cast<int>(mode));
-        for (const bool sum : {false, true}) {
-          CAPTURE(sum);
-          size_t gathers[2] = {0, 0};
-          sim::CpRun<float> runs[2];
-          for (const bool in_place : {false, true}) {
-            gpu::CpGpuOptions options;
-            options.mode = mode;
-            options.sum_in_backward = sum;
-            options.read_halves_in_place = in_place;
-            options.phases = std::make_shared<gpu::PhaseTimes>();
-            options.timeout = std::chrono::milliseconds(20000);
-            runs[in_place] = gpu::LocalCpExecutor(plan, inputs, c.spec.dtype, options).run(true);
-            gathers[in_place] = static_cast<size_t>(phase_calls(*options.phases, "gather"));
-          }
-          check_same_outputs(runs[0], runs[1], mode == gpu::BackwardMode::deterministic);
-          if (halves) CHECK(gathers[1] < gathers[0]);
-        }
+  int with_halves = 0;
+  const auto causal_ring = [](const sim::CaseSpec& spec) {
+    return spec.causal && spec.cp_size >= 2 && (spec.comm == sim::CommType::p2p || spec.comm == sim::CommType::a2a_p2p);
+  };
+  const auto compare = [&](const fx::SuiteCase& c, const sim::Plan& plan, const sim::CaseInputs& inputs) {
+    bool halves = false;
+    for (const sim::Tile& t : plan.forward.tiles) halves |= t.computed && t.kv_half != sim::HalfSelect::full;
+    with_halves += halves;
+    for (const gpu::BackwardMode mode : {gpu::BackwardMode::deterministic, gpu::BackwardMode::atomic}) {
+      CAPTURE(static_cast<int>(mode));
+      for (const bool sum : {false, true}) {
+        CAPTURE(sum);
+        gpu::CpGpuOptions options;
+        options.mode = mode;
+        options.sum_in_backward = sum;
+        const OffAndOn in_place =
+            run_off_and_on(plan, inputs, c.spec.dtype, options, &gpu::CpGpuOptions::read_halves_in_place, "gather");
+        check_same_outputs(in_place.runs[0], in_place.runs[1], mode == gpu::BackwardMode::deterministic);
+        if (halves) CHECK(in_place.calls[1] < in_place.calls[0]);
       }
     }
-  }
-  CHECK(cases >= 4);
+  };
+  const int cases = sweep_quick_and_edge(causal_ring, 5, compare);
   CHECK(with_halves >= 2);
   MESSAGE("VERDICT K/V halves in place: " << cases << " causal ring cases (" << with_halves
                                           << " with half steps), same bits as gathering");
@@ -419,15 +425,11 @@ TEST_CASE("local CP: reading the K/V halves in place gives the bits of gathering
 // spans are ordered in time; the accumulation stream shows up exactly when accumulate_aside puts work there.
 TEST_CASE("local CP: the timeline records every attention call of every rank and changes no output") {
   CPGOLD_REQUIRE_DEVICE();
-  for (const fx::SuiteCase& c : one_case_per_comm()) {
-    CAPTURE(c.name);
-    const sim::Plan plan = sim::make_plan(c.spec);
-    const sim::CaseInputs inputs = sim::make_case_inputs(c.spec);
+  for_one_case_per_comm([&](const fx::SuiteCase& c, const sim::Plan& plan, const sim::CaseInputs& inputs) {
     int64_t attention_calls = 0;
     for (const sim::PassPlan* pp : {&plan.forward, &plan.backward})
       for (const sim::Tile& t : pp->tiles) attention_calls += t.computed;
-    gpu::CpGpuOptions plain;
-    plain.mode = gpu::BackwardMode::deterministic;
+    gpu::CpGpuOptions plain = deterministic_options();
     const sim::CpRun<float> want = gpu::LocalCpExecutor(plan, inputs, c.spec.dtype, plain).run(true);
     for (const bool aside : {false, true}) {
       CAPTURE(aside);
@@ -464,7 +466,7 @@ TEST_CASE("local CP: the timeline records every attention call of every rank and
       CHECK(t.busy_ms.at("compute") > 0.0);
       CHECK(t.busy_ms.at("compute") <= t.end_ms - t.begin_ms + 1e-9);
     }
-  }
+  });
 }
 
 // The phase breakdown (bench_cp_local --phases 1) serialises the ranks' operations under one lock while the
@@ -472,15 +474,10 @@ TEST_CASE("local CP: the timeline records every attention call of every rank and
 // gives the same outputs as the untimed run, and files every attention call under its pass and step section.
 TEST_CASE("local CP: the phase breakdown completes for every comm type and counts every attention call") {
   CPGOLD_REQUIRE_DEVICE();
-  for (const fx::SuiteCase& c : one_case_per_comm()) {
-    CAPTURE(c.name);
-    const sim::Plan plan = sim::make_plan(c.spec);
-    const sim::CaseInputs inputs = sim::make_case_inputs(c.spec);
-    gpu::CpGpuOptions plain;
-    plain.mode = gpu::BackwardMode::deterministic;
+  for_one_case_per_comm([&](const fx::SuiteCase& c, const sim::Plan& plan, const sim::CaseInputs& inputs) {
+    gpu::CpGpuOptions plain = deterministic_options();
     gpu::CpGpuOptions timed = plain;
-    timed.phases = std::make_shared<gpu::PhaseTimes>();
-    timed.timeout = std::chrono::milliseconds(20000);
+    add_phase_breakdown(timed);
     const sim::CpRun<float> want = gpu::LocalCpExecutor(plan, inputs, c.spec.dtype, plain).run(true);
     const sim::CpRun<float> got = gpu::LocalCpExecutor(plan, inputs, c.spec.dtype, timed).run(true);
     for (int r = 0; r < plan.cp_size; ++r) {
@@ -500,7 +497,7 @@ TEST_CASE("local CP: the phase breakdown completes for every comm type and count
       }
     }
     if (plan.cp_size > 1) CHECK(timed.phases->phases.count("exchange") == 1);
-  }
+  });
 }
 
 TEST_CASE("local communicator: a receive without a matching send times out naming rank and operation") {

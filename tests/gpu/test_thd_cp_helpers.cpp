@@ -22,6 +22,7 @@
 #include "sim/plan/partition.hpp"
 #include "sim/thd_helpers/reorder.hpp"
 #include "tests/gpu/require_device.hpp"
+#include "tests/sim/padded_layout.hpp"
 
 using namespace cpgold;
 using namespace cpgold::gpu;
@@ -60,40 +61,15 @@ void require_ok(const Outcome& o) {
 
 // ---- Layouts ------------------------------------------------------------------------------------------------------
 
-struct Layout {
-  int cp_size = 2;
-  std::vector<int32_t> lengths, padded;  // per sequence
-  std::vector<int32_t> cu, cu_padded;    // [B+1] global
-  int batch() const { return static_cast<int>(lengths.size()); }
-  int64_t total() const { return cu_padded.back(); }
-  int32_t chunk(int b) const { return (cu_padded[b + 1] - cu_padded[b]) / (2 * cp_size); }
-  std::vector<int32_t> local() const {
-    std::vector<int32_t> out;
-    for (int32_t x : cu_padded) out.push_back(x / cp_size);
-    return out;
-  }
-  sim::SidePartition partition() const {
-    return sim::SidePartition(make_packed_sequences(lengths, padded, -1, "q"), cp_size, "q");
-  }
-};
+using Layout = sim::testing::PaddedLayout;
 
 // Random lengths 0..max (a quarter zero-length), padded to multiples of 2W as TransformerEngine's tests do, or of
 // `pad_factor` * 2W (chunks of multiples of `pad_factor` rows).
 Layout random_layout(std::mt19937_64& rng, int cp_size, int max_batch, int max_len, int pad_factor = 1) {
-  Layout l;
-  l.cp_size = cp_size;
   const int batch = 1 + static_cast<int>(rng() % max_batch);
-  l.cu = {0};
-  l.cu_padded = {0};
-  for (int b = 0; b < batch; ++b) {
-    const int32_t len = rng() % 4 == 0 ? 0 : static_cast<int32_t>(rng() % (max_len + 1));
-    const int32_t unit = 2 * cp_size * pad_factor;
-    const int32_t pad = (len + unit - 1) / unit * unit;
-    l.lengths.push_back(len);
-    l.padded.push_back(pad);
-    l.cu.push_back(l.cu.back() + len);
-    l.cu_padded.push_back(l.cu_padded.back() + pad);
-  }
+  std::vector<int32_t> lengths;
+  for (int b = 0; b < batch; ++b) lengths.push_back(rng() % 4 == 0 ? 0 : static_cast<int32_t>(rng() % (max_len + 1)));
+  const Layout l = sim::testing::padded_layout(cp_size, lengths, pad_factor);
   if (l.total() == 0) return random_layout(rng, cp_size, max_batch, max_len, pad_factor);
   return l;
 }
@@ -194,6 +170,14 @@ std::vector<float> random_lse(int64_t n, std::mt19937_64& rng) {
 
 const int kWorldSizes[] = {2, 3, 4, 8};
 
+// Every W of kWorldSizes with every row format, each on a layout of up to 6 sequences of up to 40 tokens drawn from
+// `rng` just before: check(layout, format).
+template <class Check>
+void on_random_layouts_of_every_format(std::mt19937_64& rng, Check&& check) {
+  for (int w : kWorldSizes)
+    for (const RowFormat& f : kFormats) check(random_layout(rng, w, 6, 40), f);
+}
+
 }  // namespace
 
 TEST_CASE("thd helpers: partitioned indices, §2.4 vector and random layouts against §2.1") {
@@ -245,56 +229,54 @@ TEST_CASE("thd helpers: partitioned indices, §2.4 vector and random layouts aga
 TEST_CASE("thd helpers: sequence <-> rank order on coded rows, every row format, W in {2,3,4,8}") {
   CPGOLD_REQUIRE_DEVICE();
   std::mt19937_64 rng(12);
-  for (int w : kWorldSizes)
-    for (const RowFormat& f : kFormats) {
-      const Layout l = random_layout(rng, w, 6, 40);
-      const DeviceOffsets cu(l.cu_padded);
-      const int64_t t = l.total(), n = t / w;
-      const Tensor3<uint32_t> seq = coded_rows(l, iota_rows(t), f);
-      std::vector<int64_t> rank_rows;
-      for (int r = 0; r < w; ++r)
-        for (int64_t i = 0; i < n; ++i) rank_rows.push_back(expected_global_row(l, r, i));
-      const Tensor3<uint32_t> ranked = coded_rows(l, rank_rows, f);
-      DeviceBuffer a(seq.values.size() * 4), b(seq.values.size() * 4);
-      put(a, seq.values);
-      require_ok(sequence_to_rank_order(rows_of(a, t, f), rows_of(b, t, f), cu, w));
-      const auto got = get<uint32_t>(b, seq.values.size());
-      CHECK(got == ranked.values);                                              // one way: expected global rows
-      CHECK(got == sim::sequence_to_rank_order(seq, l.partition()).values);     // twin
-      put(a, ranked.values);
-      require_ok(rank_to_sequence_order(rows_of(a, t, f), rows_of(b, t, f), cu, w));
-      const auto back = get<uint32_t>(b, seq.values.size());
-      CHECK(back == seq.values);
-      CHECK(back == sim::rank_to_sequence_order(ranked, l.partition()).values);
-    }
+  on_random_layouts_of_every_format(rng, [&](const Layout& l, const RowFormat& f) {
+    const int w = l.cp_size;
+    const DeviceOffsets cu(l.cu_padded);
+    const int64_t t = l.total(), n = t / w;
+    const Tensor3<uint32_t> seq = coded_rows(l, iota_rows(t), f);
+    std::vector<int64_t> rank_rows;
+    for (int r = 0; r < w; ++r)
+      for (int64_t i = 0; i < n; ++i) rank_rows.push_back(expected_global_row(l, r, i));
+    const Tensor3<uint32_t> ranked = coded_rows(l, rank_rows, f);
+    DeviceBuffer a(seq.values.size() * 4), b(seq.values.size() * 4);
+    put(a, seq.values);
+    require_ok(sequence_to_rank_order(rows_of(a, t, f), rows_of(b, t, f), cu, w));
+    const auto got = get<uint32_t>(b, seq.values.size());
+    CHECK(got == ranked.values);                                              // one way: expected global rows
+    CHECK(got == sim::sequence_to_rank_order(seq, l.partition()).values);     // twin
+    put(a, ranked.values);
+    require_ok(rank_to_sequence_order(rows_of(a, t, f), rows_of(b, t, f), cu, w));
+    const auto back = get<uint32_t>(b, seq.values.size());
+    CHECK(back == seq.values);
+    CHECK(back == sim::rank_to_sequence_order(ranked, l.partition()).values);
+  });
 }
 
 TEST_CASE("thd helpers: read half on coded rows: half 0 = chunk r, half 1 = chunk 2W-1-r") {
   CPGOLD_REQUIRE_DEVICE();
   std::mt19937_64 rng(13);
-  for (int w : kWorldSizes)
-    for (const RowFormat& f : kFormats) {
-      const Layout l = random_layout(rng, w, 6, 40);
-      const DeviceOffsets cul(l.local());
-      const int64_t n = l.total() / w;
-      const int r = static_cast<int>(rng() % w);
-      std::vector<int64_t> local_rows;
-      for (int64_t i = 0; i < n; ++i) local_rows.push_back(expected_global_row(l, r, i));
-      const Tensor3<uint32_t> local = coded_rows(l, local_rows, f);
-      DeviceBuffer in(local.values.size() * 4), out(local.values.size() * 2 + 16);
-      put(in, local.values);
-      for (int half = 0; half < 2; ++half) {
-        require_ok(read_half(rows_of(in, n, f), rows_of(out, n / 2, f), cul, half));
-        const auto got = get<uint32_t>(out, static_cast<size_t>(n / 2 * f.words()));
-        std::vector<int64_t> expect;  // chunk c of every sequence, in batch order
-        for (int b = 0; b < l.batch(); ++b) {
-          const int c = half == 0 ? r : 2 * w - 1 - r;
-          for (int32_t j = 0; j < l.chunk(b); ++j) expect.push_back(l.cu_padded[b] + c * l.chunk(b) + j);
-        }
-        CHECK(got == coded_rows(l, expect, f).values);
-        CHECK(got == sim::read_half(local, l.partition(), half).values);
+  on_random_layouts_of_every_format(rng, [&](const Layout& l, const RowFormat& f) {
+    const int w = l.cp_size;
+    const DeviceOffsets cul(l.local());
+    const int64_t n = l.total() / w;
+    const int r = static_cast<int>(rng() % w);
+    std::vector<int64_t> local_rows;
+    for (int64_t i = 0; i < n; ++i) local_rows.push_back(expected_global_row(l, r, i));
+    const Tensor3<uint32_t> local = coded_rows(l, local_rows, f);
+    DeviceBuffer in(local.values.size() * 4), out(local.values.size() * 2 + 16);
+    put(in, local.values);
+    for (int half = 0; half < 2; ++half) {
+      require_ok(read_half(rows_of(in, n, f), rows_of(out, n / 2, f), cul, half));
+      const auto got = get<uint32_t>(out, static_cast<size_t>(n / 2 * f.words()));
+      std::vector<int64_t> expect;  // chunk c of every sequence, in batch order
+      for (int b = 0; b < l.batch(); ++b) {
+        const int c = half == 0 ? r : 2 * w - 1 - r;
+        for (int32_t j = 0; j < l.chunk(b); ++j) expect.push_back(l.cu_padded[b] + c * l.chunk(b) + j);
       }
+      CHECK(got == coded_rows(l, expect, f).values);
+      CHECK(got == sim::read_half(local, l.partition(), half).values);
     }
+  });
 }
 
 TEST_CASE("thd helpers: copy of valid tokens, §8 vector and all-gather steps of random layouts") {

@@ -6,9 +6,11 @@
 #include "sim/case/case_spec.hpp"
 #include "sim/plan/partition.hpp"
 #include "sim/thd_helpers/reorder.hpp"
+#include "tests/reference/input_error_check.hpp"
 
 using namespace cpgold;
 using namespace cpgold::sim;
+using namespace cpgold::testing;
 
 namespace {
 PackedSequences side(std::vector<int32_t> lengths, std::vector<int32_t> padded) {
@@ -99,36 +101,18 @@ TEST_CASE("zero-length sequences and tail rows") {
 
 TEST_CASE("partition errors name the field and the value") {
   SUBCASE("padded length not a multiple of 2W") {
-    try {
-      SidePartition(side({5, 6}, {8, 6}), 2, "q");
-      FAIL("no error");
-    } catch (const InputError& e) {
-      CHECK(e.field() == "padded_q[1]");
-      CHECK(std::string(e.what()).find("6") != std::string::npos);
-      CHECK(std::string(e.what()).find("multiple of 2 * cp_size = 4") != std::string::npos);
-    }
+    check_input_error([] { SidePartition(side({5, 6}, {8, 6}), 2, "q"); }, "padded_q[1]",
+                      {"6", "multiple of 2 * cp_size = 4"});
   }
   SUBCASE("W < 1") {
     ThdLayout l{side({4}, {4}), side({4}, {4})};
-    try {
-      make_partition(l, 0, false);
-      FAIL("no error");
-    } catch (const InputError& e) {
-      CHECK(e.field() == "cp_size");
-      CHECK(std::string(e.what()).find("got 0") != std::string::npos);
-    }
+    check_input_error([&] { make_partition(l, 0, false); }, "cp_size", {"got 0"});
   }
   SUBCASE("causal CP with L_q != L_kv") {
     ThdLayout l{side({4, 4}, {4, 4}), make_packed_sequences({4, 3}, {4, 4}, -1, "kv")};
     CHECK_NOTHROW(make_partition(l, 2, false));
     CHECK_NOTHROW(make_partition(l, 1, true));
-    try {
-      make_partition(l, 2, true);
-      FAIL("no error");
-    } catch (const InputError& e) {
-      CHECK(e.field() == "seqlens_kv[1]");
-      CHECK(std::string(e.what()).find("value 3") != std::string::npos);
-    }
+    check_input_error([&] { make_partition(l, 2, true); }, "seqlens_kv[1]", {"value 3"});
   }
 }
 

@@ -1,11 +1,14 @@
 // The worked example of docs/cp-layout.md as per-step metadata of the Plan, and plan structure checks.
 #include <doctest/doctest.h>
 
-#include "reference/input_error.hpp"
 #include "sim/plan/plan.hpp"
+#include "tests/reference/input_error_check.hpp"
+#include "tests/sim/row_segments.hpp"
 
 using namespace cpgold;
 using namespace cpgold::sim;
+using namespace cpgold::testing;
+using namespace cpgold::sim::testing;
 
 namespace {
 using V = std::vector<int32_t>;
@@ -65,14 +68,10 @@ TEST_CASE("p2p forward of the worked example (§2.4)") {
   // The position-aware call of the upper tile: sequence 1 Q = chunk 3 (positions 6, 7) at half row 2;
   // KV of rank 1 = chunks 1 and 2: sequence 0 positions 2..4 (3 valid), sequence 1 positions 2..5.
   REQUIRE(upper.call.sequences.size() == 2);
-  CHECK(upper.call.sequences[0].q.empty());
-  REQUIRE(upper.call.sequences[1].q.size() == 1);
-  CHECK(upper.call.sequences[1].q[0] == RowSegment{2, 2, 6});
-  REQUIRE(upper.call.sequences[0].kv.size() == 2);
-  CHECK(upper.call.sequences[0].kv[0] == RowSegment{0, 2, 2});
-  CHECK(upper.call.sequences[0].kv[1] == RowSegment{2, 1, 4});
-  CHECK(upper.call.sequences[1].kv[0] == RowSegment{4, 2, 2});
-  CHECK(upper.call.sequences[1].kv[1] == RowSegment{6, 2, 4});
+  check_segments(upper.call.sequences[0].q, {});
+  check_segments(upper.call.sequences[1].q, {{2, 2, 6}});
+  check_segments(upper.call.sequences[0].kv, {{0, 2, 2}, {2, 1, 4}});
+  check_segments(upper.call.sequences[1].kv, {{4, 2, 2}, {6, 2, 4}});
   // Messages: after step 0, each rank sends its KV to the next rank.
   REQUIRE(plan.forward.messages.size() == 2);
   CHECK(plan.forward.messages[0].from_rank == 0);
@@ -144,13 +143,7 @@ TEST_CASE("a2a plan: head groups, one step, exchanges") {
   s.heads_q = 6;
   s.heads_kv = 3;
   s.cp_size = 4;
-  try {
-    make_plan(s);
-    FAIL("no error");
-  } catch (const InputError& e) {
-    CHECK(e.field() == "heads_q");
-    CHECK(std::string(e.what()).find("value 6") != std::string::npos);
-  }
+  check_input_error([&] { make_plan(s); }, "heads_q", {"value 6"});
 }
 
 TEST_CASE("a2a+p2p plan: consecutive a2a groups, ring over groups") {

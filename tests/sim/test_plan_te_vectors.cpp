@@ -9,9 +9,11 @@
 #include <vector>
 
 #include "sim/plan/plan.hpp"
+#include "tests/sim/row_segments.hpp"
 
 using namespace cpgold;
 using namespace cpgold::sim;
+using namespace cpgold::sim::testing;
 
 namespace {
 using V = std::vector<int32_t>;
@@ -186,13 +188,10 @@ TEST_CASE("p2p W=4 causal with tail rows: per-step metadata and the backward rep
   // half row 4, positions 14, 15); KV of rank 3 = chunks 3 and 4.
   const Tile& up = plan.forward.tile(0, 1);
   REQUIRE(up.call.sequences.size() == 3);
-  CHECK(up.call.sequences[0].q.empty());
-  REQUIRE(up.call.sequences[2].q.size() == 1);
-  CHECK(up.call.sequences[2].q[0] == RowSegment{4, 2, 14});
-  REQUIRE(up.call.sequences[0].kv.size() == 2);
-  CHECK(up.call.sequences[0].kv[0] == RowSegment{0, 2, 6});
-  CHECK(up.call.sequences[0].kv[1] == RowSegment{2, 1, 8});
-  CHECK(up.call.sequences[1].kv.empty());
+  check_segments(up.call.sequences[0].q, {});
+  check_segments(up.call.sequences[2].q, {{4, 2, 14}});
+  check_segments(up.call.sequences[0].kv, {{0, 2, 6}, {2, 1, 8}});
+  check_segments(up.call.sequences[1].kv, {});
 }
 
 // all_gather W = 3 on the W=3 layout: msq = msk = 64 / 6 = 10, full = 60.

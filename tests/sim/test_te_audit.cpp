@@ -6,9 +6,11 @@
 #include <string>
 
 #include "sim/te/te_audit.hpp"
+#include "tests/sim/te_findings.hpp"
 
 using namespace cpgold;
 using namespace cpgold::sim;
+using namespace cpgold::sim::testing;
 
 namespace {
 using json = nlohmann::json;
@@ -26,11 +28,7 @@ Audited audit(const std::string& case_json, TeBackend backend, bool pad_between_
   return a;
 }
 const TeFinding* finding(const Audited& a, PassKind pass, int rank, int step) {
-  for (const TeFinding& f : a.audit.findings) {
-    const TeCall& c = a.replay.calls(f.pass)[static_cast<size_t>(f.call)];
-    if (f.pass == pass && c.rank == rank && c.step == step) return &f;
-  }
-  return nullptr;
+  return find_finding(a.audit, a.replay, pass, rank, step);
 }
 int64_t forward_wrong(const Audited& a) {
   int64_t n = 0;
@@ -53,19 +51,11 @@ TEST_CASE("audit: all_gather non-causal window, cuDNN top-left alignment") {
   CHECK(a.replay.forward.at(0).window == Window{3, 0});
   CHECK_FALSE(a.replay.forward.at(0).bottom_right);  // mask padding: fused_attn.py's default is top-left
   // Top-left, query 0 of the call sees keys [0 - 3, 0] = key 0 only.
-  const TeFinding* r0 = finding(a, PassKind::forward, 0, 0);
-  REQUIRE(r0);
-  CHECK(r0->missing_pairs == 1);
-  CHECK(r0->extra_pairs == 0);
-  CHECK(r0->expected == TeKeySet{{0, 0, 1}});
-  CHECK(r0->computed == TeKeySet{{0, 0, 0}});
-  const TeFinding* r1 = finding(a, PassKind::forward, 1, 0);
-  REQUIRE(r1);
-  CHECK(r1->extra_pairs == 1);
-  CHECK(r1->missing_pairs == 1);
-  CHECK(r1->query_position == 1);
-  CHECK(r1->expected == TeKeySet{{0, 1, 1}});
-  CHECK(r1->computed == TeKeySet{{0, 0, 0}});
+  check_finding(finding(a, PassKind::forward, 0, 0),
+                {.extra = 0, .missing = 1, .expected = TeKeySet{{0, 0, 1}}, .computed = TeKeySet{{0, 0, 0}}});
+  check_finding(finding(a, PassKind::forward, 1, 0),
+                {.extra = 1, .missing = 1, .query_position = 1, .expected = TeKeySet{{0, 1, 1}},
+                 .computed = TeKeySet{{0, 0, 0}}});
   CHECK(forward_wrong(a) == 3);
   CHECK(a.audit.wrong_pairs == 6);  // the backward replays the same calls
 }
@@ -75,13 +65,9 @@ TEST_CASE("audit: all_gather non-causal window, FlashAttention-3 bottom-right al
   // right for position 0, one extra key for position 1.
   const Audited a = audit(kWindowedAllGather, TeBackend::flash3);
   CHECK(finding(a, PassKind::forward, 0, 0) == nullptr);
-  const TeFinding* r1 = finding(a, PassKind::forward, 1, 0);
-  REQUIRE(r1);
-  CHECK(r1->extra_pairs == 1);
-  CHECK(r1->missing_pairs == 0);
-  CHECK(r1->query_row == 0);
-  CHECK(r1->expected == TeKeySet{{0, 1, 1}});
-  CHECK(r1->computed == TeKeySet{{0, 0, 1}});
+  check_finding(finding(a, PassKind::forward, 1, 0),
+                {.extra = 1, .missing = 0, .query_row = 0, .expected = TeKeySet{{0, 1, 1}},
+                 .computed = TeKeySet{{0, 0, 1}}});
   CHECK(forward_wrong(a) == 1);
 }
 
@@ -91,28 +77,16 @@ TEST_CASE("audit: the pad_between_seqs=False shortcut on p2p, a pad query row an
   const Audited a = audit(R"({"seqlens_q": [5], "cp_size": 2, "comm": "p2p", "mask": "causal"})", TeBackend::fused, false);
   CHECK(finding(a, PassKind::forward, 0, 0) == nullptr);  // 2 queries, 2 keys: the exact counts
   // Rank 0 step 1 (upper, owner 1): one query row of read_half(q, 1), position 6, a pad row, against keys 2, 3.
-  const TeFinding* up = finding(a, PassKind::forward, 0, 1);
-  REQUIRE(up);
-  CHECK(up->extra_pairs == 2);
-  CHECK(up->query_position == 6);
-  CHECK(up->query_row == 0);
-  CHECK(up->expected.empty());
-  CHECK(up->computed == TeKeySet{{0, 2, 3}});
+  check_finding(finding(a, PassKind::forward, 0, 1),
+                {.extra = 2, .query_row = 0, .query_position = 6, .expected = TeKeySet{},
+                 .computed = TeKeySet{{0, 2, 3}}});
   // Rank 1 step 0 (diagonal): 2 query rows (positions 2, 3): position 4 is never computed against keys 2..4.
-  const TeFinding* diag = finding(a, PassKind::forward, 1, 0);
-  REQUIRE(diag);
-  CHECK(diag->missing_pairs == 3);
-  CHECK(diag->query_position == 4);
-  CHECK(diag->query_row == -1);
-  CHECK(diag->expected == TeKeySet{{0, 2, 4}});
+  check_finding(finding(a, PassKind::forward, 1, 0),
+                {.missing = 3, .query_row = -1, .query_position = 4, .expected = TeKeySet{{0, 2, 4}}});
   // Rank 1 step 1 (lower, owner 0): one key row (position 0) instead of two: positions 2, 3 miss key 1, position 4
   // misses keys 0 and 1.
-  const TeFinding* lower = finding(a, PassKind::forward, 1, 1);
-  REQUIRE(lower);
-  CHECK(lower->missing_pairs == 4);
-  CHECK(lower->query_position == 2);
-  CHECK(lower->expected == TeKeySet{{0, 0, 1}});
-  CHECK(lower->computed == TeKeySet{{0, 0, 0}});
+  check_finding(finding(a, PassKind::forward, 1, 1),
+                {.missing = 4, .query_position = 2, .expected = TeKeySet{{0, 0, 1}}, .computed = TeKeySet{{0, 0, 0}}});
   CHECK(forward_wrong(a) == 9);
   // FlashAttention with the shortcut reads cu_seqlens as the padded offsets: this layout has padding, so every row is
   // misread; the audit says so instead of mapping rows.

@@ -9,9 +9,11 @@
 
 #include "reference/input_error.hpp"
 #include "sim/te/te_audit.hpp"
+#include "tests/sim/te_findings.hpp"
 
 using namespace cpgold;
 using namespace cpgold::sim;
+using namespace cpgold::sim::testing;
 
 namespace {
 using V = std::vector<int32_t>;
@@ -31,13 +33,6 @@ const TeCall& call(const TeReplay& r, PassKind pass, int rank, int step) {
     if (c.rank == rank && c.step == step) return c;
   FAIL("no call of rank " << rank << " step " << step);
   return r.forward.front();
-}
-const TeFinding* finding(const TeAudit& a, const TeReplay& r, PassKind pass, int rank, int step, int sequence) {
-  for (const TeFinding& f : a.findings) {
-    const TeCall& c = r.calls(f.pass)[static_cast<size_t>(f.call)];
-    if (f.pass == pass && c.rank == rank && c.step == step && f.sequence == sequence) return &f;
-  }
-  return nullptr;
 }
 
 // --seqlens-q 5,0,13 --padded-q 8,0,24 --padded-kv 8,0,16 --cp-size 2 --comm p2p --mask causal
@@ -98,33 +93,18 @@ TEST_CASE("audit p2p causal with padded_q != padded_kv: findings on both backend
   CHECK_FALSE(a.exact);
   // Rank 0 step 0, sequence 2: query rows 0..5 at positions 0..5, key rows 0..3 at positions 0..3 and row 4 at
   // position 12. Top-left causal gives queries 4 and 5 key rows 0..4: position 12 is not visible to them.
-  const TeFinding* d = finding(a, fused.replay, PassKind::forward, 0, 0, 2);
-  REQUIRE(d);
-  CHECK(d->extra_pairs == 2);
-  CHECK(d->missing_pairs == 0);
-  CHECK(d->duplicate_pairs == 0);
-  CHECK(d->query_row == 8);
-  CHECK(d->query_position == 4);
-  CHECK(d->expected == TeKeySet{{2, 0, 3}});
-  CHECK(d->computed == TeKeySet{{2, 0, 3}, {2, 12, 12}});
+  check_finding(find_finding(a, fused.replay, PassKind::forward, 0, 0, 2),
+                {.extra = 2, .missing = 0, .duplicate = 0, .query_row = 8, .query_position = 4,
+                 .expected = TeKeySet{{2, 0, 3}}, .computed = TeKeySet{{2, 0, 3}, {2, 12, 12}}});
   // Rank 1 step 0: queries at positions 6..12, keys at 4..11; top-left causal gives query i keys 4..4+i, but the
   // truth within owner 1's keys is 4..min(p, 11): 2 missing for each of positions 6..11 and 1 for 12.
-  const TeFinding* r1 = finding(a, fused.replay, PassKind::forward, 1, 0, 2);
-  REQUIRE(r1);
-  CHECK(r1->missing_pairs == 13);
-  CHECK(r1->extra_pairs == 0);
-  CHECK(r1->expected == TeKeySet{{2, 4, 6}});
-  CHECK(r1->computed == TeKeySet{{2, 4, 4}});
+  check_finding(find_finding(a, fused.replay, PassKind::forward, 1, 0, 2),
+                {.extra = 0, .missing = 13, .expected = TeKeySet{{2, 4, 6}}, .computed = TeKeySet{{2, 4, 4}}});
   // Rank 0 step 1 (upper): Q is chunk 3 only (all pad), so (4,4), (5,4), (5,5) of owner 1's keys are never computed.
-  const TeFinding* up = finding(a, fused.replay, PassKind::forward, 0, 1, 2);
-  REQUIRE(up);
-  CHECK(up->missing_pairs == 3);
-  CHECK(up->query_row == -1);
+  check_finding(find_finding(a, fused.replay, PassKind::forward, 0, 1, 2), {.missing = 3, .query_row = -1});
   // Rank 1 step 1 (lower): K/V chunk 0 only, so query position 12 misses key 12 (chunk 3 of owner 0).
-  const TeFinding* lo = finding(a, fused.replay, PassKind::forward, 1, 1, 2);
-  REQUIRE(lo);
-  CHECK(lo->missing_pairs == 1);
-  CHECK(lo->expected == TeKeySet{{2, 0, 3}, {2, 12, 12}});
+  check_finding(find_finding(a, fused.replay, PassKind::forward, 1, 1, 2),
+                {.missing = 1, .expected = TeKeySet{{2, 0, 3}, {2, 12, 12}}});
   // Sequence 0 has one chunk geometry on both sides: exact. Forward total 2 + 13 + 3 + 1.
   int64_t forward = 0;
   for (const TeFinding& f : a.findings) {
@@ -137,14 +117,9 @@ TEST_CASE("audit p2p causal with padded_q != padded_kv: findings on both backend
   // queries 0..3 miss their own key (4 missing), query 5 gets position 12 (1 extra).
   const Replayed fa = replay(kGeometry, TeBackend::flash3);
   const TeAudit b = audit_te(fa.spec, fa.replay);
-  const TeFinding* f = finding(b, fa.replay, PassKind::forward, 0, 0, 2);
-  REQUIRE(f);
-  CHECK(f->missing_pairs == 4);
-  CHECK(f->extra_pairs == 1);
-  CHECK(f->query_position == 0);
-  CHECK(f->query_row == 4);
-  CHECK(f->expected == TeKeySet{{2, 0, 0}});
-  CHECK(f->computed.empty());
+  check_finding(find_finding(b, fa.replay, PassKind::forward, 0, 0, 2),
+                {.extra = 1, .missing = 4, .query_row = 4, .query_position = 0, .expected = TeKeySet{{2, 0, 0}},
+                 .computed = TeKeySet{}});
 }
 
 TEST_CASE("replay: cp-semantics §2.4 worked example, p2p and all_gather") {
