@@ -75,7 +75,7 @@ struct CheckReport {
   bool pass() const;
   // Not pass, yet nothing failed for certain: the only results short of passing are undecided ones of a fixture of
   // another engine (Evaluation::undecided), nothing is missing and no candidate comes from other inputs. The CPU
-  // reference's fixture of the same case decides (`cpgold gen --engine cpu`). Exit 3 of `cpgold check`.
+  // reference's fixture of the same case decides (`cpgold gen --engine cpu`). Exit 5 of `cpgold check` (3 is an internal error).
   bool undecided() const;
   std::string engine = "cpu";  // the engine that computed the fixture's oracle and peers (/case attribute engine)
 };

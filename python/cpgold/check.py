@@ -4,7 +4,7 @@ cpgold._core), so their verdicts are the command's. `check(..., cpgold=BINARY)` 
 who have the binary and not the extension.
 
 A report is a dict: the JSON report of `cpgold check --format json` (docs/cli.md), with numbers that JSON cannot
-hold (inf, NaN) given back as floats, plus `exit_code` (0 pass, 1 fail, 3 undecided: a fixture of the GPU engine whose
+hold (inf, NaN) given back as floats, plus `exit_code` (0 pass, 1 fail, 5 undecided: a fixture of the GPU engine whose
 budgets cannot decide, docs/scale.md); `report.text` is the command's text report
 (in process only). A failed check's report carries its diagnosis (`report["diagnosis"]`: what kind of CP bug the
 failures fit, docs/diagnosis.md) unless `diagnosis=False` asks to skip it (`cpgold check --no-diagnosis`).
@@ -145,7 +145,7 @@ def _restore_nonfinite(node):
 def _report(core_report):
     report = Report(_restore_nonfinite(json.loads(core_report.json())))
     report.text = core_report.text()
-    report["exit_code"] = 0 if report["pass"] else 3 if report.get("undecided") else 1
+    report["exit_code"] = 0 if report["pass"] else 5 if report.get("undecided") else 1
     return report
 
 
@@ -296,7 +296,7 @@ def _check_with_binary(golden, files, names, convention, ranks, allow_same_file,
     elif diagnosis_budget != 30.0:
         cmd += ["--diagnosis-budget", repr(float(diagnosis_budget))]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    if proc.returncode not in (0, 1, 3):
+    if proc.returncode not in (0, 1, 5):
         raise CheckInputError(f"{' '.join(cmd)}: exit {proc.returncode}: {proc.stderr.strip() or proc.stdout.strip()}")
     try:
         report = Report(_restore_nonfinite(json.loads(proc.stdout)))
@@ -305,7 +305,7 @@ def _check_with_binary(golden, files, names, convention, ranks, allow_same_file,
                               f"{proc.stderr.strip()[:2000]}") from None
     report["exit_code"] = proc.returncode
     report["command"] = cmd
-    if report.get("pass") != (proc.returncode == 0) or bool(report.get("undecided")) != (proc.returncode == 3):
+    if report.get("pass") != (proc.returncode == 0) or bool(report.get("undecided")) != (proc.returncode == 5):
         raise CheckInputError(f"{' '.join(cmd)}: exit {proc.returncode} disagrees with report pass={report.get('pass')}")
     return report
 

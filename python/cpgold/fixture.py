@@ -106,6 +106,10 @@ class Fixture:
         # "seed" or "given" (fixtures/SCHEMA.md, "Given inputs"); fixtures written before the attribute are seeded.
         self.inputs_source = _text(attrs["inputs_source"]) if "inputs_source" in attrs else "seed"
         self.inputs_nonfinite_valid = int(attrs["inputs_nonfinite_valid"]) if "inputs_nonfinite_valid" in attrs else 0
+        # What computed the oracle and the peers: "cpu" (the reference, also fixtures written before the attribute) or
+        # "gpu" (`cpgold gen --engine gpu`, with the device and library versions in engine_versions; docs/scale.md).
+        self.engine = _text(attrs["engine"]) if "engine" in attrs else "cpu"
+        self.engine_versions = _text(attrs["engine_versions"]) if "engine_versions" in attrs else None
         self._layout = {name: np.asarray(self._file["layout"][name][()]) for name in self._file["layout"]}
 
     # -- the case ------------------------------------------------------------------------------------------------
