@@ -57,33 +57,33 @@ int run_check(const CheckArgs& args) {
   return report.pass() ? kExitPass : kExitFail;
 }
 
-const RegisterCommand registered("check", [](CLI::App& app) -> std::function<int()> {
-  auto* sub = app.add_subcommand("check", "check candidate outputs against a golden fixture");
-  auto args = std::make_shared<CheckArgs>();
-  sub->add_option("files", args->files, "GOLDEN CANDIDATE... | --identical RUN1 RUN2 | --self GOLDEN")->required();
-  sub->add_flag("--identical", args->identical, "compare two candidate files bit for bit");
-  sub->add_flag("--self", args->self, "check an independent CPU path (peer, scale on K, other tile size)");
-  sub->add_option("--format", args->format, "text or json");
-  sub->add_option("--empty-row-lse", args->request.empty_row_lse,
-                  "LSE of a valid row without visible keys: neg-inf (the contract, default) or pos-inf "
-                  "(FlashAttention-2's convention, accepted knowingly)");
-  sub->add_option("--pad-rows", args->request.pad_rows,
-                  "pad and tail rows of o/dq/dk/dv: zero (the contract, default: exactly 0) or unwritten (not compared, "
-                  "their non-zero and non-finite counts reported: FlashAttention-3/4 with seqused_q/k never write them)");
-  sub->add_option("--tensors", args->request.tensors, "comma-separated subset of o,lse,dq,dk,dv (e.g. o,lse for forward only)");
-  sub->add_option("--ranks", args->request.ranks,
-                  "comma-separated ranks whose per-rank outputs are checked (default: every rank of the fixture)");
-  sub->add_flag("--allow-same-file", args->request.allow_same_file,
-                "accept the golden file as a candidate: checks its stored simulator outputs (/peer), on purpose");
-  sub->add_flag("--no-diagnosis", args->no_diagnosis,
-                "skip the diagnosis of a failed check (what kind of CP bug the failures fit; docs/diagnosis.md)");
-  sub->add_option("--diagnosis-budget", args->request.diagnosis_budget,
-                  "seconds the diagnosis's replay of modelled CP mistakes may start new simulations (default 30; 0: "
-                  "no replay); mistakes left out are named in the report")
+void add_check_options(CLI::App& sub, CheckArgs& args) {
+  sub.add_option("files", args.files, "GOLDEN CANDIDATE... | --identical RUN1 RUN2 | --self GOLDEN")->required();
+  sub.add_flag("--identical", args.identical, "compare two candidate files bit for bit");
+  sub.add_flag("--self", args.self, "check an independent CPU path (peer, scale on K, other tile size)");
+  sub.add_option("--format", args.format, "text or json");
+  sub.add_option("--empty-row-lse", args.request.empty_row_lse,
+                 "LSE of a valid row without visible keys: neg-inf (the contract, default) or pos-inf "
+                 "(FlashAttention-2's convention, accepted knowingly)");
+  sub.add_option("--pad-rows", args.request.pad_rows,
+                 "pad and tail rows of o/dq/dk/dv: zero (the contract, default: exactly 0) or unwritten (not compared, "
+                 "their non-zero and non-finite counts reported: FlashAttention-3/4 with seqused_q/k never write them)");
+  sub.add_option("--tensors", args.request.tensors, "comma-separated subset of o,lse,dq,dk,dv (e.g. o,lse for forward only)");
+  sub.add_option("--ranks", args.request.ranks,
+                 "comma-separated ranks whose per-rank outputs are checked (default: every rank of the fixture)");
+  sub.add_flag("--allow-same-file", args.request.allow_same_file,
+               "accept the golden file as a candidate: checks its stored simulator outputs (/peer), on purpose");
+  sub.add_flag("--no-diagnosis", args.no_diagnosis,
+               "skip the diagnosis of a failed check (what kind of CP bug the failures fit; docs/diagnosis.md)");
+  sub.add_option("--diagnosis-budget", args.request.diagnosis_budget,
+                 "seconds the diagnosis's replay of modelled CP mistakes may start new simulations (default 30; 0: "
+                 "no replay); mistakes left out are named in the report")
       ->check(CLI::Number);
   // With --format json, main prints every error as one JSON object ({"error": ...}) on stdout as well.
-  return [=] { return run_check(*args); };
-});
+}
+
+const RegisterCommand registered("check", "check candidate outputs against a golden fixture", add_check_options,
+                                 run_check);
 
 }  // namespace
 }  // namespace cpgold::app

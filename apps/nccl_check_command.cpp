@@ -26,16 +26,15 @@ struct NcclCheckArgs {
   int a2a_size = 2;
   std::string inject_failure;  // RANK:KIND
   int inject_mismatch = -1;
+  RankLaunchOptions launch;
 };
 
 #if CPGOLD_HAVE_NCCL
 
-int run_nccl_check(const NcclCheckArgs& args, const RankLaunchOptions& options) {
+int run_nccl_check(const NcclCheckArgs& args) {
   const gpu::ExchangeFault fault = gpu::parse_exchange_fault(args.inject_failure);
-  gpu::RankLaunch launch{options.launch, options.ranks,  options.rendezvous,         options.rank,
-                         options.world_size, options.device, gpu::Seconds(options.timeout_s)};
   const gpu::ExchangeCheckRun run{args.a2a_size, fault, args.inject_mismatch};
-  return gpu::run_ranks(launch, [&](gpu::RankContext& context) {
+  return gpu::run_ranks(rank_launch(args.launch), [&](gpu::RankContext& context) {
     const gpu::ExchangeVerdict verdict = gpu::run_exchange_check(context, run);
     if (context.channel.rank() == 0) {
       std::printf("nccl-check: NCCL %s, %d ranks (%s), a2a_size %d, coded 64-bit values (origin rank, global row, head, dim)\n",
@@ -52,25 +51,24 @@ int run_nccl_check(const NcclCheckArgs& args, const RankLaunchOptions& options) 
 
 #else
 
-int run_nccl_check(const NcclCheckArgs&, const RankLaunchOptions&) {
-  fail_input("nccl-check", "this cpgold was built without NCCL (no CUDA, no NCCL or no GPU at configure time; "
-                       "build/bin/cpgold-gpu has it where they were found, or configure with -DCPGOLD_ENABLE_CUDA=ON)");
+int run_nccl_check(const NcclCheckArgs&) {
+  fail_not_built("nccl-check", "NCCL", "no CUDA, no NCCL or no GPU", "they were found");
 }
 
 #endif
 
-const RegisterCommand registered("nccl-check", [](CLI::App& app) -> std::function<int()> {
-  auto* sub = app.add_subcommand("nccl-check", "coded values through every NCCL exchange of the CP comm types, checked bit for bit");
-  auto args = std::make_shared<NcclCheckArgs>();
-  auto launch = std::make_shared<RankLaunchOptions>();
-  sub->add_option("--a2a-size", args->a2a_size, "ranks per a2a group for the a2a+p2p exchanges (default 2)");
-  sub->add_option("--inject-failure", args->inject_failure,
-                  "self-test of the fault path: RANK:KIND (exception, cuda, input) fails that rank before the all-gather");
-  sub->add_option("--inject-mismatch", args->inject_mismatch,
-                  "self-test of the case agreement: that rank describes another case");
-  add_rank_launch_options(sub, launch);
-  return [=] { return run_nccl_check(*args, *launch); };
-});
+void add_nccl_check_options(CLI::App& sub, NcclCheckArgs& args) {
+  sub.add_option("--a2a-size", args.a2a_size, "ranks per a2a group for the a2a+p2p exchanges (default 2)");
+  sub.add_option("--inject-failure", args.inject_failure,
+                 "self-test of the fault path: RANK:KIND (exception, cuda, input) fails that rank before the all-gather");
+  sub.add_option("--inject-mismatch", args.inject_mismatch,
+                 "self-test of the case agreement: that rank describes another case");
+  add_rank_launch_options(sub, args.launch);
+}
+
+const RegisterCommand registered("nccl-check",
+                                 "coded values through every NCCL exchange of the CP comm types, checked bit for bit",
+                                 add_nccl_check_options, run_nccl_check);
 
 }  // namespace
 }  // namespace cpgold::app

@@ -765,40 +765,18 @@ int run_shrink(const ShrinkArgs& args) {
   }
 
   if (args.format == "json") {
-    nlohmann::ordered_json j;
     auto side = [&](const sim::CaseSpec& c, const fx::ShrinkVerdict& v) {
-      nlohmann::ordered_json o;
-      o["case"] = nlohmann::ordered_json::parse(fx::compact_case_json(c));
-      o["case_json"] = fx::compact_case_json(c);
-      o["rows_q"] = fx::case_rows_q(c);
-      o["rows_kv"] = fx::case_rows_kv(c);
-      o["tokens_q"] = fx::case_tokens_q(c);
-      o["sequences"] = c.seqlens_q.size();
-      o["diagnosis"] = v.kinds;
-      o["failing_tensors"] = v.tensors;
-      return o;
+      return nlohmann::ordered_json{{"case", nlohmann::ordered_json::parse(fx::compact_case_json(c))},
+                                    {"case_json", fx::compact_case_json(c)},
+                                    {"rows_q", fx::case_rows_q(c)},
+                                    {"rows_kv", fx::case_rows_kv(c)},
+                                    {"tokens_q", fx::case_tokens_q(c)},
+                                    {"sequences", c.seqlens_q.size()},
+                                    {"diagnosis", v.kinds},
+                                    {"failing_tensors", v.tensors}};
     };
-    j["original"] = side(result.original, result.original_verdict);
-    j["kinds"] = result.kinds;
-    j["any_failure"] = args.any_failure;
-    j["same_tensors"] = args.same_tensors;
-    j["smallest"] = side(s, result.smallest_verdict);
-    if (found != reports.end()) j["smallest"]["report"] = fx::to_json(found->second);
-    j["smaller"] = result.smaller();
-    j["steps"] = result.steps;
-    j["reproduce"] = reproduce;
-    j["runs"] = result.runs;
-    j["passed"] = result.passed;
-    j["failed_otherwise"] = result.failed_otherwise;
-    j["no_candidate"] = result.no_candidate;
-    j["seconds"] = result.seconds;
-    j["stopped"] = result.stopped;
-    j["stop_detail"] = result.stop_detail;
-    j["confirm"] = result.confirm;
-    j["confirmed"] = result.confirmed;
-    j["flaky"] = result.flaky;
-    j["not_reproduced"] = not_reproduced;
-    j["search_smallest"] = fx::compact_case_json(result.search_smallest);
+    nlohmann::ordered_json smallest = side(s, result.smallest_verdict);
+    if (found != reports.end()) smallest["report"] = fx::to_json(found->second);
     nlohmann::ordered_json confirmations = nlohmann::ordered_json::array();
     for (const fx::ShrinkConfirmation& c : result.confirmations)
       confirmations.push_back({{"case_json", fx::compact_case_json(c.spec)},
@@ -807,11 +785,31 @@ int run_shrink(const ShrinkArgs& args) {
                                {"which", which(c)},
                                {"reruns", c.reruns},
                                {"failed_same_way", c.failed_same_way}});
-    j["confirmations"] = confirmations;
-    j["confirmation_runs"] = result.confirmation_runs;
-    j["confirmation_stopped"] = result.confirmation_stopped;
-    j["notes"] = notes;
-    j["exit_code"] = code;
+    const nlohmann::ordered_json j = {{"original", side(result.original, result.original_verdict)},
+                                      {"kinds", result.kinds},
+                                      {"any_failure", args.any_failure},
+                                      {"same_tensors", args.same_tensors},
+                                      {"smallest", smallest},
+                                      {"smaller", result.smaller()},
+                                      {"steps", result.steps},
+                                      {"reproduce", reproduce},
+                                      {"runs", result.runs},
+                                      {"passed", result.passed},
+                                      {"failed_otherwise", result.failed_otherwise},
+                                      {"no_candidate", result.no_candidate},
+                                      {"seconds", result.seconds},
+                                      {"stopped", result.stopped},
+                                      {"stop_detail", result.stop_detail},
+                                      {"confirm", result.confirm},
+                                      {"confirmed", result.confirmed},
+                                      {"flaky", result.flaky},
+                                      {"not_reproduced", not_reproduced},
+                                      {"search_smallest", fx::compact_case_json(result.search_smallest)},
+                                      {"confirmations", confirmations},
+                                      {"confirmation_runs", result.confirmation_runs},
+                                      {"confirmation_stopped", result.confirmation_stopped},
+                                      {"notes", notes},
+                                      {"exit_code", code}};
     std::cout << json_text(j);
     return code;
   }
@@ -844,45 +842,45 @@ int run_shrink(const ShrinkArgs& args) {
   return code;
 }
 
-const RegisterCommand registered("shrink", [](CLI::App& app) -> std::function<int()> {
-  auto* sub = app.add_subcommand(
-      "shrink", "from a fixture whose candidate fails, the smallest case whose candidate fails the same way");
-  auto args = std::make_shared<ShrinkArgs>();
-  sub->add_option("golden", args->golden, "the failing fixture (its case is the start)")->required();
-  sub->add_option("--run", args->command,
-                  "shell command that reads {fixture} and writes {candidate}; with {rank}: one process per rank, "
-                  "all at once, each writing its rank's candidate (the paths are absolute, of letters, digits and "
-                  "._/- only)")
+void add_shrink_options(CLI::App& sub, ShrinkArgs& args) {
+  sub.add_option("golden", args.golden, "the failing fixture (its case is the start)")->required();
+  sub.add_option("--run", args.command,
+                 "shell command that reads {fixture} and writes {candidate}; with {rank}: one process per rank, "
+                 "all at once, each writing its rank's candidate (the paths are absolute, of letters, digits and "
+                 "._/- only)")
       ->required();
-  sub->add_flag("--any-failure", args->any_failure, "keep any failing case, whatever its diagnosis");
-  sub->add_flag("--same-tensors", args->same_tensors,
-                "keep a failing case only when it fails exactly the tensors the original fails (with a wide diagnosis "
-                "such as unexplained, a smaller case can fail another way under the same name)");
-  sub->add_option("--kind", args->kinds,
-                  "comma-separated diagnosis kinds a kept failure must name (default: the original's)");
-  sub->add_option("--budget", args->budget,
-                  "seconds the search may take, generation and check included (default: no bound); the smallest so far "
-                  "is the answer");
-  sub->add_option("--max-runs", args->max_runs, "stop after this many runs of COMMAND, the original's included");
-  sub->add_option("--run-timeout", args->run_timeout,
-                  "seconds one run of COMMAND may take (default 300; 0: no limit); past it, no candidate");
-  sub->add_option("--confirm", args->confirm,
-                  "run the answer again this many times (default 2; 0: none); a case that does not fail the same way "
-                  "every time gives way to the one before it");
-  sub->add_option("--seed", args->seed, "seed of the other input seeds --reseed tries (0 to 2^64-1)");
-  sub->add_option("--reseed", args->reseed, "run a smaller case that passes again with this many other input seeds (default 0)");
-  sub->add_option("--dims", args->dims, "head dims the implementation supports, e.g. 64,128 (default: any)");
-  sub->add_option("--tensors", args->tensors, "as for check: comma-separated subset of o,lse,dq,dk,dv");
-  sub->add_option("--empty-row-lse", args->empty_row_lse, "as for check: neg-inf (default) or pos-inf");
-  sub->add_option("--pad-rows", args->pad_rows, "as for check: zero (default) or unwritten (FlashAttention-3/4)");
-  sub->add_option("--work-dir", args->work_dir,
-                  "folder for the runs' fixtures and candidates: each search makes a new shrink-K/ in it (default: a "
-                  "new temporary folder)");
-  sub->add_flag("--keep", args->keep,
-                "keep every run's fixture, candidate and COMMAND output (run-N/ in the runs' folder)");
-  sub->add_option("--format", args->format, "text or json");
-  return [=] { return run_shrink(*args); };
-});
+  sub.add_flag("--any-failure", args.any_failure, "keep any failing case, whatever its diagnosis");
+  sub.add_flag("--same-tensors", args.same_tensors,
+               "keep a failing case only when it fails exactly the tensors the original fails (with a wide diagnosis "
+               "such as unexplained, a smaller case can fail another way under the same name)");
+  sub.add_option("--kind", args.kinds,
+                 "comma-separated diagnosis kinds a kept failure must name (default: the original's)");
+  sub.add_option("--budget", args.budget,
+                 "seconds the search may take, generation and check included (default: no bound); the smallest so far "
+                 "is the answer");
+  sub.add_option("--max-runs", args.max_runs, "stop after this many runs of COMMAND, the original's included");
+  sub.add_option("--run-timeout", args.run_timeout,
+                 "seconds one run of COMMAND may take (default 300; 0: no limit); past it, no candidate");
+  sub.add_option("--confirm", args.confirm,
+                 "run the answer again this many times (default 2; 0: none); a case that does not fail the same way "
+                 "every time gives way to the one before it");
+  sub.add_option("--seed", args.seed, "seed of the other input seeds --reseed tries (0 to 2^64-1)");
+  sub.add_option("--reseed", args.reseed, "run a smaller case that passes again with this many other input seeds (default 0)");
+  sub.add_option("--dims", args.dims, "head dims the implementation supports, e.g. 64,128 (default: any)");
+  sub.add_option("--tensors", args.tensors, "as for check: comma-separated subset of o,lse,dq,dk,dv");
+  sub.add_option("--empty-row-lse", args.empty_row_lse, "as for check: neg-inf (default) or pos-inf");
+  sub.add_option("--pad-rows", args.pad_rows, "as for check: zero (default) or unwritten (FlashAttention-3/4)");
+  sub.add_option("--work-dir", args.work_dir,
+                 "folder for the runs' fixtures and candidates: each search makes a new shrink-K/ in it (default: a "
+                 "new temporary folder)");
+  sub.add_flag("--keep", args.keep,
+               "keep every run's fixture, candidate and COMMAND output (run-N/ in the runs' folder)");
+  sub.add_option("--format", args.format, "text or json");
+}
+
+const RegisterCommand registered(
+    "shrink", "from a fixture whose candidate fails, the smallest case whose candidate fails the same way",
+    add_shrink_options, run_shrink);
 
 }  // namespace
 }  // namespace cpgold::app

@@ -96,23 +96,13 @@ double run_gemm_ta(const std::vector<uint16_t>& at, const std::vector<uint16_t>&
   set_smem(kernel, smem);
   kernel<<<1, 128, smem>>>(reinterpret_cast<const bf16*>(da.ptr), reinterpret_cast<const bf16*>(db.ptr), bblock,
                            dd.ptr, pr.lbo_a, pr.sbo_a, pr.lbo_b, pr.sbo_b);
-  CK(cudaGetLastError());
-  sync_or_die();
-  const std::vector<float> d = dd.download();
-  double worst = 0;
-  max_ref = 0;
-  first_bad = -1;
-  for (int m = 0; m < 64; ++m)
-    for (int n = 0; n < 64; ++n) {
-      double ref = 0;
-      for (int k = 0; k < K; ++k)
-        ref += static_cast<double>(bf16_to_float(at[k * 64 + m])) * bf16_to_float(b[k * 128 + 64 * bblock + n]);
-      const double err = std::isfinite(d[m * 64 + n]) ? std::fabs(d[m * 64 + n] - ref) : 1e30;
-      if (err > 1e-3 && first_bad < 0) first_bad = m * 64 + n;
-      worst = std::max(worst, err);
-      max_ref = std::max(max_ref, std::fabs(ref));
-    }
-  return worst;
+  const std::vector<float> d = download_after_launch(dd);
+  return product_error(d, 64, [&](int m, int n) {
+    double ref = 0;
+    for (int k = 0; k < K; ++k)
+      ref += static_cast<double>(bf16_to_float(at[k * 64 + m])) * bf16_to_float(b[k * 128 + 64 * bblock + n]);
+    return ref;
+  }, max_ref, first_bad);
 }
 
 template <int KSTEPS>
@@ -320,8 +310,7 @@ struct BwdDevice {
   DeviceBuffer<uint16_t> q, k, v, o, dout, dq, dk, dv;
   DeviceBuffer<float> lse, delta, dq_accum;
   DeviceBuffer<SequenceDesc> seqs;
-  DeviceBuffer<RowTile> qt128, kvt128, qt64, kvt64;
-  int qt128_n = 0, kvt128_n = 0, qt64_n = 0, kvt64_n = 0;
+  TileLists q_tile_lists, kv_tile_lists;
   AttentionParams base{};
   int d;
   BwdDevice(const Case& c)
@@ -337,54 +326,27 @@ struct BwdDevice {
         delta(lse.count),
         dq_accum(q.count),
         seqs(c.seqs.size()),
+        q_tile_lists(q_tiles(c, 64), q_tiles(c, 128)),
+        kv_tile_lists(kv_tiles(c, 64), kv_tiles(c, 128)),
         d(c.d) {
     seqs.upload(c.seqs);
-    auto put = [](DeviceBuffer<RowTile>& b, int& n, const std::vector<RowTile>& t) {
-      n = static_cast<int>(t.size());
-      b.reset(t.size());
-      b.upload(t);
-    };
-    put(qt128, qt128_n, q_tiles(c, 128));
-    put(kvt128, kvt128_n, kv_tiles(c, 128));
-    put(qt64, qt64_n, q_tiles(c, 64));
-    put(kvt64, kvt64_n, kv_tiles(c, 64));
-    base.q = q.ptr;
-    base.k = k.ptr;
-    base.v = v.ptr;
-    base.o = o.ptr;
-    base.lse = lse.ptr;
+    base = case_params(c, seqs.ptr, q.ptr, k.ptr, v.ptr, o.ptr, lse.ptr);
     base.dout = dout.ptr;
     base.dq = dq.ptr;
     base.dk = dk.ptr;
     base.dv = dv.ptr;
     base.dq_accum = dq_accum.ptr;
     base.delta = delta.ptr;
-    base.q_rows = c.q_rows;
-    base.kv_rows = c.kv_rows;
-    base.heads_q = c.heads_q;
-    base.heads_kv = c.heads_kv;
-    base.group = c.heads_q / c.heads_kv;
-    base.window_left = c.wl;
-    base.window_right = c.wr;
-    base.softmax_scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(c.d)));
-    base.scale_log2 = base.softmax_scale * 1.4426950408889634f;
-    base.sequences = seqs.ptr;
   }
   AttentionParams params(int tile_rows) const {
     AttentionParams p = base;
-    p.q_tiles = tile_rows == 64 ? qt64.ptr : qt128.ptr;
-    p.q_tile_count = tile_rows == 64 ? qt64_n : qt128_n;
-    p.kv_tiles = tile_rows == 64 ? kvt64.ptr : kvt128.ptr;
-    p.kv_tile_count = tile_rows == 64 ? kvt64_n : kvt128_n;
+    p.q_tiles = q_tile_lists.tiles(tile_rows);
+    p.q_tile_count = q_tile_lists.count(tile_rows);
+    p.kv_tiles = kv_tile_lists.tiles(tile_rows);
+    p.kv_tile_count = kv_tile_lists.count(tile_rows);
     return p;
   }
-  void poison() {
-    CK(cudaMemset(dq.ptr, 0xff, dq.count * 2));  // NaN in bf16 and fp16
-    CK(cudaMemset(dk.ptr, 0xff, dk.count * 2));
-    CK(cudaMemset(dv.ptr, 0xff, dv.count * 2));
-    CK(cudaMemset(delta.ptr, 0xff, delta.count * 4));
-    CK(cudaMemset(dq_accum.ptr, 0xff, dq_accum.count * 4));
-  }
+  void poison() { fill_nan(dq, dk, dv, delta, dq_accum); }
 };
 
 struct BwdVariant {
@@ -400,29 +362,17 @@ struct BwdVariant {
 template <class T, int D, bool ATOMIC, sm90::DqSplit SPLIT = sm90::DqSplit::columns, bool OVERLAP = false,
           bool TMA_DQ = false>
 BwdVariant sm90_variant(const std::string& name) {
-  BwdVariant v;
-  v.name = name;
-  v.d = D;
-  v.fp16 = std::is_same_v<T, __half>;
-  v.atomic = ATOMIC;
-  v.launch = [](const AttentionParams& p, sm90::Watchdog dog) {
-    return sm90::launch_backward_sm90<T, D, ATOMIC, SPLIT, OVERLAP, TMA_DQ>(p, dog, 0);
-  };
-  return v;
+  return {.name = name, .d = D, .fp16 = std::is_same_v<T, __half>, .atomic = ATOMIC,
+          .launch = [](const AttentionParams& p, sm90::Watchdog dog) {
+            return sm90::launch_backward_sm90<T, D, ATOMIC, SPLIT, OVERLAP, TMA_DQ>(p, dog, 0);
+          }};
 }
 
 #ifdef HF_HAVE_MMA_SYNC_FORWARD
 // The mma.sync backward (gpu/kernels/mma_sync/attention_kernels.cuh) launched as gpu/kernels/mma_sync/attention_launch.cuh does (64-row tiles).
 template <class T, int D, bool ATOMIC>
 BwdVariant mma_sync_variant_bwd(const std::string& name) {
-  BwdVariant v;
-  v.name = name;
-  v.d = D;
-  v.fp16 = std::is_same_v<T, __half>;
-  v.atomic = ATOMIC;
-  v.mma_sync = true;
-  v.tile_rows = 64;
-  v.launch = [](const AttentionParams& p, sm90::Watchdog) -> std::string {
+  auto launch = [](const AttentionParams& p, sm90::Watchdog) -> std::string {
     namespace dt = cpgold::gpu::detail;
     using Cfg = dt::BackwardConfig<T, D, D>;
     auto err = [](const char* w) -> std::string {
@@ -455,7 +405,8 @@ BwdVariant mma_sync_variant_bwd(const std::string& name) {
     }
     return err("dq");
   };
-  return v;
+  return {.name = name, .d = D, .fp16 = std::is_same_v<T, __half>, .atomic = ATOMIC, .mma_sync = true, .tile_rows = 64,
+          .launch = launch};
 }
 #endif
 
@@ -623,23 +574,13 @@ void run_backward_tests(const std::vector<BwdVariant>& variants) {
   std::printf("\n==== backward ====\n");
   DeviceWatchdog dog;
   for (const Case& c : backward_cases()) {
-    g_current = "reference";
-    const auto t0 = std::chrono::steady_clock::now();
-    const BwdHost h = make_bwd_host(c);
-    std::printf("case %s: %lld q rows, %lld kv rows, %d/%d heads, d %d, %s, window (%d, %d); reference %.1f s\n",
-                c.name.c_str(), static_cast<long long>(c.q_rows), static_cast<long long>(c.kv_rows), c.heads_q,
-                c.heads_kv, c.d, c.fp16 ? "fp16" : "bf16", c.wl, c.wr,
-                std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-    std::fflush(stdout);
+    const BwdHost h = make_reference(c, make_bwd_host);
     BwdDevice dd(c);
     dd.q.upload(h.q), dd.k.upload(h.k), dd.v.upload(h.v), dd.o.upload(h.o), dd.dout.upload(h.dout);
     dd.lse.upload(h.lse);
     for (const BwdVariant& v : variants) {
-      if (v.d != c.d || v.fp16 != c.fp16 || excluded(v.name)) continue;
-      g_current = v.name;
-      const std::string test = v.name + " / " + c.name;
-      std::printf("running %s\n", test.c_str());
-      std::fflush(stdout);
+      const std::string test = begin_test(v, c);
+      if (test.empty()) continue;
       const AttentionParams p = dd.params(v.tile_rows);
       if (std::string e = run_bwd_once(v, dd, dog, p); !e.empty()) {
         record("backward", test, false, e);
@@ -688,7 +629,6 @@ std::string host_diff(const std::vector<uint16_t>& a, const std::vector<uint16_t
 
 void run_timing(const std::vector<BwdVariant>& variants, int reps) {
   std::printf("\n==== timing ====\n");
-  static const int cycle[] = {512, 1536, 2560, 3584, 1024, 3072, 2048, 4096};
   char line[512];
   std::snprintf(line, sizeof line, "%-7s %-6s %-28s %9s %9s %8s  %s", "mask", "tokens", "kernel", "ms", "TFLOP/s",
                 "vs mma", "rel diff to mma-sync-bwd-atomic (dQ / dK / dV)");
@@ -697,19 +637,10 @@ void run_timing(const std::vector<BwdVariant>& variants, int reps) {
   for (int64_t total : {16384, 65536})
     for (bool causal : {true, false}) {
       const int heads = 2048 / d;  // bench/gpu/varlen_batches.md
-      Case c;
-      c.name = std::string(causal ? "causal" : "full") + "-d" + std::to_string(d) + "-" + std::to_string(total);
-      c.heads_q = c.heads_kv = heads;
-      c.d = d;
-      if (causal) c.wr = 0;
       double pairs = 0;
-      for (int i = 0; c.q_rows < total; ++i) {
-        const int len = static_cast<int>(std::min<int64_t>(cycle[i % 8], total - c.q_rows));
-        c.seqs.push_back(one_segment(c.q_rows, len, c.q_rows, len));
-        c.q_rows += len;
-        pairs += causal ? 0.5 * len * (len + 1.0) : 1.0 * len * len;
-      }
-      c.kv_rows = c.q_rows;
+      const Case c = timing_case(
+          std::string(causal ? "causal" : "full") + "-d" + std::to_string(d) + "-" + std::to_string(total), heads, d,
+          total, causal, pairs);
       const double flops = 2.5 * 4.0 * d * pairs * heads;
       g_current = "timing-setup";
       BwdDevice dd(c);
@@ -737,17 +668,9 @@ void run_timing(const std::vector<BwdVariant>& variants, int reps) {
       std::vector<uint16_t> base_q, base_k, base_v;
       double base_ms = 0;
       DeviceWatchdog dog;
-      std::vector<const BwdVariant*> order;
-      for (const BwdVariant& v : variants)
-        if (v.mma_sync && v.d == d && !v.fp16) order.push_back(&v);
-      for (const BwdVariant& v : variants)
-        if (!v.mma_sync && v.d == d && !v.fp16) order.push_back(&v);
-      for (const BwdVariant* vp : order) {
+      for (const BwdVariant* vp : timing_order(variants, d)) {
         const BwdVariant& v = *vp;
-        if (excluded(v.name)) continue;
-        g_current = v.name;
-        std::printf("running %s on %s\n", v.name.c_str(), c.name.c_str());
-        std::fflush(stdout);
+        if (!begin_timing(v, c)) continue;
         const AttentionParams p = dd.params(v.tile_rows);
         if (std::string e = run_bwd_once(v, dd, dog, p); !e.empty()) {
           record("timing", v.name + " / " + c.name, false, e);
@@ -762,31 +685,14 @@ void run_timing(const std::vector<BwdVariant>& variants, int reps) {
                   host_diff(dd.dv.download(), base_v, o3);
           record("timing", v.name + " / " + c.name + " agrees with mma-sync-bwd-atomic", o1 && o2 && o3, check);
         }
-        const sm90::Watchdog off{};
-        for (int w = 0; w < 3; ++w)
-          if (std::string e = v.launch(p, off); !e.empty()) fatal(e, 4);
-        sync_or_die();
-        std::vector<cudaEvent_t> ev(2 * reps);
-        for (auto& e : ev) CK(cudaEventCreate(&e));
-        for (int r = 0; r < reps; ++r) {
-          CK(cudaEventRecord(ev[2 * r], 0));
-          if (std::string e = v.launch(p, off); !e.empty()) fatal(e, 4);
-          CK(cudaEventRecord(ev[2 * r + 1], 0));
-        }
-        sync_or_die();
-        std::vector<float> ms(reps);
-        for (int r = 0; r < reps; ++r) CK(cudaEventElapsedTime(&ms[r], ev[2 * r], ev[2 * r + 1]));
-        for (auto& e : ev) CK(cudaEventDestroy(e));
-        std::sort(ms.begin(), ms.end());
+        const std::vector<float> ms = time_launches(3, reps, [&] { return v.launch(p, sm90::Watchdog{}); });
         const double med = ms[reps / 2];
         if (v.mma_sync && v.atomic) base_ms = med;
         const double tflops = flops / (med * 1e-3) / 1e12;
         std::snprintf(line, sizeof line, "%-7s %-6lld %-28s %9.3f %9.1f %8s  %s (min %.3f, max %.3f ms)",
                       causal ? "causal" : "full", static_cast<long long>(total), v.name.c_str(), med, tflops,
                       base_ms > 0 ? fmt("%.2fx", base_ms / med).c_str() : "-", check.c_str(), ms.front(), ms.back());
-        g_timing_rows.push_back(line);
-        std::printf("TIMING|%s\n", line);
-        std::fflush(stdout);
+        add_timing_row(line);
       }
     }
 }
@@ -795,48 +701,10 @@ void run_timing(const std::vector<BwdVariant>& variants, int reps) {
 
 int main(int argc, char** argv) {
   using namespace hf;
-  int reps = 20;
-  bool timing = true;
-  uint64_t seed = 20261202;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (a == "--reps" && i + 1 < argc) {
-      reps = std::atoi(argv[++i]);
-    } else if (a == "--skip-timing") {
-      timing = false;
-    } else if (a == "--seed" && i + 1 < argc) {
-      seed = std::strtoull(argv[++i], nullptr, 10);
-    } else if (a == "--exclude" && i + 1 < argc) {
-      add_excludes(argv[++i]);
-    } else {
-      std::fprintf(stderr, "hopper_backward: unknown argument '%s' (options: --reps N, --skip-timing, --seed S, "
-                           "--exclude a,b)\n", a.c_str());
-      return 2;
-    }
-  }
-  if (reps < 5) {
-    std::fprintf(stderr, "hopper_backward: --reps %d: at least 5\n", reps);
-    return 2;
-  }
-  int dev = 0;
-  CK(cudaGetDevice(&dev));
-  cudaDeviceProp prop{};
-  CK(cudaGetDeviceProperties(&prop, dev));
-  int driver = 0, runtime = 0;
-  CK(cudaDriverGetVersion(&driver));
-  CK(cudaRuntimeGetVersion(&runtime));
-  std::printf("device %s (sm_%d%d, %d SMs, %.0f KB shared memory per block opt-in), driver %d, runtime %d\n", prop.name,
-              prop.major, prop.minor, prop.multiProcessorCount, prop.sharedMemPerBlockOptin / 1024.0, driver, runtime);
-  if (prop.major != 9 || prop.minor != 0) {
-    std::printf("this program needs a compute capability 9.0 GPU (sm_90a code)\n");
-    return 2;
-  }
-  print_excluded();
-  std::mt19937_64 rng(seed);
-  run_unit_tests(rng);
-  const std::vector<BwdVariant> variants = all_bwd_variants();
-  run_backward_tests(variants);
-  if (timing) run_timing(variants, reps);
-  print_summary();
-  return any_failed() ? 1 : 0;
+  Options options{20, 5, 20261202};  // --reps 20 (at least 5), --seed 20261202
+  if (const std::optional<int> code = read_options(argc, argv, "hopper_backward", options,
+                                                   [](const std::string&) { return std::optional<int>(); }))
+    return *code;
+  if (!device_is_sm90(false)) return 2;
+  return run_stages(options, all_bwd_variants, run_backward_tests, run_timing);
 }

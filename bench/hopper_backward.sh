@@ -11,12 +11,9 @@
 # faulted the CUDA context or hung ("FAULTED <name>"), it is run again without that unit test or variant, so that
 # the others still report; at most 7 reruns, within a time budget of HOPPER_BACKWARD_BUDGET seconds (default 540).
 set -uo pipefail
-cd "$(dirname "$0")/.."
 program=hopper_backward
-OUT=${OUT:-$PWD/build/hopper_backward}
-budget=${HOPPER_BACKWARD_BUDGET:-540}
 sm90_kernels="backward.*sm90_kernel"
-source bench/hopper_common.sh
+source "$(dirname "$0")/hopper_common.sh"
 # A short table last: checks per stage and outcome, then the timing rows, of the last run.
 log="$OUT/run$attempt.log"
 if [ -f "$log" ]; then

@@ -1,8 +1,13 @@
 # Build, resource report and run-with-reruns of a bench/hopper_*.cu program, sourced by bench/hopper_forward.sh and
-# bench/hopper_backward.sh from the repository root with: program (hopper_forward or hopper_backward), OUT, budget
-# (seconds for all runs) and sm90_kernels (grep pattern of the kernels whose registers and SASS are listed); the
-# program options are the caller's "$@". Leaves rc (the last run's exit status, 1 when something was excluded) and
-# attempt (the number of the last run, whose log is $OUT/run$attempt.log).
+# bench/hopper_backward.sh with: program (hopper_forward or hopper_backward) and sm90_kernels (grep pattern of the
+# kernels whose registers and SASS are listed); the program options are the caller's "$@". Works from the repository
+# root; OUT defaults to build/$program, and the time budget for all runs is HOPPER_FORWARD_BUDGET or
+# HOPPER_BACKWARD_BUDGET seconds (default 540). Leaves rc (the last run's exit status, 1 when something was excluded)
+# and attempt (the number of the last run, whose log is $OUT/run$attempt.log).
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/build/$program}
+budget_variable="${program^^}_BUDGET"
+budget=${!budget_variable:-540}
 mkdir -p "$OUT"
 NVCC=${NVCC:-nvcc}
 if ! command -v "$NVCC" > /dev/null; then NVCC=/usr/local/cuda/bin/nvcc; fi

@@ -552,8 +552,7 @@ struct DeviceCase {
   DeviceBuffer<uint16_t> q, k, v, o;
   DeviceBuffer<float> lse;
   DeviceBuffer<SequenceDesc> seqs;
-  DeviceBuffer<RowTile> tiles64, tiles128;
-  int tiles64_count = 0, tiles128_count = 0;
+  TileLists q_tile_lists;
   AttentionParams base{};
   DeviceCase(const Case& c, const HostData* h)
       : q(static_cast<size_t>(c.q_rows) * c.heads_q * c.d),
@@ -561,46 +560,23 @@ struct DeviceCase {
         v(static_cast<size_t>(c.kv_rows) * c.heads_kv * c.d),
         o(static_cast<size_t>(c.q_rows) * c.heads_q * c.d),
         lse(static_cast<size_t>(c.heads_q) * c.q_rows),
-        seqs(c.seqs.size()) {
+        seqs(c.seqs.size()),
+        q_tile_lists(q_tiles(c, 64), q_tiles(c, 128)) {
     if (h != nullptr) {
       q.upload(h->q);
       k.upload(h->k);
       v.upload(h->v);
     }
     seqs.upload(c.seqs);
-    const std::vector<RowTile> t64 = q_tiles(c, 64), t128 = q_tiles(c, 128);
-    tiles64_count = static_cast<int>(t64.size());
-    tiles128_count = static_cast<int>(t128.size());
-    tiles64.reset(t64.size());
-    tiles128.reset(t128.size());
-    tiles64.upload(t64);
-    tiles128.upload(t128);
-    base.q = q.ptr;
-    base.k = k.ptr;
-    base.v = v.ptr;
-    base.o = o.ptr;
-    base.lse = lse.ptr;
-    base.q_rows = c.q_rows;
-    base.kv_rows = c.kv_rows;
-    base.heads_q = c.heads_q;
-    base.heads_kv = c.heads_kv;
-    base.group = c.heads_q / c.heads_kv;
-    base.window_left = c.wl;
-    base.window_right = c.wr;
-    base.softmax_scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(c.d)));
-    base.scale_log2 = base.softmax_scale * 1.4426950408889634f;
-    base.sequences = seqs.ptr;
+    base = case_params(c, seqs.ptr, q.ptr, k.ptr, v.ptr, o.ptr, lse.ptr);
   }
   AttentionParams params(int block_m) const {
     AttentionParams p = base;
-    p.q_tiles = block_m == 64 ? tiles64.ptr : tiles128.ptr;
-    p.q_tile_count = block_m == 64 ? tiles64_count : tiles128_count;
+    p.q_tiles = q_tile_lists.tiles(block_m);
+    p.q_tile_count = q_tile_lists.count(block_m);
     return p;
   }
-  void poison() {
-    CK(cudaMemset(o.ptr, 0xff, o.count * 2));  // NaN in bf16 and fp16
-    CK(cudaMemset(lse.ptr, 0xff, lse.count * 4));
-  }
+  void poison() { fill_nan(o, lse); }
 };
 
 // Runs variant `v` on the device case once (output poisoned first); "" or the failure.
@@ -675,21 +651,11 @@ void run_forward_tests(const std::vector<Variant>& variants) {
   std::printf("\n==== forward ====\n");
   DeviceWatchdog dog;
   for (const Case& c : forward_cases()) {
-    g_current = "reference";
-    const auto t0 = std::chrono::steady_clock::now();
-    const HostData h = make_host_data(c);
-    std::printf("case %s: %lld q rows, %lld kv rows, %d/%d heads, d %d, %s, window (%d, %d); reference %.1f s\n",
-                c.name.c_str(), static_cast<long long>(c.q_rows), static_cast<long long>(c.kv_rows), c.heads_q,
-                c.heads_kv, c.d, c.fp16 ? "fp16" : "bf16", c.wl, c.wr,
-                std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-    std::fflush(stdout);
+    const HostData h = make_reference(c, make_host_data);
     DeviceCase dc(c, &h);
     for (const Variant& v : variants) {
-      if (v.d != c.d || v.fp16 != c.fp16 || excluded(v.name)) continue;
-      g_current = v.name;
-      const std::string test = v.name + " / " + c.name;
-      std::printf("running %s\n", test.c_str());
-      std::fflush(stdout);
+      const std::string test = begin_test(v, c);
+      if (test.empty()) continue;
       std::string deps;
       for (const std::string& u : v.depends)
         if (!passed("unit", u)) deps += (deps.empty() ? "" : ", ") + u;
@@ -835,9 +801,7 @@ Diff device_diff(const uint16_t* a, const uint16_t* ref, int64_t n) {
   constexpr int kBlocks = 512;
   DeviceBuffer<double> part(4 * kBlocks);
   diff_kernel<<<kBlocks, 256>>>(a, ref, n, part.ptr);
-  CK(cudaGetLastError());
-  sync_or_die();
-  const std::vector<double> h = part.download();
+  const std::vector<double> h = download_after_launch(part);
   double e2 = 0, r2 = 0;
   Diff d;
   for (int b = 0; b < kBlocks; ++b) {
@@ -851,7 +815,6 @@ Diff device_diff(const uint16_t* a, const uint16_t* ref, int64_t n) {
 
 void run_timing(const std::vector<Variant>& variants, int reps) {
   std::printf("\n==== timing ====\n");
-  static const int cycle[] = {512, 1536, 2560, 3584, 1024, 3072, 2048, 4096};
   const int heads = 16, d = 128;
   char line[512];
   std::snprintf(line, sizeof line, "%-7s %-6s %-26s %9s %9s %8s  %s", "mask", "tokens", "kernel", "ms", "TFLOP/s",
@@ -859,19 +822,9 @@ void run_timing(const std::vector<Variant>& variants, int reps) {
   g_timing_rows.push_back(line);
   for (int64_t total : {16384, 65536})
     for (bool causal : {true, false}) {
-      Case c;
-      c.name = std::string(causal ? "causal" : "full") + "-" + std::to_string(total);
-      c.heads_q = c.heads_kv = heads;
-      c.d = d;
-      if (causal) c.wr = 0;
       double pairs = 0;
-      for (int i = 0; c.q_rows < total; ++i) {
-        const int len = static_cast<int>(std::min<int64_t>(cycle[i % 8], total - c.q_rows));
-        c.seqs.push_back(one_segment(c.q_rows, len, c.q_rows, len));
-        c.q_rows += len;
-        pairs += causal ? 0.5 * len * (len + 1.0) : 1.0 * len * len;
-      }
-      c.kv_rows = c.q_rows;
+      const Case c = timing_case(std::string(causal ? "causal" : "full") + "-" + std::to_string(total), heads, d,
+                                 total, causal, pairs);
       const double flops = 4.0 * d * pairs * heads;
       g_current = "timing-setup";
       DeviceCase dc(c, nullptr);
@@ -885,17 +838,9 @@ void run_timing(const std::vector<Variant>& variants, int reps) {
       double v1_ms = 0;
       DeviceWatchdog dog;
       // mma-sync-v1 first (the baseline and the check), then the wgmma variants.
-      std::vector<const Variant*> order;
-      for (const Variant& v : variants)
-        if (v.mma_sync && v.d == d && !v.fp16) order.push_back(&v);
-      for (const Variant& v : variants)
-        if (!v.mma_sync && v.d == d && !v.fp16) order.push_back(&v);
-      for (const Variant* vp : order) {
+      for (const Variant* vp : timing_order(variants, d)) {
         const Variant& v = *vp;
-        if (excluded(v.name)) continue;
-        g_current = v.name;
-        std::printf("running %s on %s\n", v.name.c_str(), c.name.c_str());
-        std::fflush(stdout);
+        if (!begin_timing(v, c)) continue;
         if (std::string e = run_once(v, dc, dog); !e.empty()) {
           record("timing", v.name + " / " + c.name, false, e);
           continue;
@@ -917,22 +862,7 @@ void run_timing(const std::vector<Variant>& variants, int reps) {
         std::memset(&maps, 0, sizeof maps);
         if (std::string e = v.prepare(p, maps); !e.empty()) fatal(e, 4);
         const sm90::Watchdog off{};  // no watchdog in the timed launches
-        for (int w = 0; w < 5; ++w)
-          if (std::string e = v.launch(p, maps, off); !e.empty()) fatal(e, 4);
-        sync_or_die();
-        std::vector<cudaEvent_t> ev(2 * reps);
-        for (auto& e : ev) CK(cudaEventCreate(&e));
-        for (int r = 0; r < reps; ++r) {
-          CK(cudaEventRecord(ev[2 * r], 0));
-          if (std::string e = v.launch(p, maps, off); !e.empty()) fatal(e, 4);
-          CK(cudaEventRecord(ev[2 * r + 1], 0));
-        }
-        sync_or_die();
-        std::vector<float> ms(reps);
-        for (int r = 0; r < reps; ++r) CK(cudaEventElapsedTime(&ms[r], ev[2 * r], ev[2 * r + 1]));
-        for (auto& e : ev) CK(cudaEventDestroy(e));
-        std::vector<float> sorted = ms;
-        std::sort(sorted.begin(), sorted.end());
+        const std::vector<float> sorted = time_launches(5, reps, [&] { return v.launch(p, maps, off); });
         const double med = sorted[reps / 2];
         if (v.mma_sync) v1_ms = med;
         const double tflops = flops / (med * 1e-3) / 1e12;
@@ -940,9 +870,7 @@ void run_timing(const std::vector<Variant>& variants, int reps) {
                       causal ? "causal" : "full", static_cast<long long>(total), v.name.c_str(), med, tflops,
                       v1_ms > 0 ? fmt("%.2fx", v1_ms / med).c_str() : "-", check.c_str(), sorted.front(),
                       sorted.back());
-        g_timing_rows.push_back(line);
-        std::printf("TIMING|%s\n", line);
-        std::fflush(stdout);
+        add_timing_row(line);
       }
     }
 }
@@ -951,51 +879,12 @@ void run_timing(const std::vector<Variant>& variants, int reps) {
 
 int main(int argc, char** argv) {
   using namespace hf;
-  int reps = 30;
-  bool timing = true;
-  uint64_t seed = 20261201;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (a == "--reps" && i + 1 < argc) {
-      reps = std::atoi(argv[++i]);
-    } else if (a == "--host-check") {
-      return host_check();
-    } else if (a == "--skip-timing") {
-      timing = false;
-    } else if (a == "--seed" && i + 1 < argc) {
-      seed = std::strtoull(argv[++i], nullptr, 10);
-    } else if (a == "--exclude" && i + 1 < argc) {
-      add_excludes(argv[++i]);
-    } else {
-      std::fprintf(stderr, "hopper_forward: unknown argument '%s' (options: --reps N, --skip-timing, --seed S, "
-                           "--exclude a,b)\n", a.c_str());
-      return 2;
-    }
-  }
-  if (reps < 20) {
-    std::fprintf(stderr, "hopper_forward: --reps %d: at least 20\n", reps);
-    return 2;
-  }
-  int dev = 0;
-  CK(cudaGetDevice(&dev));
-  cudaDeviceProp prop{};
-  CK(cudaGetDeviceProperties(&prop, dev));
-  int driver = 0, runtime = 0;
-  CK(cudaDriverGetVersion(&driver));
-  CK(cudaRuntimeGetVersion(&runtime));
-  std::printf("device %s (sm_%d%d, %d SMs, %.0f KB shared memory per block opt-in, L2 %d MB), driver %d, runtime %d\n",
-              prop.name, prop.major, prop.minor, prop.multiProcessorCount, prop.sharedMemPerBlockOptin / 1024.0,
-              prop.l2CacheSize >> 20, driver, runtime);
-  if (prop.major != 9 || prop.minor != 0) {
-    std::printf("this program needs a compute capability 9.0 GPU (sm_90a code)\n");
-    return 2;
-  }
-  print_excluded();
-  std::mt19937_64 rng(seed);
-  run_unit_tests(rng);
-  const std::vector<Variant> variants = all_variants();
-  run_forward_tests(variants);
-  if (timing) run_timing(variants, reps);
-  print_summary();
-  return any_failed() ? 1 : 0;
+  Options options{30, 20, 20261201};  // --reps 30 (at least 20), --seed 20261201
+  auto host_check_option = [](const std::string& a) {
+    return a == "--host-check" ? std::optional<int>(host_check()) : std::nullopt;
+  };
+  if (const std::optional<int> code = read_options(argc, argv, "hopper_forward", options, host_check_option))
+    return *code;
+  if (!device_is_sm90(true)) return 2;
+  return run_stages(options, all_variants, run_forward_tests, run_timing);
 }

@@ -10,10 +10,7 @@
 # faulted the CUDA context or hung ("FAULTED <name>"), it is run again without that unit test or variant, so that
 # the others still report; at most 7 reruns, within a time budget of HOPPER_FORWARD_BUDGET seconds (default 540).
 set -uo pipefail
-cd "$(dirname "$0")/.."
 program=hopper_forward
-OUT=${OUT:-$PWD/build/hopper_forward}
-budget=${HOPPER_FORWARD_BUDGET:-540}
 sm90_kernels="sm90_kernel"
-source bench/hopper_common.sh
+source "$(dirname "$0")/hopper_common.sh"
 exit "$rc"

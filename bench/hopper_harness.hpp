@@ -2,8 +2,9 @@
 // Host harness shared by the self-checking programs bench/hopper_forward.cu and bench/hopper_backward.cu (one
 // translation unit each, built by bench/hopper_forward.sh and hopper_backward.sh): RESULT lines and the summary,
 // CUDA error checks and the hang limit (exit 4 and 5, "FAULTED <name>" for the scripts' reruns), bf16/fp16 bits,
-// device buffers, the mbarrier watchdog, random data, and the varlen test cases with their tile lists. Include it
-// after the sm90 kernel header the program tests.
+// device buffers, the mbarrier watchdog, random data, the unit tests' product check, the varlen test cases with their
+// tile lists and kernel parameters, and the stages both programs run (options, device check, reference and test
+// lines, the timing cases, order and timed launches). Include it after the sm90 kernel header the program tests.
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -18,6 +19,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <optional>
 #include <random>
 #include <string>
 #include <thread>
@@ -202,6 +204,20 @@ struct DeviceBuffer {
   }
 };
 
+// Fills device buffers with 0xff bytes: NaN in bf16, fp16 and float32 alike (outputs poisoned before a run).
+template <class... Buffers>
+void fill_nan(Buffers&... buffers) {
+  (CK(cudaMemset(buffers.ptr, 0xff, buffers.count * sizeof(*buffers.ptr))), ...);
+}
+
+// What the kernels launched last wrote to `out`, once they have finished (a launch error or a hang is fatal).
+template <class T>
+std::vector<T> download_after_launch(const DeviceBuffer<T>& out) {
+  CK(cudaGetLastError());
+  sync_or_die();
+  return out.download();
+}
+
 // The name of the barrier a watchdog code stands for ("?" for an unknown code); each program defines it for the
 // codes its kernels use.
 const char* watchdog_wait_name(int code);
@@ -242,6 +258,25 @@ std::vector<uint16_t> random_bf16(size_t n, std::mt19937_64& rng, float scale = 
 template <class Kernel>
 void set_smem(Kernel k, int bytes) {
   CK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+}
+
+// The max abs error of a unit test's product d (64 x cols, row-major) against ref(m, n), the CPU product (a
+// non-finite element counts as 1e30); max_ref: the max |ref|; first_bad: the first element off by more than 1e-3
+// (m * cols + n; -1: none).
+template <class Ref>
+double product_error(const std::vector<float>& d, int cols, Ref ref, double& max_ref, int& first_bad) {
+  double worst = 0;
+  max_ref = 0;
+  first_bad = -1;
+  for (int m = 0; m < 64; ++m)
+    for (int n = 0; n < cols; ++n) {
+      const double r = ref(m, n);
+      const double err = std::isfinite(d[m * cols + n]) ? std::fabs(d[m * cols + n] - r) : 1e30;
+      if (err > 1e-3 && first_bad < 0) first_bad = m * cols + n;
+      worst = std::max(worst, err);
+      max_ref = std::max(max_ref, std::fabs(r));
+    }
+  return worst;
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -377,6 +412,43 @@ std::vector<RowTile> q_tiles(const Case& c, int rows) {
   return tiles;
 }
 
+// A case's tile list of 64-row and of 128-row tiles on the device (the kernels' two tile heights).
+struct TileLists {
+  DeviceBuffer<RowTile> tiles64, tiles128;
+  int count64 = 0, count128 = 0;
+  TileLists(const std::vector<RowTile>& t64, const std::vector<RowTile>& t128)
+      : tiles64(t64.size()), tiles128(t128.size()), count64(static_cast<int>(t64.size())),
+        count128(static_cast<int>(t128.size())) {
+    tiles64.upload(t64);
+    tiles128.upload(t128);
+  }
+  const RowTile* tiles(int rows) const { return rows == 64 ? tiles64.ptr : tiles128.ptr; }
+  int count(int rows) const { return rows == 64 ? count64 : count128; }
+};
+
+// The kernel parameters of case `c` with its sequences, Q, K, V, O and LSE at these device pointers: the tensors, rows,
+// heads, window and softmax scale (the backward's tensors and the tile lists are the program's).
+AttentionParams case_params(const Case& c, const SequenceDesc* sequences, const void* q, const void* k, const void* v,
+                            void* o, float* lse) {
+  AttentionParams p{};
+  p.q = q;
+  p.k = k;
+  p.v = v;
+  p.o = o;
+  p.lse = lse;
+  p.q_rows = c.q_rows;
+  p.kv_rows = c.kv_rows;
+  p.heads_q = c.heads_q;
+  p.heads_kv = c.heads_kv;
+  p.group = c.heads_q / c.heads_kv;
+  p.window_left = c.wl;
+  p.window_right = c.wr;
+  p.softmax_scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(c.d)));
+  p.scale_log2 = p.softmax_scale * 1.4426950408889634f;
+  p.sequences = sequences;
+  return p;
+}
+
 bool visible(const Case& c, int64_t delta, int64_t qp, int64_t kp) {
   return (c.wl < 0 || kp >= qp + delta - c.wl) && (c.wr < 0 || kp <= qp + delta + c.wr);
 }
@@ -391,6 +463,181 @@ void parallel_for(int64_t n, F f) {
       for (int64_t i; (i = next.fetch_add(1)) < n;) f(i);
     });
   for (auto& t : pool) t.join();
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// The stages both programs run.
+
+// The reference data of case `c` (make(c), the float64 CPU reference), made while g_current names the reference, and
+// the case's line with the time it took.
+template <class Make>
+auto make_reference(const Case& c, Make make) {
+  g_current = "reference";
+  const auto t0 = std::chrono::steady_clock::now();
+  auto host = make(c);
+  std::printf("case %s: %lld q rows, %lld kv rows, %d/%d heads, d %d, %s, window (%d, %d); reference %.1f s\n",
+              c.name.c_str(), static_cast<long long>(c.q_rows), static_cast<long long>(c.kv_rows), c.heads_q,
+              c.heads_kv, c.d, c.fp16 ? "fp16" : "bf16", c.wl, c.wr,
+              std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  std::fflush(stdout);
+  return host;
+}
+
+// The test of variant `v` on case `c`, "<variant> / <case>", named as what runs now and announced; "" where the
+// variant does not run on the case (another head dim or element type) or is excluded.
+template <class Variant>
+std::string begin_test(const Variant& v, const Case& c) {
+  if (v.d != c.d || v.fp16 != c.fp16 || excluded(v.name)) return "";
+  g_current = v.name;
+  const std::string test = v.name + " / " + c.name;
+  std::printf("running %s\n", test.c_str());
+  std::fflush(stdout);
+  return test;
+}
+
+// The timing case of `total` tokens: sequences of the lengths of bench/gpu/varlen_batches.md's cycle, one after the
+// other without padding, `heads` heads of dim d, causal or full; pairs: its visible (query, key) pairs per head.
+Case timing_case(std::string name, int heads, int d, int64_t total, bool causal, double& pairs) {
+  static const int cycle[] = {512, 1536, 2560, 3584, 1024, 3072, 2048, 4096};
+  Case c;
+  c.name = std::move(name);
+  c.heads_q = c.heads_kv = heads;
+  c.d = d;
+  if (causal) c.wr = 0;
+  pairs = 0;
+  for (int i = 0; c.q_rows < total; ++i) {
+    const int len = static_cast<int>(std::min<int64_t>(cycle[i % 8], total - c.q_rows));
+    c.seqs.push_back(one_segment(c.q_rows, len, c.q_rows, len));
+    c.q_rows += len;
+    pairs += causal ? 0.5 * len * (len + 1.0) : 1.0 * len * len;
+  }
+  c.kv_rows = c.q_rows;
+  return c;
+}
+
+// The bf16 variants of head dim d in the order they are timed: the mma.sync ones (the baseline) first.
+template <class Variant>
+std::vector<const Variant*> timing_order(const std::vector<Variant>& variants, int d) {
+  std::vector<const Variant*> order;
+  for (const Variant& v : variants)
+    if (v.mma_sync && v.d == d && !v.fp16) order.push_back(&v);
+  for (const Variant& v : variants)
+    if (!v.mma_sync && v.d == d && !v.fp16) order.push_back(&v);
+  return order;
+}
+
+// Whether variant `v` is timed on case `c` (not excluded); if so it is named as what runs now and announced.
+template <class Variant>
+bool begin_timing(const Variant& v, const Case& c) {
+  if (excluded(v.name)) return false;
+  g_current = v.name;
+  std::printf("running %s on %s\n", v.name.c_str(), c.name.c_str());
+  std::fflush(stdout);
+  return true;
+}
+
+// Device times of `reps` launches (launch() returns "" or an error, which is fatal), after `warmups` untimed ones:
+// CUDA events around each, in ms, sorted.
+template <class Launch>
+std::vector<float> time_launches(int warmups, int reps, Launch launch) {
+  for (int w = 0; w < warmups; ++w)
+    if (std::string e = launch(); !e.empty()) fatal(e, 4);
+  sync_or_die();
+  std::vector<cudaEvent_t> ev(2 * reps);
+  for (auto& e : ev) CK(cudaEventCreate(&e));
+  for (int r = 0; r < reps; ++r) {
+    CK(cudaEventRecord(ev[2 * r], 0));
+    if (std::string e = launch(); !e.empty()) fatal(e, 4);
+    CK(cudaEventRecord(ev[2 * r + 1], 0));
+  }
+  sync_or_die();
+  std::vector<float> ms(reps);
+  for (int r = 0; r < reps; ++r) CK(cudaEventElapsedTime(&ms[r], ev[2 * r], ev[2 * r + 1]));
+  for (auto& e : ev) CK(cudaEventDestroy(e));
+  std::sort(ms.begin(), ms.end());
+  return ms;
+}
+
+// A row of the timing table: kept for the summary and printed as a TIMING line now.
+void add_timing_row(const char* line) {
+  g_timing_rows.push_back(line);
+  std::printf("TIMING|%s\n", line);
+  std::fflush(stdout);
+}
+
+// The options both programs take: --reps N, --skip-timing, --seed S, --exclude a,b.
+struct Options {
+  int reps;      // default, then as given
+  int min_reps;  // fewer is an error
+  uint64_t seed;
+  bool timing = true;
+};
+
+// Reads the options into `o`; `other(argument)` is asked first about each argument and may end the program there
+// with an exit status (--host-check). An exit status to end with (2 for a bad option), or none to go on.
+template <class Other>
+std::optional<int> read_options(int argc, char** argv, const char* program, Options& o, Other other) {
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (const std::optional<int> code = other(a)) return code;
+    if (a == "--reps" && i + 1 < argc) {
+      o.reps = std::atoi(argv[++i]);
+    } else if (a == "--skip-timing") {
+      o.timing = false;
+    } else if (a == "--seed" && i + 1 < argc) {
+      o.seed = std::strtoull(argv[++i], nullptr, 10);
+    } else if (a == "--exclude" && i + 1 < argc) {
+      add_excludes(argv[++i]);
+    } else {
+      std::fprintf(stderr, "%s: unknown argument '%s' (options: --reps N, --skip-timing, --seed S, "
+                           "--exclude a,b)\n", program, a.c_str());
+      return 2;
+    }
+  }
+  if (o.reps < o.min_reps) {
+    std::fprintf(stderr, "%s: --reps %d: at least %d\n", program, o.reps, o.min_reps);
+    return 2;
+  }
+  return std::nullopt;
+}
+
+// Prints the device, its driver and runtime (with_l2: its L2 size too); false, after a line saying so, unless it is
+// of compute capability 9.0 (the programs' sm_90a code).
+bool device_is_sm90(bool with_l2) {
+  int dev = 0;
+  CK(cudaGetDevice(&dev));
+  cudaDeviceProp prop{};
+  CK(cudaGetDeviceProperties(&prop, dev));
+  int driver = 0, runtime = 0;
+  CK(cudaDriverGetVersion(&driver));
+  CK(cudaRuntimeGetVersion(&runtime));
+  const std::string l2 = with_l2 ? ", L2 " + std::to_string(prop.l2CacheSize >> 20) + " MB" : "";
+  std::printf("device %s (sm_%d%d, %d SMs, %.0f KB shared memory per block opt-in%s), driver %d, runtime %d\n",
+              prop.name, prop.major, prop.minor, prop.multiProcessorCount, prop.sharedMemPerBlockOptin / 1024.0,
+              l2.c_str(), driver, runtime);
+  if (prop.major != 9 || prop.minor != 0) {
+    std::printf("this program needs a compute capability 9.0 GPU (sm_90a code)\n");
+    return false;
+  }
+  return true;
+}
+
+// Each program defines its unit tests.
+void run_unit_tests(std::mt19937_64& rng);
+
+// The stages after the options: the unit tests, the variants' tests, the timing (unless skipped) and the summary;
+// exit status 1 when a check failed.
+template <class Variant>
+int run_stages(const Options& o, std::vector<Variant> (*all)(), void (*tests)(const std::vector<Variant>&),
+               void (*timing)(const std::vector<Variant>&, int)) {
+  print_excluded();
+  std::mt19937_64 rng(o.seed);
+  run_unit_tests(rng);
+  const std::vector<Variant> variants = all();
+  tests(variants);
+  if (o.timing) timing(variants, o.reps);
+  print_summary();
+  return any_failed() ? 1 : 0;
 }
 
 }  // namespace hf

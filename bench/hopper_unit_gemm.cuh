@@ -101,26 +101,16 @@ double run_gemm(const std::vector<uint16_t>& a, const std::vector<uint16_t>& b, 
   set_smem(kernel, smem);
   kernel<<<1, 128, smem>>>(reinterpret_cast<const bf16*>(da.ptr), a_row0, reinterpret_cast<const bf16*>(db.ptr),
                            dd.ptr, pr.lbo_a, pr.sbo_a, pr.lbo_b, pr.sbo_b);
-  CK(cudaGetLastError());
-  sync_or_die();
-  const std::vector<float> d = dd.download();
-  double worst = 0;
-  max_ref = 0;
-  first_bad = -1;
-  for (int m = 0; m < 64; ++m)
-    for (int n = 0; n < N; ++n) {
-      double ref = 0;
-      for (int k = 0; k < 16 * KSTEPS; ++k) {
-        const double av = bf16_to_float(a[(a_row0 + m) * KTILE + k]);
-        const double bv = bf16_to_float(TRANS_B ? b[k * N + n] : b[n * KTILE + k]);
-        ref += av * bv;
-      }
-      const double err = std::isfinite(d[m * N + n]) ? std::fabs(d[m * N + n] - ref) : 1e30;
-      if (err > 1e-3 && first_bad < 0) first_bad = m * N + n;
-      worst = std::max(worst, err);
-      max_ref = std::max(max_ref, std::fabs(ref));
+  const std::vector<float> d = download_after_launch(dd);
+  return product_error(d, N, [&](int m, int n) {
+    double ref = 0;
+    for (int k = 0; k < 16 * KSTEPS; ++k) {
+      const double av = bf16_to_float(a[(a_row0 + m) * KTILE + k]);
+      const double bv = bf16_to_float(TRANS_B ? b[k * N + n] : b[n * KTILE + k]);
+      ref += av * bv;
     }
-  return worst;
+    return ref;
+  }, max_ref, first_bad);
 }
 
 template <int N, int KTILE, int KSTEPS, int A_ROWS, int TRANS_B, bool A_REGS>

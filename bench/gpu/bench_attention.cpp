@@ -18,6 +18,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <optional>
 #include <random>
 #include <string>
 #include <utility>
@@ -78,6 +79,19 @@ float median_ms(F&& f, int reps) {
   return times[times.size() / 2];
 }
 
+// --forward/--backward KERNEL: "both" (mma.sync, then wgmma: the before and after of one run) or the kernel `parse`
+// names; false for any other text.
+template <class Kernel, class Parse>
+bool choose_kernels(const std::string& text, Parse parse, std::vector<Kernel>& kernels) {
+  if (text == "both") {
+    kernels = {Kernel::mma_sync, Kernel::wgmma};
+    return true;
+  }
+  const std::optional<Kernel> kernel = parse(text);
+  if (kernel) kernels = {*kernel};
+  return kernel.has_value();
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -90,38 +104,25 @@ int main(int argc, char** argv) {
   std::vector<gpu::ForwardKernel> forwards = {gpu::ForwardKernel::automatic};
   std::vector<gpu::BackwardKernel> backwards = {gpu::BackwardKernel::automatic};
   for (int i = 1; i + 1 < argc; ++i) {
-    if (std::string(argv[i]) == "--backward") {
-      const std::string b = argv[i + 1];
-      if (b == "both") {
-        backwards = {gpu::BackwardKernel::mma_sync, gpu::BackwardKernel::wgmma};
-      } else if (const auto k = gpu::parse_backward_kernel(b)) {
-        backwards = {*k};
-      } else {
-        std::fprintf(stderr, "--backward: expected auto, mma, wgmma or both, got \"%s\"\n", b.c_str());
+    const std::string option = argv[i];
+    if (option == "--backward" || option == "--forward") {
+      const bool known = option == "--backward" ? choose_kernels(argv[i + 1], gpu::parse_backward_kernel, backwards)
+                                                : choose_kernels(argv[i + 1], gpu::parse_forward_kernel, forwards);
+      if (!known) {
+        std::fprintf(stderr, "%s: expected auto, mma, wgmma or both, got \"%s\"\n", option.c_str(), argv[i + 1]);
         return 2;
       }
     }
-    if (std::string(argv[i]) == "--forward") {
-      const std::string f = argv[i + 1];
-      if (f == "both") {
-        forwards = {gpu::ForwardKernel::mma_sync, gpu::ForwardKernel::wgmma};
-      } else if (const auto k = gpu::parse_forward_kernel(f)) {
-        forwards = {*k};
-      } else {
-        std::fprintf(stderr, "--forward: expected auto, mma, wgmma or both, got \"%s\"\n", f.c_str());
-        return 2;
-      }
-    }
-    if (std::string(argv[i]) == "--reps") reps = std::atoi(argv[i + 1]);
-    if (std::string(argv[i]) == "--pad-rows") pad_rows = std::atoi(argv[i + 1]);
-    if (std::string(argv[i]) == "--divide") {
+    if (option == "--reps") reps = std::atoi(argv[i + 1]);
+    if (option == "--pad-rows") pad_rows = std::atoi(argv[i + 1]);
+    if (option == "--divide") {
       divide = std::atoi(argv[i + 1]);
       if (divide < 1 || 512 % divide != 0) {
         std::fprintf(stderr, "--divide: expected a divisor of 512 (1, 2, 4, ..., 512), got \"%s\"\n", argv[i + 1]);
         return 2;
       }
     }
-    if (std::string(argv[i]) == "--totals") {  // token counts (slot rows), comma separated
+    if (option == "--totals") {  // token counts (slot rows), comma separated
       totals.clear();
       for (const char* at = argv[i + 1]; *at;) {
         totals.push_back(std::atoll(at));
@@ -129,7 +130,7 @@ int main(int argc, char** argv) {
         if (*at == ',') ++at;
       }
     }
-    if (std::string(argv[i]) == "--dims") {
+    if (option == "--dims") {
       dims.clear();
       const std::string list = argv[i + 1];
       for (size_t at = 0; at < list.size();) {
@@ -188,16 +189,7 @@ int main(int argc, char** argv) {
         check(cudaMalloc(&dv_grad, elems_v * 2), "cudaMalloc");
         check(cudaMalloc(reinterpret_cast<void**>(&lse), static_cast<size_t>(total) * heads * 4), "cudaMalloc");
         gpu::ForwardBuffers fb{q, k, v, o, lse};
-        gpu::BackwardBuffers bb;
-        bb.q = q;
-        bb.k = k;
-        bb.v = v;
-        bb.o = o;
-        bb.dout = dout;
-        bb.lse = lse;
-        bb.dq = dq;
-        bb.dk = dk;
-        bb.dv = dv_grad;
+        const gpu::BackwardBuffers bb{q, k, v, o, dout, lse, dq, dk, dv_grad, {}, {}, {}};
         // O and LSE of the inputs, so that the backward runs on a real forward's outputs.
         check(gpu::attention_forward(plan, fb), "forward");
         std::vector<float> bwd_ms, bwd_det_ms;  // per backward kernel

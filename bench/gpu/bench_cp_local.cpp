@@ -98,25 +98,6 @@ double copy_rate_gbs() {
   return 2.0 * bytes / (ms[ms.size() / 2] * 1e-3) / 1e9;
 }
 
-// How the CP path schedules its backward accumulation (--aside, --sum).
-struct Schedule {
-  bool aside = false;  // CpGpuOptions::accumulate_aside
-  bool sum = true;     // CpGpuOptions::sum_in_backward (on, as in verify --backend local)
-  gpu::BackwardMode mode = gpu::BackwardMode::atomic;  // both paths (--mode)
-  bool in_place = true;  // CpGpuOptions::read_halves_in_place (--in-place)
-  bool last_dtype = true;  // CpGpuOptions::last_sum_in_dtype (--last-dtype)
-};
-
-gpu::CpGpuOptions cp_options(const Schedule& schedule) {
-  gpu::CpGpuOptions options;
-  options.accumulate_aside = schedule.aside;
-  options.sum_in_backward = schedule.sum;
-  options.mode = schedule.mode;
-  options.read_halves_in_place = schedule.in_place;
-  options.last_sum_in_dtype = schedule.last_dtype;
-  return options;
-}
-
 // One warm-up run of a local CP executor of `options` (attention plans, row index uploads, pool), then `reset()` (the
 // warm-up's records go), then the run that counts.
 template <class Reset>
@@ -129,8 +110,7 @@ void warm_then_run(const sim::Plan& plan, const sim::CaseInputs& in, const gpu::
 
 // One forward + backward run with every backend operation alone on the device: device time per phase.
 void print_phases(const sim::CaseSpec& spec, const sim::Plan& plan, const sim::CaseInputs& in, double copy_gbs,
-                  const Schedule& schedule) {
-  gpu::CpGpuOptions options = cp_options(schedule);
+                  gpu::CpGpuOptions options) {
   options.phases = std::make_shared<gpu::PhaseTimes>();
   warm_then_run(plan, in, options, [&] { options.phases->phases.clear(); });
   std::printf("\nphases of one run (all ranks summed; each operation alone on the device; copy rate %.0f GB/s)\n",
@@ -170,9 +150,8 @@ void print_phases(const sim::CaseSpec& spec, const sim::Plan& plan, const sim::C
 
 // One forward + backward run with the timeline: the Chrome trace to `path` (through a temporary file, so a failed
 // write leaves an existing file as it was) and the device-wide busy times of each stream kind.
-void print_timeline(const sim::Plan& plan, const sim::CaseInputs& in, const Schedule& schedule,
+void print_timeline(const sim::Plan& plan, const sim::CaseInputs& in, gpu::CpGpuOptions options,
                     const std::string& path) {
-  gpu::CpGpuOptions options = cp_options(schedule);
   options.timeline = std::make_shared<gpu::Timeline>();
   warm_then_run(plan, in, options, [&] { options.timeline->spans.clear(); });
   const std::string tmp = path + ".tmp";
@@ -209,7 +188,10 @@ int main(int argc, char** argv) {
   int64_t tokens = 32768;
   std::string comm = "p2p";
   bool phases = false;
-  Schedule schedule;
+  // How the CP path schedules its backward accumulation (--aside, --sum, --mode, --in-place, --last-dtype): the
+  // summing backward on, as in verify --backend local. --mode is the non-CP path's too.
+  gpu::CpGpuOptions schedule;
+  schedule.sum_in_backward = true;
   std::string once;  // "cp" or "noncp": one untimed forward + backward of that path, then exit (for a profiler)
   std::string timeline_file;
   for (int i = 1; i + 1 < argc; i += 2) {
@@ -222,14 +204,14 @@ int main(int argc, char** argv) {
     else if (a == "--reps") reps = std::stoi(v);
     else if (a == "--phases") phases = v == "1";
     else if (a == "--once" && (v == "cp" || v == "noncp")) once = v;
-    else if (a == "--aside" && (v == "0" || v == "1")) schedule.aside = v == "1";
-    else if (a == "--sum" && (v == "0" || v == "1")) schedule.sum = v == "1";
+    else if (a == "--aside" && (v == "0" || v == "1")) schedule.accumulate_aside = v == "1";
+    else if (a == "--sum" && (v == "0" || v == "1")) schedule.sum_in_backward = v == "1";
     else if (a == "--timeline" && !v.empty()) timeline_file = v;
     else if (a == "--mode" && (v == "atomic" || v == "deterministic"))
       schedule.mode = v == "atomic" ? gpu::BackwardMode::atomic : gpu::BackwardMode::deterministic;
     else if (a == "--scale" && std::atoi(v.c_str()) >= 1) scale = std::atoi(v.c_str());
-    else if (a == "--in-place" && (v == "0" || v == "1")) schedule.in_place = v == "1";
-    else if (a == "--last-dtype" && (v == "0" || v == "1")) schedule.last_dtype = v == "1";
+    else if (a == "--in-place" && (v == "0" || v == "1")) schedule.read_halves_in_place = v == "1";
+    else if (a == "--last-dtype" && (v == "0" || v == "1")) schedule.last_sum_in_dtype = v == "1";
     else {
       std::fprintf(stderr, "usage: bench_cp_local [--cp-size W] [--heads h] [--dim d] [--tokens t] [--comm c] [--reps n] [--phases 0|1] [--once cp|noncp] [--aside 0|1] [--sum 0|1] [--timeline FILE] [--mode atomic|deterministic] [--scale n] [--in-place 0|1] [--last-dtype 0|1]\n");
       return 2;
@@ -265,7 +247,7 @@ int main(int argc, char** argv) {
     return 0;
   }
   if (once == "cp") {
-    gpu::LocalCpExecutor executor(plan, in, DType::bf16, cp_options(schedule));
+    gpu::LocalCpExecutor executor(plan, in, DType::bf16, schedule);
     executor.run(false);
     std::printf("one local CP %s W=%d forward + backward done\n", comm.c_str(), W);
     return 0;
@@ -277,7 +259,7 @@ int main(int argc, char** argv) {
       },
       reps);
 
-  gpu::LocalCpExecutor executor(plan, in, DType::bf16, cp_options(schedule));
+  gpu::LocalCpExecutor executor(plan, in, DType::bf16, schedule);
   const double cp = median_ms([&] { executor.run(false); }, reps);
   gpu::CpGpuOptions fwd_only;
   fwd_only.backward = false;
@@ -291,12 +273,13 @@ int main(int argc, char** argv) {
               "backward; median of %d; halves %s; last sums %s; accumulation %s\n",
               prop.name, static_cast<long long>(tokens), s.seqlens_q.size(), 512 * scale, 4096 * scale, heads, dim,
               comm.c_str(), W, schedule.mode == gpu::BackwardMode::atomic ? "atomic" : "deterministic", reps,
-              schedule.in_place ? "read in place" : "gathered (--in-place 0)",
-              schedule.last_dtype ? "in the dtype" : "float32, then converted (--last-dtype 0)",
-              schedule.sum     ? (schedule.aside ? "in the attention kernels (--sum 1), the rest on its own stream (--aside 1)"
+              schedule.read_halves_in_place ? "read in place" : "gathered (--in-place 0)",
+              schedule.last_sum_in_dtype ? "in the dtype" : "float32, then converted (--last-dtype 0)",
+              schedule.sum_in_backward    ? (schedule.accumulate_aside
+                                                 ? "in the attention kernels (--sum 1), the rest on its own stream (--aside 1)"
                                                  : "in the attention kernels (--sum 1)")
-              : schedule.aside ? "on its own stream (--aside 1)"
-                               : "in order on the compute stream");
+              : schedule.accumulate_aside ? "on its own stream (--aside 1)"
+                                          : "in order on the compute stream");
   std::printf("forward kernel: %s\n",
               gpu::forward_kernel_description({DType::bf16, heads, heads, dim, dim}).c_str());
   std::printf("| path | forward ms | forward + backward ms | ratio (fwd+bwd) |\n|---|---|---|---|\n");
