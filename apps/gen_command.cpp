@@ -170,36 +170,12 @@ struct GenArgs {
   std::string engine = "cpu";  // --engine cpu|gpu|auto: what computes the oracle and the peers
 };
 
-// The engine `--engine` names (reference/attention_engine.hpp): cpu (the reference, the default), gpu (a CUDA device;
-// InputError, exit 2, when this build has no GPU engine or no device can be used: never a silent fallback), or auto
-// (gpu where a device can be used, else cpu, saying which and why). `holder` keeps a made engine alive.
+// The engine `--engine` names (choose_engine, reference/attention_engine.hpp), said on stderr where not the default.
 const AttentionEngine* choose_engine(const std::string& name, std::unique_ptr<AttentionEngine>& holder) {
-  if (name == "cpu") return &cpu_engine();
-  if (name != "gpu" && name != "auto")
-    fail_input("--engine", "value \"", sim::excerpt(name, 40), "\" is not cpu, gpu or auto");
-  const EngineFactory factory = find_engine("gpu");
-  std::string why;
-  if (!factory) {
-    why = "this cpgold is built without the GPU engine (a build with CUDA and cuBLAS found has it: cpgold on a machine "
-          "with a GPU at configure time, or cpgold-gpu)";
-    if (name == "gpu") fail_input("--engine", "gpu: ", why, "; --engine cpu computes the same fixture on the CPU");
-  } else {
-    try {
-      holder = factory();
-    } catch (const InputError& e) {
-      if (name == "gpu") throw;
-      why = e.what();
-      const std::string prefix = e.field() + ": ";
-      if (why.starts_with(prefix)) why = why.substr(prefix.size());
-    }
-  }
-  if (holder) {
-    std::fprintf(stderr, "engine: gpu%s (%s)\n", name == "auto" ? " (--engine auto: a CUDA device is there)" : "",
-                 holder->versions().c_str());
-    return holder.get();
-  }
-  std::fprintf(stderr, "engine: cpu (--engine auto: %s)\n", why.c_str());
-  return &cpu_engine();
+  std::string chosen;
+  const AttentionEngine* engine = choose_engine(name, "--engine", holder, chosen);
+  if (name != "cpu") std::fprintf(stderr, "engine: %s\n", chosen.c_str());
+  return engine;
 }
 
 // "I/N" with 1 <= I <= N: the shard's index and count (the case's heads bound N later, fx::shard_heads).

@@ -1,7 +1,8 @@
 // `cpgold verify FIXTURE... [--dump FILE] [--deterministic]`: runs the GPU non-CP path (gpu/kernels/attention/attention.hpp) on
 // each fixture's inputs and checks O, LSE, dQ, dK, dV with the engine of `cpgold check`, printing the same table.
 // A fixture outside the GPU capability table is reported UNSUPPORTED with the reason, never passed.
-// Exit codes: 0 every fixture passed; 1 a fixture failed or was unsupported; 2 unusable input or no GPU.
+// Exit codes: 0 every fixture passed; 1 a fixture failed or was unsupported; 2 unusable input or no GPU; 5 none failed
+// and a fixture of another engine than the CPU reference could not decide (fx::CheckReport::undecided).
 // `--dump FILE` (one fixture) writes the GPU outputs as a candidate file that `cpgold check` accepts.
 // `--backend local`: runs each fixture's CP comm type with W virtual ranks on one GPU (gpu/cp/cp_executor.hpp) and
 // checks every rank's outputs, the gathered outputs and, for traced fixtures, every step's partials.
@@ -52,6 +53,7 @@ struct VerifyArgs {
   std::string inject;   // "rank,step"
   std::string inject_failure;  // --backend nccl: "RANK:KIND"
   int inject_mismatch = -1;    // --backend nccl
+  RankLaunchOptions launch;    // --backend nccl
 };
 
 #if CPGOLD_HAVE_CUDA
@@ -97,7 +99,7 @@ gpu::FixtureVerdict verify_one(const std::string& path, const VerifyArgs& args, 
 }
 
 #if CPGOLD_HAVE_NCCL
-int run_verify_nccl(const VerifyArgs& args, const RankLaunchOptions& launch_options) {
+int run_verify_nccl(const VerifyArgs& args) {
   if (args.format != "text") fail_input("--format", "--backend nccl prints text (rank 0's combined table)");
   if (!args.dump.empty()) fail_input("--dump", "not with --backend nccl: every rank checks its own outputs");
   if (!args.inject.empty()) fail_input("--inject", "needs --backend local");
@@ -105,16 +107,7 @@ int run_verify_nccl(const VerifyArgs& args, const RankLaunchOptions& launch_opti
   options.mode = args.deterministic ? gpu::BackwardMode::deterministic : gpu::BackwardMode::atomic;
   options.inject_failure = gpu::parse_exchange_fault(args.inject_failure);
   options.inject_mismatch = args.inject_mismatch;
-  const RankLaunchOptions& o = launch_options;
-  gpu::RankLaunch launch;
-  launch.launch = o.launch;
-  launch.ranks = o.ranks;
-  launch.rendezvous = o.rendezvous;
-  launch.rank = o.rank;
-  launch.world_size = o.world_size;
-  launch.device = o.device;
-  launch.timeout = gpu::Seconds(o.timeout_s);
-  return gpu::verify_fixtures_nccl(args.fixtures, options, launch,
+  return gpu::verify_fixtures_nccl(args.fixtures, options, rank_launch(args.launch),
                                    [](const sim::Plan& plan, const sim::CaseInputs& inputs, int rank,
                                       gpu::Communicator& comm, DType dtype, gpu::BackwardMode mode) {
                                      gpu::CpGpuOptions cp;
@@ -124,7 +117,7 @@ int run_verify_nccl(const VerifyArgs& args, const RankLaunchOptions& launch_opti
 }
 #endif
 
-int run_verify(const VerifyArgs& args, const RankLaunchOptions& launch) {
+int run_verify(const VerifyArgs& args) {
   if (args.format != "text" && args.format != "json") fail_input("--format", "expected text or json, got \"", args.format, "\"");
   if (!args.dump.empty() && args.fixtures.size() != 1)
     fail_input("--dump", "writes the outputs of one fixture; got ", args.fixtures.size(), " fixtures");
@@ -136,14 +129,14 @@ int run_verify(const VerifyArgs& args, const RankLaunchOptions& launch) {
   if ((!args.inject_failure.empty() || args.inject_mismatch >= 0) && args.backend != "nccl")
     fail_input("--inject-failure", "the fault self-tests need --backend nccl");
 #if CPGOLD_HAVE_NCCL
-  if (args.backend == "nccl") return run_verify_nccl(args, launch);
+  if (args.backend == "nccl") return run_verify_nccl(args);
 #else
   if (args.backend == "nccl") fail_input("--backend", "nccl: this cpgold was built without NCCL");
 #endif
   if (!args.inject.empty() && args.backend != "local") fail_input("--inject", "needs --backend local");
   parse_inject(args.inject);
   if (gpu::cuda_device_count() == 0) fail_input("verify", "no CUDA device (the GPU path needs one)");
-  int passed = 0, failed = 0, unsupported = 0;
+  gpu::VerdictCounts counts;
   namespace fs = std::filesystem;
   // Candidates the check reads back go to a private folder of this process (mkdtemp: nothing of another user's is
   // followed or replaced); --dump goes through a hidden temporary file moved into place at the end.
@@ -163,45 +156,42 @@ int run_verify(const VerifyArgs& args, const RankLaunchOptions& launch) {
     const gpu::FixtureVerdict verdict = verify_one(path, args, dump);
     if (partial) partial->commit();
     else fs::remove(dump);
-    (verdict == gpu::FixtureVerdict::pass ? passed : verdict == gpu::FixtureVerdict::fail ? failed : unsupported) += 1;
+    counts.add(verdict);
   }
-  std::printf("verify: %d passed, %d failed, %d unsupported (of %zu fixtures; %s; backward mode %s)\n", passed,
-              failed, unsupported, args.fixtures.size(),
+  std::printf("verify: %s; %s; backward mode %s)\n", counts.summary(args.fixtures.size()).c_str(),
               args.backend == "local" ? "CP, W ranks on one GPU" : "non-CP GPU path",
               args.deterministic ? "deterministic" : "atomic");
-  return failed == 0 && unsupported == 0 ? kExitPass : kExitFail;
+  return counts.exit_code();
 }
 
 #else
 
-int run_verify(const VerifyArgs&, const RankLaunchOptions&) {
-  fail_input("verify", "this cpgold was built without the GPU layer (no nvcc, or no GPU found, at configure time; "
-                       "build/bin/cpgold-gpu has it where nvcc was found, or configure with -DCPGOLD_ENABLE_CUDA=ON)");
+int run_verify(const VerifyArgs&) {
+  fail_not_built("verify", "the GPU layer", "no nvcc, or no GPU found,", "nvcc was found");
 }
 
 #endif
 
-const RegisterCommand registered("verify", [](CLI::App& app) -> std::function<int()> {
-  auto* sub = app.add_subcommand("verify", "run the GPU non-CP path on fixtures and check it like `cpgold check`");
-  auto args = std::make_shared<VerifyArgs>();
-  sub->add_option("fixtures", args->fixtures, "FIXTURE... (golden HDF5 files)")->required();
-  sub->add_option("--dump", args->dump, "write the GPU outputs as a candidate file (one fixture)");
-  sub->add_flag("--force", args->force, "with --dump: replace an existing file (a regular file only)");
-  sub->add_option("--format", args->format, "text or json");
-  sub->add_flag("--deterministic", args->deterministic, "bitwise reproducible backward (dQ by a separate pass)");
-  sub->add_option("--backend", args->backend,
-                  "local: run the fixture's CP comm type with W ranks on one GPU and check ranks and steps; "
-                  "nccl: one GPU per rank through NCCL, every rank checks its own outputs");
-  sub->add_option("--inject", args->inject,
-                  "RANK,STEP (with --backend local): self-test of the checker, corrupts that forward partial");
-  sub->add_option("--inject-failure", args->inject_failure,
-                  "RANK:KIND (with --backend nccl; KIND exception, cuda, input): self-test, that rank fails before its first exchange");
-  sub->add_option("--inject-mismatch", args->inject_mismatch,
-                  "RANK (with --backend nccl): self-test, that rank describes another case");
-  auto launch = std::make_shared<RankLaunchOptions>();
-  add_rank_launch_options(sub, launch);
-  return [=] { return run_verify(*args, *launch); };
-});
+void add_verify_options(CLI::App& sub, VerifyArgs& args) {
+  sub.add_option("fixtures", args.fixtures, "FIXTURE... (golden HDF5 files)")->required();
+  sub.add_option("--dump", args.dump, "write the GPU outputs as a candidate file (one fixture)");
+  sub.add_flag("--force", args.force, "with --dump: replace an existing file (a regular file only)");
+  sub.add_option("--format", args.format, "text or json");
+  sub.add_flag("--deterministic", args.deterministic, "bitwise reproducible backward (dQ by a separate pass)");
+  sub.add_option("--backend", args.backend,
+                 "local: run the fixture's CP comm type with W ranks on one GPU and check ranks and steps; "
+                 "nccl: one GPU per rank through NCCL, every rank checks its own outputs");
+  sub.add_option("--inject", args.inject,
+                 "RANK,STEP (with --backend local): self-test of the checker, corrupts that forward partial");
+  sub.add_option("--inject-failure", args.inject_failure,
+                 "RANK:KIND (with --backend nccl; KIND exception, cuda, input): self-test, that rank fails before its first exchange");
+  sub.add_option("--inject-mismatch", args.inject_mismatch,
+                 "RANK (with --backend nccl): self-test, that rank describes another case");
+  add_rank_launch_options(sub, args.launch);
+}
+
+const RegisterCommand registered("verify", "run the GPU non-CP path on fixtures and check it like `cpgold check`",
+                                 add_verify_options, run_verify);
 
 }  // namespace
 }  // namespace cpgold::app

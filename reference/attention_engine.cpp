@@ -1,5 +1,7 @@
 #include "reference/attention_engine.hpp"
 
+#include "reference/input_error.hpp"
+
 #include <mutex>
 #include <utility>
 
@@ -73,6 +75,38 @@ std::vector<std::string> engine_names() {
   for (const auto& [n, f] : r.factories)
     if (n != "cpu") names.push_back(n);
   return names;
+}
+
+const AttentionEngine* choose_engine(const std::string& name, const std::string& field,
+                                     std::unique_ptr<AttentionEngine>& holder, std::string& chosen) {
+  if (name == "cpu") {
+    chosen = "cpu";
+    return &cpu_engine();
+  }
+  if (name != "gpu" && name != "auto")
+    fail_input(field, "value \"", name.size() > 40 ? name.substr(0, 40) + "..." : name, "\" is not cpu, gpu or auto");
+  const EngineFactory factory = find_engine("gpu");
+  std::string why;
+  if (!factory) {
+    why = "this cpgold is built without the GPU engine (a build with CUDA and cuBLAS found has it: cpgold on a machine "
+          "with a GPU at configure time, or cpgold-gpu)";
+    if (name == "gpu") fail_input(field, "gpu: ", why, "; the engine cpu computes the same fixture on the CPU");
+  } else {
+    try {
+      holder = factory();
+    } catch (const InputError& e) {
+      if (name == "gpu") throw;
+      why = e.what();
+      const std::string prefix = e.field() + ": ";
+      if (why.starts_with(prefix)) why = why.substr(prefix.size());
+    }
+  }
+  if (holder) {
+    chosen = "gpu" + std::string(name == "auto" ? " (auto: a CUDA device is there)" : "") + " (" + holder->versions() + ")";
+    return holder.get();
+  }
+  chosen = "cpu (auto: " + why + ")";
+  return &cpu_engine();
 }
 
 }  // namespace cpgold

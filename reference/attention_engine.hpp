@@ -53,4 +53,11 @@ EngineFactory find_engine(std::string_view name);
 // Names of the registered engines, "cpu" first.
 std::vector<std::string> engine_names();
 
+// The engine a command names (`gen --engine`, Python's generate(engine=)): "cpu" (the reference, the default), "gpu"
+// (InputError naming `field` when this program has no GPU engine or no device can be used: never a silent fallback),
+// or "auto" (gpu where a device can be used, else cpu). `holder` keeps a made engine alive; `chosen` says which engine
+// and why ("gpu (versions)", "cpu (auto: why)"), for the caller to show.
+const AttentionEngine* choose_engine(const std::string& name, const std::string& field,
+                                     std::unique_ptr<AttentionEngine>& holder, std::string& chosen);
+
 }  // namespace cpgold

@@ -128,7 +128,7 @@ FixtureVerification verify_fixture_local(const std::string& fixture_path, Backwa
   const sim::CpRun<float> run = run_cp_local(fixture.plan, inputs, fixture.spec.dtype, options);
   write_cp_candidate(candidate_path, fixture.plan, run);
   result.report = fx::check(reader, fixture, {candidate_path});  // the version the inputs came from
-  result.verdict = result.report->pass() ? FixtureVerdict::pass : FixtureVerdict::fail;
+  result.verdict = verdict_of(*result.report);
   return result;
 }
 
@@ -166,8 +166,29 @@ FixtureVerification verify_fixture(const std::string& fixture_path, BackwardMode
                              run.message);
   write_candidate(candidate_path, fwd, bwd);
   result.report = fx::check(reader, fixture, {candidate_path});  // the version the inputs came from
-  result.verdict = result.report->pass() ? FixtureVerdict::pass : FixtureVerdict::fail;
+  result.verdict = verdict_of(*result.report);
   return result;
 }
+
+FixtureVerdict verdict_of(const fx::CheckReport& report) {
+  return report.pass() ? FixtureVerdict::pass : report.undecided() ? FixtureVerdict::undecided : FixtureVerdict::fail;
+}
+
+void VerdictCounts::add(FixtureVerdict verdict) {
+  switch (verdict) {
+    case FixtureVerdict::pass: ++passed; break;
+    case FixtureVerdict::fail: ++failed; break;
+    case FixtureVerdict::undecided: ++undecided; break;
+    case FixtureVerdict::unsupported: ++unsupported; break;
+  }
+}
+
+std::string VerdictCounts::summary(size_t fixtures) const {
+  return std::to_string(passed) + " passed, " + std::to_string(failed) + " failed, " +
+         (undecided ? std::to_string(undecided) + " undecided (a fixture of another engine than the CPU reference), " : "") +
+         std::to_string(unsupported) + " unsupported (of " + std::to_string(fixtures) + " fixtures";
+}
+
+int VerdictCounts::exit_code() const { return failed > 0 || unsupported > 0 ? 1 : undecided > 0 ? 5 : 0; }
 
 }  // namespace cpgold::gpu

@@ -12,7 +12,18 @@
 
 namespace cpgold::gpu {
 
-enum class FixtureVerdict { pass, fail, unsupported };
+// undecided: a fixture of another engine than the CPU reference cannot decide (fx::CheckReport::undecided).
+enum class FixtureVerdict { pass, fail, undecided, unsupported };
+FixtureVerdict verdict_of(const fx::CheckReport& report);
+
+// Verdicts over the fixtures of one `cpgold verify`, and its exit status: 1 where one failed or was unsupported, else 5
+// where one was undecided, else 0.
+struct VerdictCounts {
+  int passed = 0, failed = 0, undecided = 0, unsupported = 0;
+  void add(FixtureVerdict verdict);
+  std::string summary(size_t fixtures) const;  // "2 passed, 0 failed, 1 undecided, 0 unsupported (of 3 fixtures"
+  int exit_code() const;
+};
 
 struct FixtureVerification {
   FixtureVerdict verdict = FixtureVerdict::unsupported;

@@ -107,7 +107,7 @@ FixtureVerdict verify_fixture_on_rank(RankContext& context, Communicator& comm, 
     std::printf("%s\n%s\n", combined_report(fixture_path, checks).c_str(), line.c_str());
     std::fflush(stdout);
   }
-  return pass ? FixtureVerdict::pass : FixtureVerdict::fail;
+  return pass ? FixtureVerdict::pass : combined_undecided(checks) ? FixtureVerdict::undecided : FixtureVerdict::fail;
 }
 
 int verify_fixtures_nccl(const std::vector<std::string>& fixtures, const NcclVerifyOptions& options,
@@ -116,20 +116,16 @@ int verify_fixtures_nccl(const std::vector<std::string>& fixtures, const NcclVer
     CommOptions comm_options;
     comm_options.timeout = std::chrono::duration_cast<std::chrono::milliseconds>(context.timeout);
     std::unique_ptr<NcclCommunicator> comm = NcclCommunicator::create(context.channel, context.device, comm_options);
-    int passed = 0, failed = 0, unsupported = 0;
-    for (const std::string& path : fixtures) {
-      const FixtureVerdict verdict = verify_fixture_on_rank(context, *comm, path, options, run);
-      (verdict == FixtureVerdict::pass ? passed : verdict == FixtureVerdict::fail ? failed : unsupported) += 1;
-    }
+    VerdictCounts counts;
+    for (const std::string& path : fixtures) counts.add(verify_fixture_on_rank(context, *comm, path, options, run));
     if (context.channel.rank() == 0) {
-      std::printf("verify: %d passed, %d failed, %d unsupported (of %zu fixtures; backend nccl, %d ranks (%s), NCCL %s; "
-                  "backward mode %s)\n",
-                  passed, failed, unsupported, fixtures.size(), context.channel.size(),
+      std::printf("verify: %s; backend nccl, %d ranks (%s), NCCL %s; backward mode %s)\n",
+                  counts.summary(fixtures.size()).c_str(), context.channel.size(),
                   context.channel.transport().c_str(), nccl_version().c_str(),
                   options.mode == BackwardMode::deterministic ? "deterministic" : "atomic");
       std::fflush(stdout);
     }
-    return failed == 0 && unsupported == 0 ? 0 : 1;
+    return counts.exit_code();
   });
 }
 

@@ -1,6 +1,7 @@
 // check_rank_outputs / combined_report: the check engine per rank, one table on rank 0.
 #include "gpu/verify/rank_check.hpp"
 
+#include <algorithm>
 #include <sstream>
 
 #include "check/engine.hpp"
@@ -54,6 +55,9 @@ RankCheck check_rank_outputs(const std::string& fixture_path, int rank, const si
   check.compared = report.compared();
   check.no_valid_element = report.no_valid_element();
   check.pass = report.every_result_ok();
+  // every result ok or undecided, none missing (the compared-nothing rule is the combined verdict's)
+  check.undecided = !check.pass && report.results.end() == std::find_if(report.results.begin(), report.results.end(),
+      [](const fx::TensorResult& r) { return !r.ok() && (r.missing || !r.evaluation.undecided()); });
   check.rows = lines_between(text, "tensor ", "(max/lim", true);  // the table's header line, then the rows
   if (!check.pass) {
     // After the margins: the failing tensors' details, up to the reproduce line.
@@ -65,7 +69,7 @@ RankCheck check_rank_outputs(const std::string& fixture_path, int rank, const si
 
 std::string serialise(const RankCheck& check) {
   std::ostringstream out;
-  out << check.rank << "\n" << (check.pass ? 1 : 0) << "\n" << check.compared << "\n" << (check.no_valid_element ? 1 : 0)
+  out << check.rank << "\n" << (check.pass ? 1 : check.undecided ? 2 : 0) << "\n" << check.compared << "\n" << (check.no_valid_element ? 1 : 0)
       << "\n" << check.rows.size() << "\n"
       << check.rows << check.details;
   return out.str();
@@ -79,7 +83,8 @@ RankCheck deserialise_rank_check(const std::string& bytes) {
   in >> check.rank >> pass >> check.compared >> empty >> rows;
   check.no_valid_element = empty != 0;
   in.get();
-  check.pass = pass != 0;
+  check.pass = pass == 1;
+  check.undecided = pass == 2;
   const std::string rest((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   check.rows = rest.substr(0, rows);
   check.details = rows < rest.size() ? rest.substr(rows) : std::string();
@@ -93,6 +98,15 @@ bool combined_pass(const std::vector<RankCheck>& ranks) {
     compared += r.compared;
   }
   return !ranks.empty() && (compared > 0 || ranks.front().no_valid_element);
+}
+
+bool combined_undecided(const std::vector<RankCheck>& ranks) {
+  bool any = false;
+  for (const RankCheck& r : ranks) {
+    if (!r.pass && !r.undecided) return false;
+    any |= r.undecided;
+  }
+  return any;
 }
 
 std::string combined_report(const std::string& fixture_path, const std::vector<RankCheck>& ranks) {
@@ -120,7 +134,8 @@ std::string combined_report(const std::string& fixture_path, const std::vector<R
     out << "\nno valid element: the fixture's batch holds no token; only the exact rules were checked\n";
   else if (!ranks.empty() && compared == 0)
     out << "\nno element was compared on any rank (every row is padding): a check that compares nothing fails\n";
-  out << "\nverdict: " << (combined_pass(ranks) ? "PASS" : "FAIL") << "\n";
+  out << "\nverdict: " << (combined_pass(ranks) ? "PASS" : combined_undecided(ranks) ? "UNDECIDED (a fixture of another "
+      "engine than the CPU reference: the CPU reference's fixture decides)" : "FAIL") << "\n";
   return out.str();
 }
 

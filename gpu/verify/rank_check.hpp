@@ -13,6 +13,8 @@ namespace cpgold::gpu {
 struct RankCheck {
   int rank = -1;
   bool pass = false;       // every tensor of this rank within its budget (exact classes included)
+  // Not pass, and nothing failed for certain: a fixture of another engine cannot decide (fx::CheckReport::undecided).
+  bool undecided = false;
   int64_t compared = 0;    // elements compared under the budget rule; 0 for a rank that holds only padding
   bool no_valid_element = false;  // the fixture's batch holds no token at all (an empty batch, seqlens_q [0])
   std::string rows;     // the check table's rows of this rank's tensors (o@r1, lse@r1, ...)
@@ -33,6 +35,8 @@ RankCheck deserialise_rank_check(const std::string& bytes);
 // is a pass for the rank, while a run in which no rank compared anything proves nothing and fails, unless the fixture
 // has no valid element at all (an empty batch passes on its exact rules, as in `cpgold check`).
 bool combined_pass(const std::vector<RankCheck>& ranks);
+// No rank failed for certain and some rank is undecided (a fixture of another engine than the CPU reference).
+bool combined_undecided(const std::vector<RankCheck>& ranks);
 
 // Rank 0's report: the header of `cpgold check`'s table once, every rank's rows in rank order, the failures'
 // details, and "verdict: PASS|FAIL" (combined_pass).

@@ -102,7 +102,7 @@ def _input_array(name, value):
 
 
 def generate(case=None, path=None, trace=False, force=False, yes=False, inputs=None, allow_nonfinite=False, shard=None,
-             **keys):
+             engine="cpu", **keys):
     """A golden fixture of the case, made by the code of `cpgold gen`.
     path: write it there (never over an existing file unless force) and return a Fixture open on it;
     None: keep it in memory and return a Fixture on its bytes (the same bytes `gen` writes; nothing stays on disk).
@@ -117,7 +117,10 @@ def generate(case=None, path=None, trace=False, force=False, yes=False, inputs=N
     (the fixture is then flagged). docs/capture.md.
     shard: (I, N) or "I/N": compute only KV-head group I of N and write it to path as a part file, as
     `cpgold gen --shard I/N` does (returns {"path", "bytes", "datasets", "shard", "kv_heads", "q_heads"}, no Fixture:
-    a part is not a fixture); `merge` puts the N parts together into the fixture, bit for bit. docs/cli.md."""
+    a part is not a fixture); `merge` puts the N parts together into the fixture, bit for bit. docs/cli.md.
+    engine: what computes the oracle and the peers, as `cpgold gen --engine`: "cpu" (the reference, the default),
+    "gpu" (InputError naming `engine` where this extension has no GPU engine or no device: never a silent fallback),
+    "auto" (gpu where it can run, else cpu); the fixture records it (`Fixture.engine`, docs/scale.md)."""
     from .errors import InputError
     from .fixture import Fixture
 
@@ -138,9 +141,10 @@ def generate(case=None, path=None, trace=False, force=False, yes=False, inputs=N
         raise InputError("allow_nonfinite: only with inputs= (seeded inputs are always finite in valid rows)",
                          "allow_nonfinite")
     if path is None:
-        return Fixture(core().generate(text, None, bool(trace), False, bool(yes), arrays, bool(allow_nonfinite)))
+        return Fixture(core().generate(text, None, bool(trace), False, bool(yes), arrays, bool(allow_nonfinite),
+                                       None, str(engine)))
     written = core().generate(text, os.fspath(path), bool(trace), bool(force), bool(yes), arrays,
-                              bool(allow_nonfinite), shard)
+                              bool(allow_nonfinite), shard, str(engine))
     if shard is not None:
         return written
     return Fixture(path)

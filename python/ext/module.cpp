@@ -10,6 +10,7 @@
 
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -30,6 +31,7 @@
 #include "fixtures/storage/output_file.hpp"
 #include "check/shrink.hpp"
 #include "fixtures/golden/suites.hpp"
+#include "reference/attention_engine.hpp"
 #include "reference/input_error.hpp"
 #include "sim/case/case_spec.hpp"
 #include "sim/case/given_inputs.hpp"
@@ -39,6 +41,7 @@
 #include "sim/plan/plan.hpp"
 
 namespace py = pybind11;
+using namespace pybind11::literals;  // "name"_a = value: the items of a py::dict
 using namespace cpgold;
 
 namespace {
@@ -174,13 +177,8 @@ void array_values(const py::array& array, const std::string& element, fx::Candid
 }
 
 py::dict suite_case_dict(const fx::SuiteCase& c) {
-  py::dict d;
-  d["name"] = c.name;
-  d["json"] = c.json;
-  d["cpu_only"] = c.cpu_only;
-  d["trace"] = c.trace;
-  d["note"] = c.note;
-  return d;
+  return py::dict("name"_a = c.name, "json"_a = c.json, "cpu_only"_a = c.cpu_only, "trace"_a = c.trace,
+                  "note"_a = c.note);
 }
 
 }  // namespace
@@ -268,7 +266,8 @@ PYBIND11_MODULE(_core, m) {
   m.def(
       "generate",
       [](const std::string& json_text, std::optional<std::string> path, bool trace, bool force, bool yes,
-         std::optional<py::dict> inputs, bool allow_nonfinite, std::optional<std::pair<int, int>> shard) -> py::object {
+         std::optional<py::dict> inputs, bool allow_nonfinite, std::optional<std::pair<int, int>> shard,
+         const std::string& engine_name) -> py::object {
         std::vector<fx::GenJob> jobs{{"case", path.value_or(""), parse_case(json_text), trace}};
         if (shard) {  // `gen --shard I/N`: the part file of KV-head group I of N (fx::shard_heads checks N)
           if (!path) fail_input("shard", "a part is written to a file: give a path (cpgold.merge puts the parts together)");
@@ -281,6 +280,10 @@ PYBIND11_MODULE(_core, m) {
           job.shard_count = shard->second;
         }
         if (path) fx::check_destination(*path, force);  // before any compute, as `cpgold gen`
+        // `gen --engine`: cpu, gpu (refused where this extension has no GPU engine or no device) or auto.
+        std::unique_ptr<AttentionEngine> engine_holder;
+        std::string engine_chosen;
+        const AttentionEngine* engine = choose_engine(engine_name, "engine", engine_holder, engine_chosen);
         // Given inputs (float32 or float64 arrays, C order, from cpgold.generate): the checks of `gen --inputs`.
         std::shared_ptr<sim::CaseInputs> given;
         sim::GivenInputsSummary given_summary;
@@ -315,6 +318,7 @@ PYBIND11_MODULE(_core, m) {
         options.given_inputs = given;
         options.nonfinite_valid = given_summary.nonfinite_valid;
         options.heads = jobs.front().heads;
+        options.engine = engine;
         fx::GoldenRun run;
         {
           py::gil_scoped_release release;
@@ -351,9 +355,9 @@ PYBIND11_MODULE(_core, m) {
       },
       py::arg("case_json"), py::arg("path") = py::none(), py::arg("trace") = false, py::arg("force") = false,
       py::arg("yes") = false, py::arg("inputs") = py::none(), py::arg("allow_nonfinite") = false,
-      py::arg("shard") = py::none(),
+      py::arg("shard") = py::none(), py::arg("engine") = "cpu",
       "a fixture of the case: written to `path` as `cpgold gen` writes it, or (path None) the bytes of the same file; "
-      "shard (I, N): the part file of `gen --shard I/N`");
+      "shard (I, N): the part file of `gen --shard I/N`; engine: cpu, gpu or auto (`gen --engine`)");
 
   m.def(
       "merge",
@@ -365,12 +369,8 @@ PYBIND11_MODULE(_core, m) {
           py::gil_scoped_release release;
           return fx::merge_parts(parts, output, options);
         });
-        py::dict d;
-        d["path"] = summary.written.path;
-        d["bytes"] = summary.written.bytes;
-        d["datasets"] = summary.written.datasets;
-        d["parts"] = summary.parts;
-        return d;
+        return py::dict("path"_a = summary.written.path, "bytes"_a = summary.written.bytes,
+                        "datasets"_a = summary.written.datasets, "parts"_a = summary.parts);
       },
       py::arg("parts"), py::arg("output"), py::arg("force") = false, py::arg("yes") = false,
       "`cpgold merge PARTS -o OUTPUT`: the fixture of the parts, bit for bit the one gen writes without --shard");
@@ -432,17 +432,10 @@ PYBIND11_MODULE(_core, m) {
           digest = opened->inputs_sha256.empty() ? fx::inputs_sha256(*golden.reader) : opened->inputs_sha256;
         }
         const fx::FixtureFile& f = *opened;
-        py::dict d;
-        d["schema_version"] = f.schema_version;
-        d["generator"] = f.generator;
-        d["case_json"] = f.case_json;
-        d["traced"] = f.traced;
-        d["datasets"] = f.datasets;
-        d["inputs_sha256"] = digest;
-        d["inputs_sha256_stored"] = !f.inputs_sha256.empty();
-        d["inputs_source"] = f.inputs_source;
-        d["inputs_nonfinite_valid"] = f.inputs_nonfinite_valid;
-        return d;
+        return py::dict("schema_version"_a = f.schema_version, "generator"_a = f.generator, "case_json"_a = f.case_json,
+                        "traced"_a = f.traced, "datasets"_a = f.datasets, "inputs_sha256"_a = digest,
+                        "inputs_sha256_stored"_a = !f.inputs_sha256.empty(), "inputs_source"_a = f.inputs_source,
+                        "inputs_nonfinite_valid"_a = f.inputs_nonfinite_valid);
       },
       py::arg("fixture"), py::arg("verify") = false,
       "validates a fixture against the schema (verify: also every checksum and the inputs digest)");
@@ -545,35 +538,23 @@ PYBIND11_MODULE(_core, m) {
       [](const std::string& case_json, const py::function& runner, const std::vector<std::string>& kinds,
          bool any_failure, double budget, int64_t max_runs, int reseed, uint64_t seed, const std::vector<int>& dims,
          const py::object& progress, bool same_tensors) {
-        fx::ShrinkOptions options;
-        options.kinds = kinds;
-        options.any_failure = any_failure;
-        options.same_tensors = same_tensors;
-        options.budget_seconds = budget;
-        options.max_runs = max_runs;
-        options.reseed = reseed;
-        options.seed = seed;
-        options.dims = dims;
         auto verdict_dict = [](const fx::ShrinkVerdict& v) {
-          py::dict d;
-          d["status"] = v.status == fx::ShrinkStatus::no_candidate ? "no_candidate" : std::string(fx::shrink_status_name(v.status));
-          d["kinds"] = v.kinds;
-          d["detail"] = v.detail;
-          d["tensors"] = v.tensors;
-          return d;
+          return py::dict("status"_a = v.status == fx::ShrinkStatus::no_candidate
+                                           ? "no_candidate"
+                                           : std::string(fx::shrink_status_name(v.status)),
+                          "kinds"_a = v.kinds, "detail"_a = v.detail, "tensors"_a = v.tensors);
         };
+        std::function<void(const fx::ShrinkProgress&)> report_progress;
         if (!progress.is_none())
-          options.progress = [&](const fx::ShrinkProgress& p) {
-            py::dict d;
-            d["run"] = p.run;
-            d["seconds"] = p.seconds;
-            d["change"] = p.change;
-            d["case"] = fx::compact_case_json(p.spec);
-            d["verdict"] = verdict_dict(p.verdict);
-            d["kept"] = p.kept;
-            d["smallest"] = fx::compact_case_json(p.smallest);
-            progress(d);
+          report_progress = [&](const fx::ShrinkProgress& p) {
+            progress(py::dict("run"_a = p.run, "seconds"_a = p.seconds, "change"_a = p.change,
+                              "case"_a = fx::compact_case_json(p.spec), "verdict"_a = verdict_dict(p.verdict),
+                              "kept"_a = p.kept, "smallest"_a = fx::compact_case_json(p.smallest)));
           };
+        const fx::ShrinkOptions options{.kinds = kinds, .any_failure = any_failure, .same_tensors = same_tensors,
+                                        .budget_seconds = budget, .max_runs = max_runs, .reseed = reseed, .seed = seed,
+                                        .dims = dims, .progress = report_progress,
+                                        .estimate_seconds = nullptr};  // the search's own time model
         const fx::ShrinkResult r = fx::shrink(
             parse_case(case_json),
             [&](const sim::CaseSpec& spec, int64_t run) {
@@ -592,25 +573,15 @@ PYBIND11_MODULE(_core, m) {
               return v;
             },
             options);
-        py::dict d;
-        d["original"] = fx::compact_case_json(r.original);
-        d["original_verdict"] = verdict_dict(r.original_verdict);
-        d["original_fails"] = r.original_fails;
-        d["kinds"] = r.kinds;
-        d["same_tensors"] = r.same_tensors;
-        d["smallest"] = fx::compact_case_json(r.smallest);
-        d["smallest_verdict"] = verdict_dict(r.smallest_verdict);
-        d["steps"] = r.steps;
-        d["runs"] = r.runs;
-        d["passed"] = r.passed;
-        d["failed_otherwise"] = r.failed_otherwise;
-        d["no_candidate"] = r.no_candidate;
-        d["seconds"] = r.seconds;
-        d["stopped"] = r.stopped;
-        d["rows_q"] = fx::case_rows_q(r.smallest);
-        d["tokens_q"] = fx::case_tokens_q(r.smallest);
-        d["original_rows_q"] = fx::case_rows_q(r.original);
-        return d;
+        return py::dict("original"_a = fx::compact_case_json(r.original),
+                        "original_verdict"_a = verdict_dict(r.original_verdict), "original_fails"_a = r.original_fails,
+                        "kinds"_a = r.kinds, "same_tensors"_a = r.same_tensors,
+                        "smallest"_a = fx::compact_case_json(r.smallest),
+                        "smallest_verdict"_a = verdict_dict(r.smallest_verdict), "steps"_a = r.steps, "runs"_a = r.runs,
+                        "passed"_a = r.passed, "failed_otherwise"_a = r.failed_otherwise,
+                        "no_candidate"_a = r.no_candidate, "seconds"_a = r.seconds, "stopped"_a = r.stopped,
+                        "rows_q"_a = fx::case_rows_q(r.smallest), "tokens_q"_a = fx::case_tokens_q(r.smallest),
+                        "original_rows_q"_a = fx::case_rows_q(r.original));
       },
       py::arg("case_json"), py::arg("runner"), py::arg("kinds"), py::arg("any_failure"), py::arg("budget"),
       py::arg("max_runs"), py::arg("reseed"), py::arg("seed"), py::arg("dims"), py::arg("progress"),
