@@ -1,30 +1,20 @@
 #include "check/finding.hpp"
 
+#include "reference/enum_names.hpp"
+
 namespace cpgold::fx {
 
-std::string_view diagnosis_kind_name(DiagnosisKind kind) {
-  switch (kind) {
-    case DiagnosisKind::inputs_mismatch: return "inputs_mismatch";
-    case DiagnosisKind::chunk_order: return "chunk_order";
-    case DiagnosisKind::head_mapping: return "head_mapping";
-    case DiagnosisKind::softmax_scale: return "softmax_scale";
-    case DiagnosisKind::mask_edge: return "mask_edge";
-    case DiagnosisKind::lse_convention: return "lse_convention";
-    case DiagnosisKind::merge: return "merge";
-    case DiagnosisKind::per_rank_counts: return "per_rank_counts";
-    case DiagnosisKind::tail_rows_missing: return "tail_rows_missing";
-    case DiagnosisKind::pad_rows_not_zero: return "pad_rows_not_zero";
-    case DiagnosisKind::nonfinite_leak: return "nonfinite_leak";
-    case DiagnosisKind::unexplained: return "unexplained";
-  }
-  return "?";
-}
+constexpr std::pair<DiagnosisKind, std::string_view> kDiagnosisKindNames[] = {
+    {DiagnosisKind::inputs_mismatch, "inputs_mismatch"}, {DiagnosisKind::chunk_order, "chunk_order"},
+    {DiagnosisKind::head_mapping, "head_mapping"}, {DiagnosisKind::softmax_scale, "softmax_scale"},
+    {DiagnosisKind::mask_edge, "mask_edge"}, {DiagnosisKind::lse_convention, "lse_convention"},
+    {DiagnosisKind::merge, "merge"}, {DiagnosisKind::per_rank_counts, "per_rank_counts"},
+    {DiagnosisKind::tail_rows_missing, "tail_rows_missing"}, {DiagnosisKind::pad_rows_not_zero, "pad_rows_not_zero"},
+    {DiagnosisKind::nonfinite_leak, "nonfinite_leak"}, {DiagnosisKind::unexplained, "unexplained"}};
 
-std::optional<DiagnosisKind> parse_diagnosis_kind(std::string_view name) {
-  for (DiagnosisKind kind : kAllDiagnosisKinds)
-    if (diagnosis_kind_name(kind) == name) return kind;
-  return std::nullopt;
-}
+std::string_view diagnosis_kind_name(DiagnosisKind kind) { return name_in(kDiagnosisKindNames, kind); }
+
+std::optional<DiagnosisKind> parse_diagnosis_kind(std::string_view name) { return parse_in(kDiagnosisKindNames, name); }
 
 std::string render_diagnosis_text(const std::vector<Diagnosis>& findings) {
   std::string out;

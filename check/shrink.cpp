@@ -11,19 +11,16 @@
 #include <sstream>
 
 #include "check/report.hpp"
+#include "reference/enum_names.hpp"
 #include "reference/input_error.hpp"
 #include "reference/splitmix64.hpp"
 
 namespace cpgold::fx {
 
-std::string_view shrink_status_name(ShrinkStatus status) {
-  switch (status) {
-    case ShrinkStatus::fails: return "fails";
-    case ShrinkStatus::passes: return "passes";
-    case ShrinkStatus::no_candidate: return "no candidate";
-  }
-  return "?";
-}
+constexpr std::pair<ShrinkStatus, std::string_view> kShrinkStatusNames[] = {
+    {ShrinkStatus::fails, "fails"}, {ShrinkStatus::passes, "passes"}, {ShrinkStatus::no_candidate, "no candidate"}};
+
+std::string_view shrink_status_name(ShrinkStatus status) { return name_in(kShrinkStatusNames, status); }
 
 int64_t case_rows_q(const sim::CaseSpec& spec) { return sim::layout(spec).q.total_rows; }
 int64_t case_rows_kv(const sim::CaseSpec& spec) { return sim::layout(spec).kv.total_rows; }

@@ -193,22 +193,35 @@ Matrix<Acc> score_tile(const Arithmetic<Acc, Round>& arith, const AttentionCall&
   return s;
 }
 
+// A query block task's scores: its sequence, its KV head, the key runs its rows see and the score tile over them.
+template <class Acc>
+struct BlockScores {
+  const SequenceTile& seq;
+  int64_t kv_head;
+  std::vector<RowRun> key_runs;
+  Matrix<Acc> s;
+};
+template <class Acc, class Round>
+BlockScores<Acc> block_scores(const Arithmetic<Acc, Round>& arith, const AttentionCall& call, const Tensor3<Acc>& q,
+                              const Tensor3<Acc>& k, const BlockTask& task) {
+  const int64_t kv_head = task.head / (q.heads / k.heads);
+  std::vector<RowRun> key_runs = visible_key_runs(call, task);
+  Matrix<Acc> s = score_tile(arith, call, q, k, task.head, kv_head, task.rows, key_runs);
+  return {call.sequences[task.seq], kv_head, std::move(key_runs), std::move(s)};
+}
+
 template <class Acc, class Round>
 ForwardResult<Acc> forward_impl(const AttentionCall& call, const Tensor3<Acc>& q, const Tensor3<Acc>& k,
                                 const Tensor3<Acc>& v, const Arithmetic<Acc, Round>& arith) {
   pin_eigen_blocking();
   check_shapes(call, q, k, v);
-  const int64_t group = q.heads / k.heads;
   ForwardResult<Acc> out{Tensor3<Acc>(q.rows, q.heads, v.dim),
                          LseTensor<Acc>(q.heads, q.rows, -std::numeric_limits<Acc>::infinity())};
   const auto tasks = block_tasks(call, &SequenceTile::q, q.heads, arith.options.row_block);
 #pragma omp parallel for schedule(dynamic, 1)
   for (int64_t t = 0; t < static_cast<int64_t>(tasks.size()); ++t) {
     const BlockTask& task = tasks[t];
-    const SequenceTile& seq = call.sequences[task.seq];
-    const int64_t kv_head = task.head / group;
-    const std::vector<RowRun> key_runs = visible_key_runs(call, task);
-    Matrix<Acc> s = score_tile(arith, call, q, k, task.head, kv_head, task.rows, key_runs);
+    auto [seq, kv_head, key_runs, s] = block_scores(arith, call, q, k, task);
     std::vector<Acc> row_sum(task.rows.count, Acc(0));
     std::vector<Acc> row_max(task.rows.count, -std::numeric_limits<Acc>::infinity());
     for (int64_t i = 0; i < task.rows.count; ++i) {
@@ -294,10 +307,7 @@ BackwardResult<Acc> backward_impl(const AttentionCall& call, const Tensor3<Acc>&
 #pragma omp parallel for schedule(dynamic, 1)
   for (int64_t t = 0; t < static_cast<int64_t>(q_tasks.size()); ++t) {
     const BlockTask& task = q_tasks[t];
-    const SequenceTile& seq = call.sequences[task.seq];
-    const int64_t kv_head = task.head / group;
-    const std::vector<RowRun> key_runs = visible_key_runs(call, task);
-    Matrix<Acc> s = score_tile(arith, call, q, k, task.head, kv_head, task.rows, key_runs);
+    auto [seq, kv_head, key_runs, s] = block_scores(arith, call, q, k, task);
     Matrix<Acc> dp(s.rows(), s.cols());
     const auto do_rows = head_rows(dout, task.rows.first_row, task.rows.count, task.head);
     int64_t col = 0;

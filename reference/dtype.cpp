@@ -5,23 +5,18 @@
 #include <cmath>
 #include <cstring>
 
+#include "reference/enum_names.hpp"
 #include "reference/input_error.hpp"
 
 namespace cpgold {
 
-std::string_view dtype_name(DType dtype) {
-  switch (dtype) {
-    case DType::bf16: return "bf16";
-    case DType::fp16: return "fp16";
-    case DType::fp32: return "fp32";
-  }
-  return "?";
-}
+constexpr std::pair<DType, std::string_view> kDTypeNames[] = {
+    {DType::bf16, "bf16"}, {DType::fp16, "fp16"}, {DType::fp32, "fp32"}};
+
+std::string_view dtype_name(DType dtype) { return name_in(kDTypeNames, dtype); }
 
 DType parse_dtype(std::string_view text, const std::string& field) {
-  if (text == "bf16") return DType::bf16;
-  if (text == "fp16") return DType::fp16;
-  if (text == "fp32") return DType::fp32;
+  if (auto dtype = parse_in(kDTypeNames, text)) return *dtype;
   fail_input(field, "unknown dtype '", text, "' (expected bf16, fp16 or fp32)");
 }
 

@@ -1,5 +1,6 @@
 #pragma once
 // Dense row-major tensors of the reference: THD tensors [t, h, d] and LSE [h, t].
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <vector>
@@ -45,6 +46,23 @@ Tensor3<To> tensor_cast(const Tensor3<From>& x) {
 #pragma omp parallel for schedule(static) if (n > (std::int64_t{1} << 18))
   for (std::int64_t i = 0; i < n; ++i) y.values[static_cast<std::size_t>(i)] = static_cast<To>(x.values[static_cast<std::size_t>(i)]);
   return y;
+}
+
+// Rows of x gathered as To: out[i] = x[rows[i]] ([rows.size(), h, d]; a row index < 0 gives a zero row).
+template <class To, class From>
+Tensor3<To> gather_rows_as(const Tensor3<From>& x, const std::vector<std::int64_t>& rows) {
+  Tensor3<To> out(static_cast<std::int64_t>(rows.size()), x.heads, x.dim);
+  const std::int64_t s = x.row_stride(), n = static_cast<std::int64_t>(rows.size());
+#pragma omp parallel for schedule(static) if (n * s > (std::int64_t{1} << 18))
+  for (std::int64_t i = 0; i < n; ++i) {
+    const std::int64_t from = rows[static_cast<std::size_t>(i)];
+    if (from >= 0) std::copy_n(x.values.begin() + from * s, s, out.values.begin() + i * s);
+  }
+  return out;
+}
+template <class T>
+Tensor3<T> gather_rows(const Tensor3<T>& x, const std::vector<std::int64_t>& rows) {
+  return gather_rows_as<T>(x, rows);
 }
 
 template <class To, class From>

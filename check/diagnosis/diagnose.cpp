@@ -74,14 +74,22 @@ std::optional<TensorView<float>> Diagnoser::result_view(const TensorResult& r) c
   return candidate_view(*c, in_.golden->info(dataset).dims, q);
 }
 
+std::vector<Diagnoser::HeldResult> Diagnoser::held_results() const {
+  std::vector<HeldResult> out;
+  for (const TensorResult& r : report_.results) {
+    if (r.missing || r.step >= 0) continue;
+    if (const std::optional<TensorView<float>> view = result_view(r))
+      out.push_back({&r, *parse_quantity(r.tensor), *view});
+  }
+  return out;
+}
+
 void Diagnoser::build_subjects() {
   // Every result the candidate holds: the failing ones to explain, the passing ones as evidence against a hypothesis
   // (a recomputed variant must agree with them too).
-  for (const TensorResult& r : report_.results) {
-    if (r.missing || r.step >= 0) continue;
-    const std::optional<TensorView<float>> view = result_view(r);
-    if (!view) continue;
-    const Quantity q = *parse_quantity(r.tensor);
+  for (const HeldResult& held : held_results()) {
+    const TensorResult& r = *held.result;
+    const Quantity q = held.quantity;
     Subject s;
     s.result = &r;
     s.name = result_name(r);
@@ -89,7 +97,7 @@ void Diagnoser::build_subjects() {
     s.rank = r.rank;
     s.kv = is_kv_side(q);
     s.lse = q == Quantity::lse;
-    s.cand = *view;
+    s.cand = held.view;
     s.golden = &golden(q);
     const Side& sd = side(s.kv);
     if (r.rank >= 0) s.global = sd.gather[static_cast<size_t>(r.rank)];

@@ -45,6 +45,19 @@ inline std::string list_text(const std::vector<T>& xs, size_t max_items = 8) {
 
 inline std::string names_text(const std::vector<std::string>& names) { return list_text(names, 6); }
 
+// A finding's evidence from its texts (text -> the names of the subjects it describes): clause(text, names) for each,
+// in the texts' order, joined by "; ".
+template <class Clause>
+std::string clauses_text(const std::map<std::string, std::vector<std::string>>& texts, Clause clause) {
+  std::string out;
+  bool first = true;
+  for (const auto& [text, names] : texts) {
+    out += (first ? "" : "; ") + clause(text, names);
+    first = false;
+  }
+  return out;
+}
+
 // |c - v| where equal infinities are 0 apart and any other non-finite value is infinitely far.
 inline double distance(double c, double v) {
   if (std::isfinite(c) && std::isfinite(v)) return std::fabs(c - v);
@@ -201,6 +214,14 @@ class Diagnoser {
   // A global or per-rank result's name ("o@r1") and the candidate's values for it (nullopt: none in the candidate).
   static std::string result_name(const TensorResult& r);
   std::optional<TensorView<float>> result_view(const TensorResult& r) const;
+  // The results a diagnosis compares, in the report's order: the global and per-rank ones (no step partials) the
+  // candidate holds values of.
+  struct HeldResult {
+    const TensorResult* result;
+    Quantity quantity;
+    TensorView<float> view;
+  };
+  std::vector<HeldResult> held_results() const;
   void load_inputs();
   void build_subjects();
   void classify(Subject& s);
@@ -252,6 +273,12 @@ class Diagnoser {
 
   bool all_explained_so_far() const;
   void add(Finding f) { findings_.push_back(std::move(f)); }
+  // Adds `f` with `evidence` and the places of its rows.
+  void add(Finding f, std::string evidence) {
+    f.evidence = std::move(evidence);
+    f.where = where_of(f.rows);
+    add(std::move(f));
+  }
   nlohmann::ordered_json where_of(const std::map<size_t, std::vector<uint8_t>>& rows) const;
 };
 

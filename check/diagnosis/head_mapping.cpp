@@ -61,16 +61,9 @@ void Diagnoser::test_output_heads() {
     finding.rows[i] = s.row_bad;
   }
   if (finding.rows.empty()) return;
-  std::ostringstream e;
-  bool first = true;
-  for (const auto& [text, names] : texts) {
-    e << (first ? "" : "; ") << names_text(names) << ": " << text << "'s golden output";
-    first = false;
-  }
-  e << " (heads exchanged on the way out)";
-  finding.evidence = e.str();
-  finding.where = where_of(finding.rows);
-  add(std::move(finding));
+  add(std::move(finding), clauses_text(texts, [](const std::string& text, const std::vector<std::string>& names) {
+        return names_text(names) + ": " + text + "'s golden output";
+      }) + " (heads exchanged on the way out)");
 }
 
 }  // namespace cpgold::fx::diagnosis_detail

@@ -108,15 +108,9 @@ void Diagnoser::test_lse_forms() {
     f.rows[id] = rows;
   }
   if (f.rows.empty()) return;
-  std::ostringstream e;
-  bool first = true;
-  for (const auto& [text, names] : texts) {
-    e << (first ? "" : "; ") << names_text(names) << ": LSE is " << text;
-    first = false;
-  }
-  f.evidence = e.str();
-  f.where = where_of(f.rows);
-  add(std::move(f));
+  add(std::move(f), clauses_text(texts, [](const std::string& text, const std::vector<std::string>& names) {
+        return names_text(names) + ": LSE is " + text;
+      }));
 }
 
 }  // namespace cpgold::fx::diagnosis_detail

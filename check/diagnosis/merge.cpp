@@ -282,16 +282,9 @@ void Diagnoser::test_merge() {
   for (auto* pair : {&specific_texts, &generic_texts}) {
     Finding& f = pair == &specific_texts ? specific : generic;
     if (f.rows.empty()) continue;
-    std::ostringstream e;
-    bool first = true;
-    for (const auto& [text, names] : *pair) {
-      e << (first ? "" : "; ") << names_text(names) << ": " << text;
-      first = false;
-    }
-    e << " (the candidate's own step partials, merged through the Plan, give the golden)";
-    f.evidence = e.str();
-    f.where = where_of(f.rows);
-    add(std::move(f));
+    add(std::move(f), clauses_text(*pair, [](const std::string& text, const std::vector<std::string>& names) {
+          return names_text(names) + ": " + text;
+        }) + " (the candidate's own step partials, merged through the Plan, give the golden)");
   }
 }
 

@@ -22,16 +22,14 @@ void Diagnoser::test_replay() {
   std::vector<ReplaySubject> subjects;
   std::vector<size_t> subject_of;  // replay subject -> index in subjects_ (subjects_.size(): a passing result)
   int q_head = -1;
-  for (const TensorResult& r : report_.results) {
-    if (r.missing || r.step >= 0) continue;
-    const std::optional<TensorView<float>> view = result_view(r);
-    if (!view) continue;
-    const Quantity q = *parse_quantity(r.tensor);
+  for (const HeldResult& held : held_results()) {
+    const TensorResult& r = *held.result;
+    const Quantity q = held.quantity;
     ReplaySubject rs;
     rs.name = result_name(r);
     rs.quantity = q;
     rs.rank = r.rank;
-    rs.cand = *view;
+    rs.cand = held.view;
     rs.golden = golden(q).view;
     rs.limit = r.evaluation.limits.max;
     rs.precision = check_precision(q, fx().spec.dtype);

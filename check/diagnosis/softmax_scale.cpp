@@ -84,15 +84,9 @@ void Diagnoser::test_gradient_factor() {
     f.rows[id] = s.failing;
   }
   if (f.rows.empty()) return;
-  std::ostringstream e;
-  bool first = true;
-  for (const auto& [text, names] : texts) {
-    e << (first ? "" : "; ") << names_text(names) << " " << (names.size() == 1 ? "is " : "are ") << text;
-    first = false;
-  }
-  f.evidence = e.str() + " on every valid row: the backward's softmax scale is wrong";
-  f.where = where_of(f.rows);
-  add(std::move(f));
+  add(std::move(f), clauses_text(texts, [](const std::string& text, const std::vector<std::string>& names) {
+        return names_text(names) + " " + (names.size() == 1 ? "is " : "are ") + text;
+      }) + " on every valid row: the backward's softmax scale is wrong");
 }
 
 }  // namespace cpgold::fx::diagnosis_detail

@@ -207,20 +207,15 @@ void Diagnoser::test_tail_rows() {
     finding.rows[i] = f.rows;
   }
   if (finding.rows.empty()) return;
-  std::ostringstream e;
-  bool first = true;
-  for (const auto& [text, names] : by_pattern) {
-    e << (first ? "" : "; ") << text << " in " << names_text(names);
-    first = false;
-  }
   int64_t rows = 0;
   for (const auto& [index, marks] : finding.rows)
     for (uint8_t m : marks) rows += m;
-  e << " hold 0 (never written) while every other valid row is right (" << rows << " row(s) of sequence(s) "
-    << list_text(std::vector<int>(sequences.begin(), sequences.end())) << ")";
-  finding.evidence = e.str();
-  finding.where = where_of(finding.rows);
-  add(std::move(finding));
+  const std::string tail = " hold 0 (never written) while every other valid row is right (" + std::to_string(rows) +
+                           " row(s) of sequence(s) " + list_text(std::vector<int>(sequences.begin(), sequences.end())) +
+                           ")";
+  add(std::move(finding), clauses_text(by_pattern, [](const std::string& text, const std::vector<std::string>& names) {
+        return text + " in " + names_text(names);
+      }) + tail);
 }
 
 }  // namespace cpgold::fx::diagnosis_detail

@@ -10,21 +10,24 @@
 #include <set>
 
 #include "fixtures/storage/hdf5_reader.hpp"
+#include "reference/enum_names.hpp"
 #include "reference/input_error.hpp"
 
 namespace cpgold::fx {
 
 namespace {
 
-constexpr HelperOp kAllOps[] = {HelperOp::partitioned_indices,    HelperOp::read_half,
-                                HelperOp::sequence_to_rank_order, HelperOp::rank_to_sequence_order,
-                                HelperOp::second_half_lse_correction, HelperOp::read_second_half_lse,
-                                HelperOp::out_correction,         HelperOp::grad_correction,
-                                HelperOp::copy_valid_tokens};
+constexpr std::pair<HelperOp, std::string_view> kOpNames[] = {
+    {HelperOp::partitioned_indices, "partitioned_indices"}, {HelperOp::read_half, "read_half"},
+    {HelperOp::sequence_to_rank_order, "sequence_to_rank_order"},
+    {HelperOp::rank_to_sequence_order, "rank_to_sequence_order"},
+    {HelperOp::second_half_lse_correction, "second_half_lse_correction"},
+    {HelperOp::read_second_half_lse, "read_second_half_lse"}, {HelperOp::out_correction, "out_correction"},
+    {HelperOp::grad_correction, "grad_correction"}, {HelperOp::copy_valid_tokens, "copy_valid_tokens"}};
 
 std::string ops_list() {
   std::string out;
-  for (HelperOp op : kAllOps) out += (out.empty() ? "" : ", ") + std::string(helper_op_name(op));
+  for (const auto& [op, name] : kOpNames) out += (out.empty() ? "" : ", ") + std::string(name);
   return out;
 }
 
@@ -347,6 +350,25 @@ class CallReader {
     }
   }
 
+  // The tensor a correction updates in place (`name`, [t, h, d], the rank-local rows) and the step's partial
+  // (`name`_step: rows / `div`, the same heads and dim; `step_shape` and `step_why` for its messages).
+  const FloatData& corrected_tensor(const std::string& name, int64_t div, const char* step_shape,
+                                    const std::string& step_why) {
+    row_tensor(name, local_total(), "cu_seqlens_padded[B] rank-local rows are corrected");
+    const FloatData& x = call_.tensors[name];
+    call_.tensors[name + "_step"] = float_dataset(name + "_step", 3, step_shape);
+    expect_dims(name + "_step", {x.dims[0] / div, x.dims[1], x.dims[2]}, step_why);
+    return x;
+  }
+
+  // The output of a correction (the shape of `name`); `name` and `name`_step hold values of the dtype.
+  void corrected_output(const std::string& name) {
+    call_.tensors["output"] = float_dataset("output", 3, "[t, h, d]");
+    expect_dims("output", call_.tensors[name].dims, "the shape of " + name);
+    check_dtype_values(name);
+    check_dtype_values(name + "_step");
+  }
+
   // LSE [h, S] (packed) or [B, h, S]; min_columns: what the indexing needs (packed: the rows indexed; unpacked: the
   // longest sequence).
   void lse_tensor(const std::string& name, int64_t heads, int64_t min_columns, const std::string& why) {
@@ -463,21 +485,15 @@ class CallReader {
     call_.dtype = dtype();
     read_local_offsets(call_.only_second_half);
     const int64_t div = call_.only_second_half ? 2 : 1;
-    row_tensor("out", local_total(), "cu_seqlens_padded[B] rank-local rows are corrected");
-    const FloatData& out = call_.tensors["out"];
-    call_.tensors["out_step"] = float_dataset("out_step", 3, "[t / (1 + only_second_half), h, d]");
-    expect_dims("out_step", {out.dims[0] / div, out.dims[1], out.dims[2]},
-                call_.only_second_half ? "out rows / 2, out heads and dim" : "the shape of out");
+    const FloatData& out = corrected_tensor("out", div, "[t / (1 + only_second_half), h, d]",
+                                            call_.only_second_half ? "out rows / 2, out heads and dim" : "the shape of out");
     const int64_t heads = out.dims[1];
     lse_tensor("lse", heads, call_.packed ? local_total() : longest_local(),
                call_.packed ? "cu_seqlens_padded[B] columns are indexed" : "the longest rank-local sequence");
     lse_tensor("lse_step", heads, (call_.packed ? local_total() : longest_local()) / div,
                call_.packed ? "the step rows cu_seqlens_padded[B] / (1 + only_second_half) are indexed"
                             : "the longest step sequence");
-    call_.tensors["output"] = float_dataset("output", 3, "[t, h, d]");
-    expect_dims("output", out.dims, "the shape of out");
-    check_dtype_values("out");
-    check_dtype_values("out_step");
+    corrected_output("out");
   }
 
   void read_grad_correction() {
@@ -491,15 +507,10 @@ class CallReader {
                 "(add, copy), (copy, add))");
     call_.dtype = dtype();
     read_local_offsets(true);
-    row_tensor("grad", local_total(), "cu_seqlens_padded[B] rank-local rows are corrected");
-    const FloatData& grad = call_.tensors["grad"];
-    call_.tensors["grad_step"] = float_dataset("grad_step", 3, "[t or t/2, h, d]");
-    expect_dims("grad_step", {grad.dims[0] / (one_half ? 2 : 1), grad.dims[1], grad.dims[2]},
-                one_half ? "grad rows / 2 for a one-half mode, grad heads and dim" : "the shape of grad for a two-half mode");
-    call_.tensors["output"] = float_dataset("output", 3, "[t, h, d]");
-    expect_dims("output", grad.dims, "the shape of grad");
-    check_dtype_values("grad");
-    check_dtype_values("grad_step");
+    corrected_tensor("grad", one_half ? 2 : 1, "[t or t/2, h, d]",
+                     one_half ? "grad rows / 2 for a one-half mode, grad heads and dim"
+                              : "the shape of grad for a two-half mode");
+    corrected_output("grad");
   }
 
   void read_copy_valid_tokens() {
@@ -525,26 +536,9 @@ class CallReader {
 
 }  // namespace
 
-std::string_view helper_op_name(HelperOp op) {
-  switch (op) {
-    case HelperOp::partitioned_indices: return "partitioned_indices";
-    case HelperOp::read_half: return "read_half";
-    case HelperOp::sequence_to_rank_order: return "sequence_to_rank_order";
-    case HelperOp::rank_to_sequence_order: return "rank_to_sequence_order";
-    case HelperOp::second_half_lse_correction: return "second_half_lse_correction";
-    case HelperOp::read_second_half_lse: return "read_second_half_lse";
-    case HelperOp::out_correction: return "out_correction";
-    case HelperOp::grad_correction: return "grad_correction";
-    case HelperOp::copy_valid_tokens: return "copy_valid_tokens";
-  }
-  return "?";
-}
+std::string_view helper_op_name(HelperOp op) { return name_in(kOpNames, op); }
 
-std::optional<HelperOp> parse_helper_op(std::string_view text) {
-  for (HelperOp op : kAllOps)
-    if (helper_op_name(op) == text) return op;
-  return std::nullopt;
-}
+std::optional<HelperOp> parse_helper_op(std::string_view text) { return parse_in(kOpNames, text); }
 
 int HelperCall::batch() const {
   const std::vector<int32_t>& cu = op == HelperOp::copy_valid_tokens ? cu_seqlens_padded_step : cu_seqlens_padded;

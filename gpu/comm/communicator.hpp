@@ -29,6 +29,8 @@
 #include <string>
 #include <string_view>
 
+#include "sim/program/exchange_message.hpp"
+
 namespace cpgold::gpu {
 
 // The operations a CommError can name.
@@ -66,18 +68,9 @@ struct CommOptions {
   std::chrono::milliseconds timeout{std::chrono::seconds(60)};
 };
 
-// One message of a grouped exchange: `bytes` bytes from `data` on this rank to `peer` (send) or from `peer` into
-// `data` on this rank (receive). bytes may be 0 (the message must still be matched).
-struct SendTo {
-  int peer = 0;
-  const void* data = nullptr;
-  size_t bytes = 0;
-};
-struct RecvFrom {
-  int peer = 0;
-  void* data = nullptr;
-  size_t bytes = 0;
-};
+// One message of a grouped exchange (sim/program/exchange_message.hpp): {peer, data, bytes}, bytes may be 0.
+using SendTo = sim::PostedSend;
+using RecvFrom = sim::WantedRecv;
 
 class Communicator {
  public:

@@ -6,8 +6,8 @@
 #include <cmath>
 #include <set>
 
+#include "reference/enum_names.hpp"
 #include "reference/input_error.hpp"
-#include "sim/case/enum_names.hpp"
 
 namespace cpgold::sim {
 

@@ -6,6 +6,7 @@
 #include <sstream>
 #include <tuple>
 
+#include "reference/bracketed_list.hpp"
 #include "sim/explain/explain_te.hpp"
 
 namespace cpgold::sim {
@@ -14,13 +15,7 @@ namespace {
 
 using ojson = nlohmann::ordered_json;
 
-std::string list(const std::vector<int32_t>& v) {
-  std::ostringstream os;
-  os << "[";
-  for (size_t i = 0; i < v.size(); ++i) os << (i ? "," : "") << v[i];
-  os << "]";
-  return os.str();
-}
+std::string list(const std::vector<int32_t>& v) { return bracketed_list(v); }
 std::string window_text(Window w) {
   std::ostringstream os;
   os << "(" << w.left << "," << w.right << ")";
@@ -178,7 +173,7 @@ ojson explain_json(const CaseSpec& spec, const Plan& plan) {
   j["chunk_map"] = {{"q", chunk_map_json(plan.partition.q)}, {"kv", chunk_map_json(plan.partition.kv)}};
   ojson passes;
   for (PassKind kind : {PassKind::forward, PassKind::backward}) {
-    const PassPlan& pass = kind == PassKind::forward ? plan.forward : plan.backward;
+    const PassPlan& pass = plan.pass(kind);
     ojson tiles = ojson::array(), messages = ojson::array();
     for (const Tile& t : pass.tiles) tiles.push_back(tile_json(t, pass));
     for (const Message& m : pass.messages) messages.push_back(message_json(m));
@@ -214,7 +209,7 @@ std::string explain_text(const CaseSpec& spec, const Plan& plan, bool te) {
     }
   }
   for (PassKind kind : {PassKind::forward, PassKind::backward}) {
-    const PassPlan& pass = kind == PassKind::forward ? plan.forward : plan.backward;
+    const PassPlan& pass = plan.pass(kind);
     os << "\n" << (kind == PassKind::forward ? "forward" : "backward") << " steps:\n";
     os << "  rank step section   owner q_in        kv_in       cu_seqlens_q / padded      cu_seqlens_kv / padded     "
           "max_q(exact) max_kv(exact) mask window work\n";

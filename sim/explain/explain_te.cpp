@@ -4,6 +4,7 @@
 #include <map>
 #include <sstream>
 
+#include "reference/bracketed_list.hpp"
 #include "sim/te/te_kernel_mask.hpp"
 
 namespace cpgold::sim {
@@ -13,13 +14,7 @@ namespace {
 using ojson = nlohmann::ordered_json;
 using V = std::vector<int32_t>;
 
-std::string list(const V& v) {
-  std::ostringstream os;
-  os << "[";
-  for (size_t i = 0; i < v.size(); ++i) os << (i ? "," : "") << v[i];
-  os << "]";
-  return os.str();
-}
+std::string list(const V& v) { return bracketed_list(v); }
 std::string window_text(Window w) { return "(" + std::to_string(w.left) + "," + std::to_string(w.right) + ")"; }
 std::string input_name(TeTensor t) {
   return t == TeTensor::first_half ? "first_half" : (t == TeTensor::second_half ? "second_half" : "full");
@@ -87,7 +82,7 @@ void compare_plan(const Plan& plan, TeAuditReport& report) {
   report.compared = true;
   report.compared_backend = replay->backend;
   for (PassKind pass : {PassKind::forward, PassKind::backward}) {
-    const PassPlan& pp = pass == PassKind::forward ? plan.forward : plan.backward;
+    const PassPlan& pp = plan.pass(pass);
     std::map<std::pair<int, int>, const TeCall*> calls;
     for (const TeCall& c : replay->calls(pass)) calls[{c.rank, c.step}] = &c;
     for (const Tile& t : pp.tiles) {

@@ -6,7 +6,7 @@
 namespace cpgold::sim {
 
 CoverageReport check_coverage(const Plan& plan, PassKind kind) {
-  const PassPlan& pass = kind == PassKind::forward ? plan.forward : plan.backward;
+  const PassPlan& pass = plan.pass(kind);
   const PackedSequences& gq = plan.partition.q.global();
   const PackedSequences& gk = plan.partition.kv.global();
   const int B = gq.batch();

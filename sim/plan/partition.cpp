@@ -3,8 +3,8 @@
 #include <algorithm>
 #include <stdexcept>
 
+#include "reference/enum_names.hpp"
 #include "reference/input_error.hpp"
-#include "sim/case/enum_names.hpp"
 
 namespace cpgold::sim {
 

@@ -3,8 +3,8 @@
 #include <algorithm>
 #include <limits>
 
+#include "reference/enum_names.hpp"
 #include "reference/input_error.hpp"
-#include "sim/case/enum_names.hpp"
 
 namespace cpgold::sim {
 
@@ -92,14 +92,11 @@ struct Ring {
   int a2a_size = 1;      // A: global rank = ring_rank * A + a2a_index
   StepSpace space = StepSpace::rank_local;
   int32_t te_max_q = 0, te_max_kv = 0;  // before the ring's division by P
-  bool causal = false;
-  Window window;
-  double scale = 0.0;
-  int heads_q = 0, heads_kv = 0;
 };
 
-// Tile of ring rank p (a2a index j) reading the KV of ring rank o at forward step `step`.
-Tile ring_tile(const Ring& ring, int p, int j, int o, int step) {
+// Tile of ring rank p (a2a index j) reading the KV of ring rank o at forward step `step`; the mask, the scale and
+// the heads are the plan's.
+Tile ring_tile(const Ring& ring, const Plan& plan, int p, int j, int o, int step) {
   const int P = ring.size;
   const SidePartition& qs = *ring.q;
   const SidePartition& ks = *ring.kv;
@@ -108,19 +105,19 @@ Tile ring_tile(const Ring& ring, int p, int j, int o, int step) {
   t.step = step;
   t.kv_owner = o * ring.a2a_size + j;
   t.q_space = t.kv_space = ring.space;
-  const int hq = ring.heads_q / ring.a2a_size, hk = ring.heads_kv / ring.a2a_size;
+  const int hq = plan.heads_q / ring.a2a_size, hk = plan.heads_kv / ring.a2a_size;
   t.head_begin = j * hq;
   t.head_end = (j + 1) * hq;
   t.kv_head_begin = j * hk;
   t.kv_head_end = (j + 1) * hk;
-  const bool windowed = has_window(ring.window);
+  const bool windowed = has_window(plan.window);
   // TE's structural sections assume Q and KV share the chunk geometry (same padded lengths); otherwise, as for
   // windows, chunks are selected from the pairs they can see.
   bool same_geometry = true;
   for (int b = 0; b < qs.batch(); ++b) same_geometry = same_geometry && qs.chunk_size(b) == ks.chunk_size(b);
-  const bool select_by_visibility = windowed || (ring.causal && !same_geometry);
+  const bool select_by_visibility = windowed || (plan.causal && !same_geometry);
   bool q_first = true, q_second = true, kv_first = true, kv_second = true;
-  if (ring.causal && !select_by_visibility) {
+  if (plan.causal && !select_by_visibility) {
     // TransformerEngine's sections (docs/cp-layout.md, "p2p (ring)").
     if (o == p) {
       t.section = StepSection::diagonal;
@@ -132,7 +129,7 @@ Tile ring_tile(const Ring& ring, int p, int j, int o, int step) {
       q_first = false;
     }
   } else {
-    t.section = ring.causal ? (o == p ? StepSection::diagonal : (o < p ? StepSection::lower : StepSection::upper))
+    t.section = plan.causal ? (o == p ? StepSection::diagonal : (o < p ? StepSection::lower : StepSection::upper))
                             : StepSection::all;
     if (select_by_visibility) {
       // Beyond TE: keep only the chunks that see some visible pair in some sequence; skip the tile if none does.
@@ -142,7 +139,7 @@ Tile ring_tile(const Ring& ring, int p, int j, int o, int step) {
         const int64_t delta = static_cast<int64_t>(ks.global().length(b)) - qs.global().length(b);
         for (int a = 0; a < 2; ++a)
           for (int c = 0; c < 2; ++c)
-            if (any_visible(ring.window, chunk_span(qs, b, qc[a]), chunk_span(ks, b, kc[c]), delta)) {
+            if (any_visible(plan.window, chunk_span(qs, b, qc[a]), chunk_span(ks, b, kc[c]), delta)) {
               (a == 0 ? q_first : q_second) = true;
               (c == 0 ? kv_first : kv_second) = true;
             }
@@ -170,13 +167,13 @@ Tile ring_tile(const Ring& ring, int p, int j, int o, int step) {
   te.max_seqlen_kv = ring.te_max_kv / P / (t.kv_half == HalfSelect::full ? 1 : 2);
   te.max_seqlen_q_exact = max_count(te.cu_seqlens_q);
   te.max_seqlen_kv_exact = max_count(te.cu_seqlens_kv);
-  te.mask = ring.causal && t.section == StepSection::diagonal ? "padding_causal" : "padding";
-  te.window = (ring.causal && t.section == StepSection::diagonal) || windowed ? ring.window : Window{-1, -1};
+  te.mask = plan.causal && t.section == StepSection::diagonal ? "padding_causal" : "padding";
+  te.window = (plan.causal && t.section == StepSection::diagonal) || windowed ? plan.window : Window{-1, -1};
 
   // The position-aware call.
   AttentionCall& call = t.call;
-  call.window = ring.window;
-  call.softmax_scale = ring.scale;
+  call.window = plan.window;
+  call.softmax_scale = plan.softmax_scale;
   call.q_rows = t.q_half == HalfSelect::full ? qs.local_rows() : qs.half_rows();
   call.kv_rows = t.kv_half == HalfSelect::full ? ks.local_rows() : ks.half_rows();
   for (int b = 0; b < qs.batch(); ++b) {
@@ -201,11 +198,11 @@ void add_ring(const Ring& ring, Plan& plan) {
       const int g = p * A + j;
       for (int i = 0; i < P; ++i) {
         // Forward step i: KV of owner (p - i) mod P. Backward step i replays forward step P-1-i: owner (p+1+i) mod P.
-        plan.forward.tiles[static_cast<size_t>(g * P + i)] = ring_tile(ring, p, j, ((p - i) % P + P) % P, i);
-        plan.backward.tiles[static_cast<size_t>(g * P + i)] = ring_tile(ring, p, j, (p + 1 + i) % P, i);
+        plan.forward.tiles[static_cast<size_t>(g * P + i)] = ring_tile(ring, plan, p, j, ((p - i) % P + P) % P, i);
+        plan.backward.tiles[static_cast<size_t>(g * P + i)] = ring_tile(ring, plan, p, j, (p + 1 + i) % P, i);
       }
     }
-  const int hk = ring.heads_kv / A;
+  const int hk = plan.heads_kv / A;
   const int64_t kv_rows = ring.kv->local_rows();
   for (int i = 0; i + 1 < P; ++i)
     for (int p = 0; p < P; ++p)
@@ -400,11 +397,6 @@ Plan make_plan(const CaseSpec& spec) {
   plan.group_partition = plan.partition;
   const int W = spec.cp_size;
   Ring ring;
-  ring.causal = plan.causal;
-  ring.window = plan.window;
-  ring.scale = plan.softmax_scale;
-  ring.heads_q = plan.heads_q;
-  ring.heads_kv = plan.heads_kv;
   ring.te_max_q = te_max_seqlen(l.q);
   ring.te_max_kv = te_max_seqlen(l.kv);
   switch (spec.comm) {

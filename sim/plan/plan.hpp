@@ -94,6 +94,8 @@ struct Plan {
   double softmax_scale = 0.0;
   int heads_q = 0, heads_kv = 0;
   PassPlan forward, backward;
+  const PassPlan& pass(PassKind kind) const { return kind == PassKind::forward ? forward : backward; }
+  PassPlan& pass(PassKind kind) { return kind == PassKind::forward ? forward : backward; }
 };
 
 // Builds and checks the plan of a validated case. InputError for constraints of the comm type (heads not divisible

@@ -7,15 +7,14 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cstring>
 #include <limits>
-#include <omp.h>
 #include <stdexcept>
 #include <string>
 
 #include "reference/attention.hpp"
 #include "reference/lse_merge.hpp"
 #include "sim/program/cp_program.hpp"
+#include "sim/program/host_backend.hpp"
 #include "sim/program/rendezvous.hpp"
 
 namespace cpgold::sim {
@@ -25,30 +24,6 @@ namespace {
 template <class T>
 constexpr T neg_inf() {
   return -std::numeric_limits<T>::infinity();
-}
-
-
-// out: [rows.size(), h, d]; out[i] = x[rows[i]] (rows < 0 give zero rows).
-template <class T>
-Tensor3<T> take_rows(const Tensor3<T>& x, const std::vector<int64_t>& rows) {
-  Tensor3<T> out(static_cast<int64_t>(rows.size()), x.heads, x.dim);
-  const int64_t s = x.row_stride(), n = static_cast<int64_t>(rows.size());
-#pragma omp parallel for schedule(static) if (n * s > (int64_t{1} << 18))
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t from = rows[static_cast<size_t>(i)];
-    if (from >= 0) std::copy_n(x.values.begin() + from * s, s, out.values.begin() + i * s);
-  }
-  return out;
-}
-
-// out: [rows.size(), heads] LSE rows gathered.
-template <class T>
-LseTensor<T> take_lse_rows(const LseTensor<T>& x, const std::vector<int64_t>& rows) {
-  LseTensor<T> out(x.heads, static_cast<int64_t>(rows.size()), neg_inf<T>());
-  for (int64_t h = 0; h < x.heads; ++h)
-    for (size_t i = 0; i < rows.size(); ++i)
-      if (rows[i] >= 0) out(h, static_cast<int64_t>(i)) = x(h, rows[i]);
-  return out;
 }
 
 
@@ -157,22 +132,6 @@ void add_rows(Tensor3<T>& dst, const Tensor3<T>& src, const std::vector<int64_t>
   }
 }
 
-// Each rank starts with only its own rows of the global inputs: [W] shards of q, k, v, dout in the rank-local layout.
-template <class T>
-struct RankShards {
-  std::vector<Tensor3<T>> q, k, v, dout;
-};
-
-// out: [rows.size(), h, d] of type T; out[i] = x[rows[i]] converted (no global copy of x in T).
-template <class T>
-Tensor3<T> take_rows_as(const Tensor3<float>& x, const std::vector<int64_t>& rows) {
-  Tensor3<T> out(static_cast<int64_t>(rows.size()), x.heads, x.dim);
-  const int64_t s = x.row_stride();
-  for (size_t i = 0; i < rows.size(); ++i)
-    if (rows[i] >= 0) std::copy_n(x.values.begin() + rows[i] * s, s, out.values.begin() + static_cast<int64_t>(i) * s);
-  return out;
-}
-
 template <class T>
 RankShards<T> shard_inputs(const Plan& plan, const CaseInputs& inputs, const RunVariation* variation) {
   const SidePartition& qs = plan.partition.q;
@@ -182,20 +141,20 @@ RankShards<T> shard_inputs(const Plan& plan, const CaseInputs& inputs, const Run
     const bool own_rows = variation && !variation->q_rows.empty();
     const std::vector<int64_t> rows_q = own_rows ? variation->q_rows[static_cast<size_t>(r)] : qs.gather_indices(r);
     const std::vector<int64_t> rows_kv = own_rows ? variation->kv_rows[static_cast<size_t>(r)] : ks.gather_indices(r);
-    shards.q.push_back(take_rows_as<T>(inputs.q, rows_q));
-    shards.k.push_back(take_rows_as<T>(inputs.k, rows_kv));
-    shards.v.push_back(take_rows_as<T>(inputs.v, rows_kv));
-    shards.dout.push_back(take_rows_as<T>(inputs.dout, rows_q));
+    shards.q.push_back(gather_rows_as<T>(inputs.q, rows_q));
+    shards.k.push_back(gather_rows_as<T>(inputs.k, rows_kv));
+    shards.v.push_back(gather_rows_as<T>(inputs.v, rows_kv));
+    shards.dout.push_back(gather_rows_as<T>(inputs.dout, rows_q));
   }
   return shards;
 }
 
-struct HostCopy {};  // host exchanges carry no events
-
 // The host backend of the per-rank program for one simulated rank: Tensor3 / LseTensor storage of the arithmetic's
 // type (the accumulator kind is the same type), the arithmetic's attention per tile, memcpy exchanges.
 template <class Arith>
-class HostRankBackend {
+class HostRankBackend : public HostBackend<HostRankBackend<Arith>, typename Arith::T> {
+  using Base = HostBackend<HostRankBackend<Arith>, typename Arith::T>;
+
  public:
   using T = typename Arith::T;
   using Tensor = Tensor3<T>;
@@ -207,47 +166,10 @@ class HostRankBackend {
                   bool record_trace, bool by_rows, MergeRule merge, int kv_head_begin = 0, int kv_head_end = 0,
                   int group = 1,
                   std::chrono::steady_clock::time_point deadline = std::chrono::steady_clock::time_point::max())
-      : rank_(rank), shards_(shards), arith_(arith), rendezvous_(rendezvous), record_trace_(record_trace),
-        by_rows_(by_rows), merge_(merge), kv_begin_(kv_head_begin), kv_end_(kv_head_end), group_(group),
-        deadline_(deadline) {}
+      : Base(rank, shards, rendezvous, record_trace), arith_(arith), by_rows_(by_rows), merge_(merge),
+        kv_begin_(kv_head_begin), kv_end_(kv_head_end), group_(group), deadline_(deadline) {}
 
-  int rank() const { return rank_; }
-  const Tensor& input(Payload payload) const {
-    const size_t r = static_cast<size_t>(rank_);
-    switch (payload) {
-      case Payload::q: return shards_.q[r];
-      case Payload::k: return shards_.k[r];
-      case Payload::v: return shards_.v[r];
-      case Payload::dout: return shards_.dout[r];
-      default: program_error("no input shard for payload " + std::string(payload_name(payload)));
-    }
-  }
-  Tensor zeros(int64_t rows, int64_t heads, int64_t dim, BufferKind) const { return Tensor(rows, heads, dim); }
-  Lse lse_empty(int64_t heads, int64_t rows) const { return Lse(heads, rows, neg_inf<T>()); }
-  Shape shape(const Tensor& x) const { return {x.rows, x.heads, x.dim}; }
-
-  // out: [rows.size(), h1 - h0, d]; out[i] = x[rows[i], h0:h1] (rows < 0 give zero rows).
-  Tensor gather(const Tensor& x, const std::vector<int64_t>& rows, int h0, int h1) const {
-    if (h0 == 0 && h1 == x.heads) return take_rows(x, rows);
-    Tensor out(static_cast<int64_t>(rows.size()), h1 - h0, x.dim);
-    for (size_t i = 0; i < rows.size(); ++i)
-      if (rows[i] >= 0)
-        for (int h = h0; h < h1; ++h) std::copy_n(x.at(rows[i], h), x.dim, out.at(static_cast<int64_t>(i), h - h0));
-    return out;
-  }
-  // dst: [t, H, d]; dst[rows[i], h0 + h] = src[i, h] for i < rows.size().
-  void scatter(Tensor& dst, const std::vector<int64_t>& rows, int h0, const Tensor& src) const {
-    for (size_t i = 0; i < rows.size(); ++i)
-      for (int64_t h = 0; h < src.heads; ++h)
-        std::copy_n(src.at(static_cast<int64_t>(i), h), src.dim, dst.at(rows[i], h0 + h));
-  }
   void scatter_add(Tensor& dst, const std::vector<int64_t>& rows, const Tensor& src) const { add_rows(dst, src, rows); }
-  Lse lse_gather(const Lse& x, const std::vector<int64_t>& rows) const { return take_lse_rows(x, rows); }
-  // dst: [H, t]; dst(h0 + h, rows[i]) = src(h, i).
-  void lse_scatter(Lse& dst, const std::vector<int64_t>& rows, int h0, const Lse& src) const {
-    for (int64_t h = 0; h < src.heads; ++h)
-      for (size_t i = 0; i < rows.size(); ++i) dst(h0 + h, rows[i]) = src(h, static_cast<int64_t>(i));
-  }
 
   Forward forward(const Tile& t, const Tensor& q, const Tensor& k, const Tensor& v) const {
     stop_past(deadline_);
@@ -278,7 +200,7 @@ class HostRankBackend {
   }
   // The program's optional paths (ExecutorOptions::by_rows): the halves are gathered here rather than by the program.
   bool reads_halves() const { return by_rows_; }
-  bool sums_backward() const { return by_rows_ && !record_trace_; }
+  bool sums_backward() const { return by_rows_ && !this->record_trace_; }
   Forward forward_rows(const Tile& t, const StepRows& rows, const Tensor& q, const Tensor& k, const Tensor& v) const {
     return forward(t, half(q, rows.q_half, rows.q), half(k, rows.kv_half, rows.kv), half(v, rows.kv_half, rows.kv));
   }
@@ -287,7 +209,7 @@ class HostRankBackend {
                     SumEnds ends) const {
     Backward res = backward(t, half(q, rows.q_half, rows.q), half(k, rows.kv_half, rows.kv),
                             half(v, rows.kv_half, rows.kv), half(o, rows.q_half, rows.q),
-                            rows.q_half ? lse_gather(lse, rows.q) : lse, half(dout, rows.q_half, rows.q));
+                            rows.q_half ? this->lse_gather(lse, rows.q) : lse, half(dout, rows.q_half, rows.q));
     scatter_add(dq, rows.q, res.dq);
     scatter_add(dk, rows.kv, res.dk);
     scatter_add(dv, rows.kv, res.dv);
@@ -307,51 +229,6 @@ class HostRankBackend {
     else merge_forward_online(host_parts, o, lse, merge_, arith_);
   }
   void finalize(Tensor& x) const { round_all(x, arith_); }
-
-  void exchange(const std::vector<Outgoing<HostRankBackend>>& sends,
-                const std::vector<Incoming<HostRankBackend>>& recvs) {
-    std::vector<PostedSend> posted;
-    std::vector<WantedRecv> wanted;
-    for (const auto& s : sends)
-      posted.push_back(s.tensor ? PostedSend{s.peer, s.tensor->values.data(), s.tensor->values.size() * sizeof(T)}
-                                : PostedSend{s.peer, s.lse->values.data(), s.lse->values.size() * sizeof(T)});
-    for (const auto& r : recvs)
-      wanted.push_back(r.tensor ? WantedRecv{r.peer, r.tensor->values.data(), r.tensor->values.size() * sizeof(T)}
-                                : WantedRecv{r.peer, r.lse->values.data(), r.lse->values.size() * sizeof(T)});
-    rendezvous_.exchange(
-        rank_, "send_recv", posted, wanted, [] { return HostCopy{}; },
-        [](void* dst, const void* src, size_t bytes, const HostCopy&) {
-          if (bytes > 0) std::memcpy(dst, src, bytes);
-          return HostCopy{};
-        },
-        [](const HostCopy&) {});
-  }
-
-  // A started exchange moves its data only when it is finished: a program that wrote a sent tensor or read a receive
-  // buffer while the exchange is in flight (what a device backend overlaps with compute) would compute with other
-  // values here, and the bit-exact golden checks would catch it.
-  struct Pending {
-    std::vector<Outgoing<HostRankBackend>> sends;
-    std::vector<Incoming<HostRankBackend>> recvs;
-  };
-  Pending exchange_start(const std::vector<Outgoing<HostRankBackend>>& sends,
-                         const std::vector<Incoming<HostRankBackend>>& recvs) {
-    return {sends, recvs};
-  }
-  void exchange_finish(Pending& p) { exchange(p.sends, p.recvs); }
-
-  void record_forward(int step, const Forward& res) {
-    if (record_trace_) trace.forward.push_back({rank_, step, res.o, res.lse});
-  }
-  void record_backward(int step, Backward&& res, const Tensor* dk_in_flight, const Tensor* dv_in_flight) {
-    if (!record_trace_) return;
-    BackwardStepTrace<T> rec{rank_, step, std::move(res.dq), std::move(res.dk), std::move(res.dv), {}, {}};
-    if (dk_in_flight) rec.dk_in_flight = *dk_in_flight;
-    if (dv_in_flight) rec.dv_in_flight = *dv_in_flight;
-    trace.backward.push_back(std::move(rec));
-  }
-
-  Trace<T> trace;
 
  private:
   // The heads of a tile inside the filter (ExecutorOptions::kv_head_begin/end), local to the tile's tensors.
@@ -379,14 +256,10 @@ class HostRankBackend {
 
   // The step's rows of a rank tensor: the gathered half, or the whole tensor.
   Tensor half(const Tensor& x, bool is_half, const std::vector<int64_t>& rows) const {
-    return is_half ? gather(x, rows, 0, static_cast<int>(x.heads)) : x;
+    return is_half ? this->gather(x, rows, 0, static_cast<int>(x.heads)) : x;
   }
 
-  int rank_;
-  const RankShards<T>& shards_;
   const Arith& arith_;
-  Rendezvous<HostCopy>& rendezvous_;
-  bool record_trace_;
   bool by_rows_;
   MergeRule merge_;
   int kv_begin_, kv_end_, group_;
@@ -408,41 +281,14 @@ CpRun<typename Arith::T> run_cp(const Plan& plan, const CaseInputs& inputs, cons
                                   options.variation ? options.variation->merge : MergeRule::lse_weighted,
                                   options.kv_head_begin, options.kv_head_end,
                                   plan.heads_kv > 0 ? plan.heads_q / plan.heads_kv : 1, options.deadline));
-  CpRun<T> run;
-  run.ranks.resize(static_cast<size_t>(W));
-  // Ranks share the OpenMP threads: each rank's tiles use threads / W of them (results do not depend on the count).
-  const int threads_per_rank = std::max(1, omp_get_max_threads() / W);
-  run_rank_threads(
-      W,
-      [&](int g) {
-        if (W > 1) omp_set_num_threads(threads_per_rank);
-        RankResult<Backend> r = run_rank(plan, *backends[static_cast<size_t>(g)], options.backward);
-        RankOutputs<T>& out = run.ranks[static_cast<size_t>(g)];
-        out.o = std::move(r.o);
-        out.lse = std::move(r.lse);
-        out.dq = std::move(r.dq);
-        out.dk = std::move(r.dk);
-        out.dv = std::move(r.dv);
-      },
-      [&] { rendezvous.abort(); });
-  if (options.record_trace) {
-    std::vector<std::vector<ForwardStepTrace<T>>> fwd;
-    std::vector<std::vector<BackwardStepTrace<T>>> bwd;
-    for (auto& b : backends) {
-      fwd.push_back(std::move(b->trace.forward));
-      bwd.push_back(std::move(b->trace.backward));
-    }
-    run.trace.forward = by_step_then_rank(fwd);
-    run.trace.backward = by_step_then_rank(bwd);
-  }
-  return run;
+  return run_backends<T>(plan, backends, rendezvous, options.backward, options.record_trace);
 }
 
 }  // namespace
 
 template <class T>
 Tensor3<T> shard_rows(const SidePartition& side, int rank, const Tensor3<T>& global) {
-  return take_rows(global, side.gather_indices(rank));
+  return gather_rows(global, side.gather_indices(rank));
 }
 
 CpRun<double> run_cp_oracle(const Plan& plan, const CaseInputs& inputs, const ExecutorOptions& options) {

@@ -1,12 +1,9 @@
 #include "sim/program/mistakes.hpp"
 
-#include <omp.h>
-
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstddef>
-#include <cstring>
 #include <functional>
 #include <limits>
 #include <map>
@@ -16,6 +13,7 @@
 #include "reference/attention.hpp"
 #include "reference/lse_merge.hpp"
 #include "sim/program/cp_program.hpp"
+#include "sim/program/host_backend.hpp"
 #include "sim/program/rendezvous.hpp"
 
 namespace cpgold::sim {
@@ -132,7 +130,7 @@ bool apply_count_shortcut(const Plan& plan, Plan& out, bool per_chunk, std::vect
   };
   bool any = false;
   for (PassKind pass : {PassKind::forward, PassKind::backward}) {
-    PassPlan& pp = pass == PassKind::forward ? out.forward : out.backward;
+    PassPlan& pp = out.pass(pass);
     for (Tile& t : pp.tiles) {
       if (!t.computed) continue;
       const bool group = t.q_space == StepSpace::group_local;
@@ -189,7 +187,7 @@ bool apply_count_shortcut(const Plan& plan, Plan& out, bool per_chunk, std::vect
 bool apply_last_row_dropped(const Plan& plan, Plan& out, std::vector<TileRef>& changed) {
   bool any = false;
   for (PassKind pass : {PassKind::forward, PassKind::backward}) {
-    PassPlan& pp = pass == PassKind::forward ? out.forward : out.backward;
+    PassPlan& pp = out.pass(pass);
     for (Tile& t : pp.tiles) {
       if (!t.computed || t.q_space == StepSpace::sequence_order || t.q_chunks[0] < 0) continue;
       const SidePartition& qs = t.q_space == StepSpace::group_local ? plan.group_partition.q : plan.partition.q;
@@ -237,7 +235,7 @@ std::optional<StepSection> section_named(const std::string& name) {
 bool apply_edge(Plan& out, EdgeEdit edit, std::optional<StepSection> section, std::vector<TileRef>& changed) {
   bool any = false;
   for (PassKind pass : {PassKind::forward, PassKind::backward}) {
-    PassPlan& pp = pass == PassKind::forward ? out.forward : out.backward;
+    PassPlan& pp = out.pass(pass);
     for (Tile& t : pp.tiles) {
       if (!t.computed || (section && t.section != *section)) continue;
       int32_t& side = edit.right ? t.call.window.right : t.call.window.left;
@@ -289,7 +287,7 @@ bool parse_edge(const std::string& name, EdgeEdit& edit, std::optional<StepSecti
 bool apply_diagonal(Plan& out, bool keyless, std::vector<TileRef>& changed) {
   bool any = false;
   for (PassKind pass : {PassKind::forward, PassKind::backward}) {
-    PassPlan& pp = pass == PassKind::forward ? out.forward : out.backward;
+    PassPlan& pp = out.pass(pass);
     for (Tile& t : pp.tiles) {
       if (!t.computed || t.section != StepSection::diagonal) continue;
       if (t.call.window.left < 0 && t.call.window.right < 0) continue;  // no mask: nothing to leave out or misread
@@ -314,7 +312,7 @@ bool apply_causal_local(const Plan& plan, Plan& out, StepSection section, std::v
   if (!plan.causal) return false;
   bool any = false;
   for (PassKind pass : {PassKind::forward, PassKind::backward}) {
-    PassPlan& pp = pass == PassKind::forward ? out.forward : out.backward;
+    PassPlan& pp = out.pass(pass);
     for (Tile& t : pp.tiles) {
       if (!t.computed || t.section != section) continue;
       AttentionCall call = t.call;
@@ -351,7 +349,7 @@ int64_t offset_shift(const Plan& plan, const Tile& t, bool kv, int b) {
 bool offsets_change(const Plan& plan, bool q_side, bool kv_side, std::vector<TileRef>& changed) {
   bool any = false;
   for (PassKind pass : {PassKind::forward, PassKind::backward}) {
-    const PassPlan& pp = pass == PassKind::forward ? plan.forward : plan.backward;
+    const PassPlan& pp = plan.pass(pass);
     for (const Tile& t : pp.tiles) {
       if (!t.computed) continue;
       bool moved = false;
@@ -423,57 +421,18 @@ std::optional<MergeRule> merge_rule_named(const std::string& name) {
 
 // ---- the hooks' backend ----------------------------------------------------------------------------------------
 
-struct HookToken {};  // host exchanges carry no events
-
 double rounded(DType dtype, double x) { return std::isfinite(x) ? double(round_to(dtype, x)) : x; }
 
 // The CP program's backend for a mistake with hooks (RunHooks): float64 attention per tile as the oracle's
 // (reference/attention.hpp), exchanges as host copies, and what the hooks change: the sequence starts each call reads,
 // the merge's precision, how the gradients' step partials are combined.
-class HookBackend {
+class HookBackend : public HostBackend<HookBackend, double> {
  public:
-  using T = double;
-  using Tensor = Tensor3<double>;
-  using Lse = LseTensor<double>;
-  using Forward = ForwardResult<double>;
-  using Backward = BackwardResult<double>;
-  struct Pending {
-    std::vector<Outgoing<HookBackend>> sends;
-    std::vector<Incoming<HookBackend>> recvs;
-  };
-
-  HookBackend(int rank, const Plan& plan, const RunHooks& hooks, const std::vector<Tensor>* shards,
-              Rendezvous<HookToken>& rendezvous, bool record_trace,
+  HookBackend(int rank, const Plan& plan, const RunHooks& hooks, const RankShards<double>& shards,
+              Rendezvous<HostCopy>& rendezvous, bool record_trace,
               std::chrono::steady_clock::time_point deadline = std::chrono::steady_clock::time_point::max())
-      : rank_(rank), plan_(plan), hooks_(hooks), shards_(shards), rendezvous_(rendezvous), record_trace_(record_trace),
-        deadline_(deadline) {}
+      : HostBackend(rank, shards, rendezvous, record_trace), plan_(plan), hooks_(hooks), deadline_(deadline) {}
 
-  int rank() const { return rank_; }
-  const Tensor& input(Payload payload) const {
-    const size_t r = static_cast<size_t>(rank_);
-    switch (payload) {
-      case Payload::q: return shards_[0][r];
-      case Payload::k: return shards_[1][r];
-      case Payload::v: return shards_[2][r];
-      case Payload::dout: return shards_[3][r];
-      default: program_error("no input shard for payload " + std::string(payload_name(payload)));
-    }
-  }
-  Tensor zeros(int64_t rows, int64_t heads, int64_t dim, BufferKind) const { return Tensor(rows, heads, dim); }
-  Lse lse_empty(int64_t heads, int64_t rows) const { return Lse(heads, rows, -std::numeric_limits<double>::infinity()); }
-  Shape shape(const Tensor& x) const { return {x.rows, x.heads, x.dim}; }
-  Tensor gather(const Tensor& x, const std::vector<int64_t>& rows, int h0, int h1) const {
-    Tensor out(static_cast<int64_t>(rows.size()), h1 - h0, x.dim);
-    for (size_t i = 0; i < rows.size(); ++i)
-      if (rows[i] >= 0)
-        for (int h = h0; h < h1; ++h) std::copy_n(x.at(rows[i], h), x.dim, out.at(static_cast<int64_t>(i), h - h0));
-    return out;
-  }
-  void scatter(Tensor& dst, const std::vector<int64_t>& rows, int h0, const Tensor& src) const {
-    for (size_t i = 0; i < rows.size(); ++i)
-      for (int64_t h = 0; h < src.heads; ++h)
-        std::copy_n(src.at(static_cast<int64_t>(i), h), src.dim, dst.at(rows[i], h0 + h));
-  }
   // dst[rows[i]] += src[i]; right after a backward the program adds that step's dQ (ring), dK and dV partials: the
   // overwritten hooks write them instead.
   void scatter_add(Tensor& dst, const std::vector<int64_t>& rows, const Tensor& src) {
@@ -490,17 +449,6 @@ class HookBackend {
       for (int64_t e = 0; e < s; ++e) d[e] = assign ? x[e] : d[e] + x[e];
     }
     if ((ring && which == 2) || (!ring && which == 1)) adds_after_backward_ = -1;
-  }
-  Lse lse_gather(const Lse& x, const std::vector<int64_t>& rows) const {
-    Lse out(x.heads, static_cast<int64_t>(rows.size()), -std::numeric_limits<double>::infinity());
-    for (int64_t h = 0; h < x.heads; ++h)
-      for (size_t i = 0; i < rows.size(); ++i)
-        if (rows[i] >= 0) out(h, static_cast<int64_t>(i)) = x(h, rows[i]);
-    return out;
-  }
-  void lse_scatter(Lse& dst, const std::vector<int64_t>& rows, int h0, const Lse& src) const {
-    for (int64_t h = 0; h < src.heads; ++h)
-      for (size_t i = 0; i < rows.size(); ++i) dst(h0 + h, rows[i]) = src(h, static_cast<int64_t>(i));
   }
 
   Forward forward(const Tile& t, const Tensor& q, const Tensor& k, const Tensor& v) const {
@@ -629,42 +577,6 @@ class HookBackend {
     }
   }
 
-  void exchange(const std::vector<Outgoing<HookBackend>>& sends, const std::vector<Incoming<HookBackend>>& recvs) {
-    std::vector<PostedSend> posted;
-    std::vector<WantedRecv> wanted;
-    for (const auto& s : sends)
-      posted.push_back(s.tensor ? PostedSend{s.peer, s.tensor->values.data(), s.tensor->values.size() * sizeof(double)}
-                                : PostedSend{s.peer, s.lse->values.data(), s.lse->values.size() * sizeof(double)});
-    for (const auto& r : recvs)
-      wanted.push_back(r.tensor ? WantedRecv{r.peer, r.tensor->values.data(), r.tensor->values.size() * sizeof(double)}
-                                : WantedRecv{r.peer, r.lse->values.data(), r.lse->values.size() * sizeof(double)});
-    rendezvous_.exchange(
-        rank_, "send_recv", posted, wanted, [] { return HookToken{}; },
-        [](void* dst, const void* src, size_t bytes, const HookToken&) {
-          if (bytes > 0) std::memcpy(dst, src, bytes);
-          return HookToken{};
-        },
-        [](const HookToken&) {});
-  }
-  Pending exchange_start(const std::vector<Outgoing<HookBackend>>& sends,
-                         const std::vector<Incoming<HookBackend>>& recvs) {
-    return {sends, recvs};
-  }
-  void exchange_finish(Pending& p) { exchange(p.sends, p.recvs); }
-
-  void record_forward(int step, const Forward& res) {
-    if (record_trace_) trace.forward.push_back({rank_, step, res.o, res.lse});
-  }
-  void record_backward(int step, Backward&& res, const Tensor* dk_in_flight, const Tensor* dv_in_flight) {
-    if (!record_trace_) return;
-    BackwardStepTrace<double> rec{rank_, step, std::move(res.dq), std::move(res.dk), std::move(res.dv), {}, {}};
-    if (dk_in_flight) rec.dk_in_flight = *dk_in_flight;
-    if (dv_in_flight) rec.dv_in_flight = *dv_in_flight;
-    trace.backward.push_back(std::move(rec));
-  }
-
-  Trace<double> trace;
-
  private:
   bool shifted(const Tile& t) const { return hooks_.q_offsets_unpadded || hooks_.kv_offsets_unpadded; }
   // The tile's call for sequence b alone, its segments moved to the rows an unpadded start gives; empty when the
@@ -682,12 +594,8 @@ class HookBackend {
     return one;
   }
 
-  int rank_;
   const Plan& plan_;
   const RunHooks& hooks_;
-  const std::vector<Tensor>* shards_;  // [4]: q, k, v, dout, each [W]
-  Rendezvous<HookToken>& rendezvous_;
-  bool record_trace_;
   std::chrono::steady_clock::time_point deadline_;
   int adds_after_backward_ = -1;
   int finalized_ = 0;
@@ -697,53 +605,21 @@ class HookBackend {
 CpRun<double> run_with_hooks(const Mistake& m, const CaseInputs& inputs, const ExecutorOptions& options) {
   const Plan& plan = m.plan;
   const int W = plan.cp_size;
-  std::vector<Tensor3<double>> shards[4];
-  auto take = [](const Tensor3<float>& x, const std::vector<int64_t>& rows) {
-    Tensor3<double> out(static_cast<int64_t>(rows.size()), x.heads, x.dim);
-    const int64_t s = x.row_stride();
-    for (size_t i = 0; i < rows.size(); ++i)
-      if (rows[i] >= 0) std::copy_n(x.values.begin() + rows[i] * s, s, out.values.begin() + static_cast<int64_t>(i) * s);
-    return out;
-  };
+  RankShards<double> shards;
   for (int r = 0; r < W; ++r) {
     const std::vector<int64_t> rq = plan.partition.q.gather_indices(r), rk = plan.partition.kv.gather_indices(r);
-    shards[0].push_back(take(inputs.q, rq));
-    shards[1].push_back(take(inputs.k, rk));
-    shards[2].push_back(take(inputs.v, rk));
-    shards[3].push_back(take(inputs.dout, m.hooks.dout_rows.empty() ? rq : m.hooks.dout_rows[static_cast<size_t>(r)]));
+    const std::vector<int64_t>& rows_dout = m.hooks.dout_rows.empty() ? rq : m.hooks.dout_rows[static_cast<size_t>(r)];
+    shards.q.push_back(gather_rows_as<double>(inputs.q, rq));
+    shards.k.push_back(gather_rows_as<double>(inputs.k, rk));
+    shards.v.push_back(gather_rows_as<double>(inputs.v, rk));
+    shards.dout.push_back(gather_rows_as<double>(inputs.dout, rows_dout));
   }
-  Rendezvous<HookToken> rendezvous(W, std::chrono::minutes(10));
+  Rendezvous<HostCopy> rendezvous(W, std::chrono::minutes(10));
   std::vector<std::unique_ptr<HookBackend>> backends;
   for (int g = 0; g < W; ++g)
     backends.push_back(
         std::make_unique<HookBackend>(g, plan, m.hooks, shards, rendezvous, options.record_trace, options.deadline));
-  CpRun<double> run;
-  run.ranks.resize(static_cast<size_t>(W));
-  const int threads_per_rank = std::max(1, omp_get_max_threads() / W);
-  run_rank_threads(
-      W,
-      [&](int g) {
-        if (W > 1) omp_set_num_threads(threads_per_rank);
-        RankResult<HookBackend> r = run_rank(plan, *backends[static_cast<size_t>(g)], options.backward);
-        RankOutputs<double>& out = run.ranks[static_cast<size_t>(g)];
-        out.o = std::move(r.o);
-        out.lse = std::move(r.lse);
-        out.dq = std::move(r.dq);
-        out.dk = std::move(r.dk);
-        out.dv = std::move(r.dv);
-      },
-      [&] { rendezvous.abort(); });
-  if (options.record_trace) {
-    std::vector<std::vector<ForwardStepTrace<double>>> fwd;
-    std::vector<std::vector<BackwardStepTrace<double>>> bwd;
-    for (auto& b : backends) {
-      fwd.push_back(std::move(b->trace.forward));
-      bwd.push_back(std::move(b->trace.backward));
-    }
-    run.trace.forward = by_step_then_rank(fwd);
-    run.trace.backward = by_step_then_rank(bwd);
-  }
-  return run;
+  return run_backends<double>(plan, backends, rendezvous, options.backward, options.record_trace);
 }
 
 }  // namespace

@@ -16,6 +16,8 @@
 #include <utility>
 #include <vector>
 
+#include "sim/program/exchange_message.hpp"
+
 namespace cpgold::sim {
 
 enum class ExchangeFault { timeout, mismatch, invalid_argument, aborted };
@@ -45,17 +47,6 @@ class ExchangeError : public std::runtime_error {
   std::string operation_;
   ExchangeFault fault_;
   std::string detail_;
-};
-
-struct PostedSend {
-  int peer = 0;
-  const void* data = nullptr;
-  size_t bytes = 0;
-};
-struct WantedRecv {
-  int peer = 0;
-  void* data = nullptr;
-  size_t bytes = 0;
 };
 
 // Token: what a send carries to its receiver (e.g. a "data ready" event) and what the receiver hands back ("copy

@@ -3,8 +3,9 @@
 #include <algorithm>
 #include <sstream>
 
+#include "reference/enum_names.hpp"
 #include "reference/input_error.hpp"
-#include "sim/case/enum_names.hpp"
+#include "reference/bracketed_list.hpp"
 
 // Source names below are relative to transformer_engine/ in TE's repository: pytorch/attention/dot_product_attention/
 // {context_parallel.py, utils.py, dot_product_attention.py, backends.py}, pytorch/cpp_extensions/fused_attn.py and
@@ -17,13 +18,7 @@ namespace {
 
 using V = std::vector<int32_t>;
 
-std::string show(const V& v) {
-  std::ostringstream os;
-  os << "[";
-  for (size_t i = 0; i < v.size(); ++i) os << (i ? "," : "") << v[i];
-  os << "]";
-  return os.str();
-}
+std::string show(const V& v) { return bracketed_list(v); }
 std::string show(Window w) { return "(" + std::to_string(w.left) + ", " + std::to_string(w.right) + ")"; }
 
 // context_parallel.py:210-233, get_cu_seqlens_on_cp_rank.

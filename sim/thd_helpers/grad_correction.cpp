@@ -3,24 +3,19 @@
 #include <algorithm>
 #include <string>
 
+#include "reference/enum_names.hpp"
 #include "reference/input_error.hpp"
 #include "sim/thd_helpers/out_correction.hpp"
 
 namespace cpgold::sim {
 
-std::string_view grad_op_name(GradOp op) {
-  switch (op) {
-    case GradOp::none: return "none";
-    case GradOp::copy: return "copy";
-    case GradOp::add: return "add";
-  }
-  return "?";
-}
+constexpr std::pair<GradOp, std::string_view> kGradOpNames[] = {
+    {GradOp::none, "none"}, {GradOp::copy, "copy"}, {GradOp::add, "add"}};
+
+std::string_view grad_op_name(GradOp op) { return name_in(kGradOpNames, op); }
 
 GradOp parse_grad_op(std::string_view text, const char* field) {
-  if (text == "none") return GradOp::none;
-  if (text == "copy") return GradOp::copy;
-  if (text == "add") return GradOp::add;
+  if (auto op = parse_in(kGradOpNames, text)) return *op;
   fail_input(field, "unknown gradient op '", text, "' (expected none, copy or add)");
 }
 

@@ -15,12 +15,7 @@ namespace cpgold::sim {
 // every rank's local tensor (rank 0 first).
 template <class T>
 Tensor3<T> sequence_to_rank_order(const Tensor3<T>& x, const SidePartition& side) {
-  const std::vector<int64_t> map = side.rank_order_to_sequence_order();
-  Tensor3<T> out(static_cast<int64_t>(map.size()), x.heads, x.dim);
-  const int64_t s = x.row_stride();
-  for (size_t gi = 0; gi < map.size(); ++gi)
-    std::copy_n(x.values.begin() + map[gi] * s, s, out.values.begin() + static_cast<int64_t>(gi) * s);
-  return out;
+  return gather_rows(x, side.rank_order_to_sequence_order());
 }
 
 // thd_cp_rank_order_to_sequence_order: the inverse of sequence_to_rank_order.
@@ -38,12 +33,7 @@ Tensor3<T> rank_to_sequence_order(const Tensor3<T>& x, const SidePartition& side
 // chunk 2W-1-r (half 1) of every sequence at the half offsets cuP / (2W).
 template <class T>
 Tensor3<T> read_half(const Tensor3<T>& x, const SidePartition& side, int half) {
-  const std::vector<int64_t> rows = side.read_half_rows(half);
-  Tensor3<T> out(static_cast<int64_t>(rows.size()), x.heads, x.dim);
-  const int64_t s = x.row_stride();
-  for (size_t i = 0; i < rows.size(); ++i)
-    std::copy_n(x.values.begin() + rows[i] * s, s, out.values.begin() + static_cast<int64_t>(i) * s);
-  return out;
+  return gather_rows(x, side.read_half_rows(half));
 }
 
 // thd_copy_valid_tokens_from_per_split_to_rank_local: out, in [t, h, d]; cu_padded_step [B+1] step offsets (need not

@@ -77,50 +77,56 @@ void add_pad_tiles(std::vector<RowTile>& tiles, std::vector<Interval> covered, i
   pad(cursor, total);
 }
 
+// The tiles of one side (Q or K/V) in two heights, and the rows its segments cover.
+struct SideTiles {
+  std::vector<RowTile>& small;
+  int small_rows;
+  std::vector<RowTile>& large;
+  int large_rows;
+  std::vector<Interval> cover;
+
+  // Sequence b's segments (at most 2) into the descriptor's arrays, the covered rows and both tile lists.
+  void add(const std::vector<RowSegment>& segments, size_t b, int64_t* first_row, int32_t* count, int32_t* position) {
+    for (size_t s = 0; s < segments.size() && s < 2; ++s) {
+      const RowSegment& seg = segments[s];
+      first_row[s] = seg.first_row;
+      count[s] = seg.count;
+      position[s] = seg.position;
+      if (seg.count > 0) cover.emplace_back(seg.first_row, seg.first_row + seg.count);
+      const auto sequence = static_cast<int32_t>(b), segment = static_cast<int32_t>(s);
+      add_tiles(small, seg.first_row, seg.count, seg.position, sequence, segment, small_rows);
+      add_tiles(large, seg.first_row, seg.count, seg.position, sequence, segment, large_rows);
+    }
+  }
+
+  // The rows outside every segment: left alone (the covered rows must not overlap) or covered by pad tiles.
+  void finish(bool leave_outside, int64_t total, const char* side) {
+    if (leave_outside) {
+      check_disjoint(cover, side);
+      return;
+    }
+    add_pad_tiles(small, cover, total, small_rows, side);
+    add_pad_tiles(large, cover, total, large_rows, side);
+  }
+};
+
 }  // namespace
 
 PlanTiles make_plan_tiles(const AttentionCall& call, OutsideRows outside) {
   PlanTiles plan;
-  std::vector<Interval> q_cover, kv_cover;
+  SideTiles q{plan.q_tiles_small, kSmallTileRows, plan.q_tiles_large, kLargeTileRows, {}};
+  SideTiles kv{plan.kv_tiles, kKvTileRows, plan.kv_tiles_large, kLargeKvTileRows, {}};
   for (size_t b = 0; b < call.sequences.size(); ++b) {
     const SequenceTile& seq = call.sequences[b];
     SequenceDesc desc{};
     desc.length_q = seq.length_q;
     desc.length_kv = seq.length_kv;
-    for (size_t s = 0; s < seq.q.size() && s < 2; ++s) {
-      desc.q_first_row[s] = seq.q[s].first_row;
-      desc.q_count[s] = seq.q[s].count;
-      desc.q_position[s] = seq.q[s].position;
-      if (seq.q[s].count > 0) q_cover.emplace_back(seq.q[s].first_row, seq.q[s].first_row + seq.q[s].count);
-      add_tiles(plan.q_tiles_small, seq.q[s].first_row, seq.q[s].count, seq.q[s].position, static_cast<int32_t>(b),
-                static_cast<int32_t>(s), kSmallTileRows);
-      add_tiles(plan.q_tiles_large, seq.q[s].first_row, seq.q[s].count, seq.q[s].position, static_cast<int32_t>(b),
-                static_cast<int32_t>(s), kLargeTileRows);
-    }
-    for (size_t s = 0; s < seq.kv.size() && s < 2; ++s) {
-      desc.kv_first_row[s] = seq.kv[s].first_row;
-      desc.kv_count[s] = seq.kv[s].count;
-      desc.kv_position[s] = seq.kv[s].position;
-      if (seq.kv[s].count > 0) kv_cover.emplace_back(seq.kv[s].first_row, seq.kv[s].first_row + seq.kv[s].count);
-      add_tiles(plan.kv_tiles, seq.kv[s].first_row, seq.kv[s].count, seq.kv[s].position, static_cast<int32_t>(b),
-                static_cast<int32_t>(s), kKvTileRows);
-      add_tiles(plan.kv_tiles_large, seq.kv[s].first_row, seq.kv[s].count, seq.kv[s].position,
-                static_cast<int32_t>(b), static_cast<int32_t>(s), kLargeKvTileRows);
-    }
+    q.add(seq.q, b, desc.q_first_row, desc.q_count, desc.q_position);
+    kv.add(seq.kv, b, desc.kv_first_row, desc.kv_count, desc.kv_position);
     plan.sequences.push_back(desc);
   }
-  if (outside.leave_q) {
-    check_disjoint(q_cover, "q");
-  } else {
-    add_pad_tiles(plan.q_tiles_small, q_cover, call.q_rows, kSmallTileRows, "q");
-    add_pad_tiles(plan.q_tiles_large, q_cover, call.q_rows, kLargeTileRows, "q");
-  }
-  if (outside.leave_kv)
-    check_disjoint(kv_cover, "kv");
-  else {
-    add_pad_tiles(plan.kv_tiles, kv_cover, call.kv_rows, kKvTileRows, "kv");
-    add_pad_tiles(plan.kv_tiles_large, kv_cover, call.kv_rows, kLargeKvTileRows, "kv");
-  }
+  q.finish(outside.leave_q, call.q_rows, "q");
+  kv.finish(outside.leave_kv, call.kv_rows, "kv");
   return plan;
 }
 

@@ -1,5 +1,6 @@
 #pragma once
-// The names ForwardKernel and BackwardKernel share, and a kernel or schedule request read from an environment variable
+// The names ForwardKernel and BackwardKernel share, their one choice rule, and a kernel or schedule request read from
+// an environment variable
 // (CPGOLD_FORWARD_KERNEL, CPGOLD_BACKWARD_KERNEL, CPGOLD_FORWARD_SCHEDULE): read once, it replaces a call's
 // `automatic` request; a value the parser rejects makes such a call fail with invalid_argument naming the variable and
 // the value.
@@ -9,27 +10,64 @@
 #include <string_view>
 
 #include "gpu/kernels/attention/attention.hpp"
+#include "reference/enum_names.hpp"
 
 namespace cpgold::gpu::detail {
 
-// Names of the kernel choices ForwardKernel and BackwardKernel share.
+// Names of the kernel choices ForwardKernel and BackwardKernel share, and the short spellings a parse accepts too.
+template <class Kernel>
+constexpr std::pair<Kernel, std::string_view> kKernelChoiceNames[] = {
+    {Kernel::automatic, "automatic"}, {Kernel::mma_sync, "mma.sync"}, {Kernel::wgmma, "wgmma"}};
+template <class Kernel>
+constexpr std::pair<Kernel, std::string_view> kKernelChoiceShortNames[] = {{Kernel::automatic, "auto"},
+                                                                           {Kernel::mma_sync, "mma"}};
+
 template <class Kernel>
 std::string_view kernel_choice_name(Kernel kernel) {
-  switch (kernel) {
-    case Kernel::automatic: return "automatic";
-    case Kernel::mma_sync: return "mma.sync";
-    case Kernel::wgmma: return "wgmma";
-  }
-  return "?";
+  return name_in(kKernelChoiceNames<Kernel>, kernel);
 }
 
 // auto/automatic, mma/mma.sync, wgmma; nullopt for anything else.
 template <class Kernel>
 std::optional<Kernel> parse_kernel_choice(std::string_view text) {
-  if (text == "auto" || text == "automatic") return Kernel::automatic;
-  if (text == "mma" || text == "mma.sync") return Kernel::mma_sync;
-  if (text == "wgmma") return Kernel::wgmma;
-  return std::nullopt;
+  if (auto kernel = parse_in(kKernelChoiceShortNames<Kernel>, text)) return kernel;
+  return parse_in(kKernelChoiceNames<Kernel>, text);
+}
+
+// What a pass's wgmma kernel offers a call, for choose_kernel.
+struct WgmmaOffer {
+  std::string_view pass;         // "forward", "backward"
+  bool in_build = false;         // compiled in (nvcc 12.3 or newer)
+  bool serves = false;           // serves the call's dtype and head dims
+  bool automatic = false;        // taken by an `automatic` request on a device of compute capability 9.0
+  std::string_view served_note;  // appended to the refusal of a shape it does not serve
+};
+
+// The kernel that serves a request: mma.sync when asked for; the wgmma kernel when asked for (refused, never replaced,
+// where it is not built, does not serve the shape or the device is not of compute capability 9.0, `cc` 0: none);
+// `automatic`: the wgmma kernel where the offer says so and the device runs it, mma.sync otherwise.
+template <class Kernel>
+Outcome choose_kernel(const WgmmaOffer& offer, const AttentionShape& shape, int cc, Kernel requested, Kernel& chosen) {
+  const bool device_ok = cc == 90;  // sm_90a code runs on compute capability 9.0 only
+  const std::string pass(offer.pass);
+  switch (requested) {
+    case Kernel::mma_sync: chosen = Kernel::mma_sync; return {};
+    case Kernel::automatic: chosen = device_ok && offer.automatic ? Kernel::wgmma : Kernel::mma_sync; return {};
+    case Kernel::wgmma:
+      if (!offer.in_build)
+        return {Status::unsupported, "the wgmma " + pass + " is not in this build (nvcc older than 12.3)"};
+      if (!offer.serves)
+        return {Status::unsupported, "the wgmma " + pass + " does not serve d_qk=" + std::to_string(shape.dim_qk) +
+                                         ", d_v=" + std::to_string(shape.dim_v) + " (" +
+                                         std::string(dtype_name(shape.dtype)) + ")" + std::string(offer.served_note)};
+      if (!device_ok)
+        return {Status::unsupported,
+                "the wgmma " + pass + " needs a device of compute capability 9.0 (sm_90a); this one is " +
+                    (cc == 0 ? std::string("absent") : std::to_string(cc / 10) + "." + std::to_string(cc % 10))};
+      chosen = Kernel::wgmma;
+      return {};
+  }
+  return {Status::invalid_argument, pass + " kernel request out of range"};
 }
 
 template <class Request>
@@ -55,12 +93,13 @@ EnvRequest<Request> read_env_request(const char* variable, std::optional<Request
   return r;
 }
 
-// Replaces an `automatic` request by the variable's value; `read_once` (holding the EnvRequest read on first use) is
-// called only then. `allowed` lists the accepted values for the error message.
+// Replaces an `automatic` request by the value of `variable`, read by the first call that needs it and kept for the
+// process (one variable for each Request type). `allowed` lists the accepted values for the error message.
 template <class Request>
-Outcome apply_env_request(const EnvRequest<Request>& (*read_once)(), std::string_view allowed, Request& requested) {
+Outcome apply_env_request(const char* variable, std::optional<Request> (*parse)(std::string_view),
+                          std::string_view allowed, Request& requested) {
   if (requested != Request::automatic) return {};
-  const EnvRequest<Request>& env = read_once();
+  static const EnvRequest<Request> env = read_env_request(variable, parse);
   if (env.set && !env.valid)
     return {Status::invalid_argument,
             std::string(env.variable) + ": value '" + env.text + "' is not one of " + std::string(allowed)};

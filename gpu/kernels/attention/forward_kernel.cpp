@@ -10,6 +10,7 @@
 #include "gpu/kernels/attention/attention.hpp"
 #include "gpu/kernels/attention/attention_launch.hpp"
 #include "gpu/kernels/attention/env_request.hpp"
+#include "reference/enum_names.hpp"
 
 namespace cpgold::gpu {
 
@@ -20,40 +21,16 @@ std::optional<ForwardKernel> parse_forward_kernel(std::string_view text) {
 }
 
 bool wgmma_forward_serves(const AttentionShape& shape) {
-#if CPGOLD_HAVE_SM90_FORWARD
-  // Every pair of the capability table has a configuration (gpu/kernels/sm90/attention_sm90_launch.cuh).
-  return (shape.dtype == DType::bf16 || shape.dtype == DType::fp16) &&
+  // Every pair of the capability table has a configuration (gpu/kernels/sm90/attention_sm90_launch.cuh) in builds
+  // that have it.
+  return CPGOLD_HAVE_SM90_FORWARD && (shape.dtype == DType::bf16 || shape.dtype == DType::fp16) &&
          sim::head_dims_in_gpu_table(shape.dim_qk, shape.dim_v);
-#else
-  (void)shape;
-  return false;
-#endif
 }
 
 Outcome choose_forward_kernel(const AttentionShape& shape, int cc, ForwardKernel requested, ForwardKernel& chosen) {
-  const bool device_ok = cc == 90;  // sm_90a code runs on compute capability 9.0 only
   const bool serves = wgmma_forward_serves(shape);
-  switch (requested) {
-    case ForwardKernel::mma_sync: chosen = ForwardKernel::mma_sync; return {};
-    case ForwardKernel::automatic: chosen = device_ok && serves ? ForwardKernel::wgmma : ForwardKernel::mma_sync; return {};
-    case ForwardKernel::wgmma:
-      if (!serves) {
-#if CPGOLD_HAVE_SM90_FORWARD
-        return {Status::unsupported, "the wgmma forward does not serve d_qk=" + std::to_string(shape.dim_qk) +
-                                         ", d_v=" + std::to_string(shape.dim_v) + " (" +
-                                         std::string(dtype_name(shape.dtype)) + ")"};
-#else
-        return {Status::unsupported, "the wgmma forward is not in this build (nvcc older than 12.3)"};
-#endif
-      }
-      if (!device_ok)
-        return {Status::unsupported, "the wgmma forward needs a device of compute capability 9.0 (sm_90a); this one is " +
-                                         (cc == 0 ? std::string("absent") : std::to_string(cc / 10) + "." +
-                                                                                std::to_string(cc % 10))};
-      chosen = ForwardKernel::wgmma;
-      return {};
-  }
-  return {Status::invalid_argument, "forward kernel request out of range"};
+  return detail::choose_kernel({"forward", CPGOLD_HAVE_SM90_FORWARD != 0, serves, serves, ""}, shape, cc, requested,
+                               chosen);
 }
 
 namespace detail {
@@ -110,53 +87,31 @@ int current_device_sm_count() {
 
 }  // namespace detail
 
-namespace {
-
-// CPGOLD_FORWARD_KERNEL, read once: the request that replaces `automatic`.
-const detail::EnvRequest<ForwardKernel>& env_kernel() {
-  static const auto request = detail::read_env_request("CPGOLD_FORWARD_KERNEL", parse_forward_kernel);
-  return request;
-}
-
-}  // namespace
-
 Outcome forward_kernel_for(const AttentionShape& shape, ForwardKernel requested, ForwardKernel& chosen) {
-  if (Outcome o = detail::apply_env_request(env_kernel, "auto, mma, wgmma", requested); !o.ok()) return o;
+  Outcome o = detail::apply_env_request("CPGOLD_FORWARD_KERNEL", parse_forward_kernel, "auto, mma, wgmma", requested);
+  if (!o.ok()) return o;
   return choose_forward_kernel(shape, detail::current_device_cc(), requested, chosen);
 }
 
-std::string_view forward_schedule_name(ForwardSchedule schedule) {
-  switch (schedule) {
-    case ForwardSchedule::automatic: return "auto";
-    case ForwardSchedule::tile128: return "tile128";
-    case ForwardSchedule::tile64: return "tile64";
-    case ForwardSchedule::persistent: return "persistent";
-    case ForwardSchedule::persistent128: return "persistent128";
-    case ForwardSchedule::persistent64: return "persistent64";
-  }
-  return "?";
-}
+constexpr std::pair<ForwardSchedule, std::string_view> kScheduleNames[] = {
+    {ForwardSchedule::automatic, "auto"}, {ForwardSchedule::tile128, "tile128"}, {ForwardSchedule::tile64, "tile64"},
+    {ForwardSchedule::persistent, "persistent"}, {ForwardSchedule::persistent128, "persistent128"},
+    {ForwardSchedule::persistent64, "persistent64"}};
+
+std::string_view forward_schedule_name(ForwardSchedule schedule) { return name_in(kScheduleNames, schedule); }
 
 std::optional<ForwardSchedule> parse_forward_schedule(std::string_view text) {
-  for (ForwardSchedule s : {ForwardSchedule::automatic, ForwardSchedule::tile128, ForwardSchedule::tile64,
-                            ForwardSchedule::persistent, ForwardSchedule::persistent128, ForwardSchedule::persistent64})
-    if (text == forward_schedule_name(s)) return s;
   if (text == "automatic") return ForwardSchedule::automatic;
-  return std::nullopt;
+  return parse_in(kScheduleNames, text);
 }
 
 bool wgmma_short_schedules_serve(const AttentionShape& shape) { return shape.dim_qk <= 192; }
 
 namespace {
 
-// CPGOLD_FORWARD_SCHEDULE, read once: the schedule that replaces `automatic`.
-const detail::EnvRequest<ForwardSchedule>& env_schedule() {
-  static const auto request = detail::read_env_request("CPGOLD_FORWARD_SCHEDULE", parse_forward_schedule);
-  return request;
-}
-
+// CPGOLD_FORWARD_SCHEDULE: the schedule that replaces `automatic`.
 Outcome env_schedule_request(ForwardSchedule& requested) {
-  return detail::apply_env_request(env_schedule,
+  return detail::apply_env_request("CPGOLD_FORWARD_SCHEDULE", parse_forward_schedule,
                                    "auto, tile128, tile64, persistent, persistent128, persistent64", requested);
 }
 

@@ -12,7 +12,7 @@
 #include <string_view>
 #include <utility>
 
-namespace cpgold::sim {
+namespace cpgold {
 
 template <typename Enum, std::size_t N>
 constexpr std::string_view name_in(const std::pair<Enum, std::string_view> (&table)[N], Enum value) {
@@ -28,4 +28,4 @@ constexpr std::optional<Enum> parse_in(const std::pair<Enum, std::string_view> (
   return std::nullopt;
 }
 
-}  // namespace cpgold::sim
+}  // namespace cpgold
