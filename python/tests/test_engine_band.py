@@ -1,5 +1,5 @@
 """A fixture computed by another engine than the CPU reference (the GPU engine: `/case` attribute `engine`) holds
-limits within a stated bound of the CPU reference's (2% where the check precision is bf16/fp16, 50% where it is
+limits within a stated bound of the CPU reference's (25% where the check precision is bf16/fp16, 50% where it is
 float32: docs/scale.md). Its verdict is stated only where every limit within that bound gives the same one; between,
 the check is undecided (exit 5), through the command and the Python door alike, and runs no diagnosis. A CPU fixture
 decides as before.
@@ -82,7 +82,7 @@ def test_the_python_door_says_the_same(fixtures, ratio):
     assert lse and lse[0]["engine_bound"] == 0.5
     if want_gpu == 5:
         assert b["diagnosis"] in ([], None)
-        # bf16 outputs carry the 2% bound and pass with room: only the LSE is undecided
+        # bf16 outputs (the oracle itself, error 0) pass whatever the bound: only the LSE is undecided
         assert all(r["pass"] for r in b["results"] if r["tensor"] != "lse")
 
 

@@ -16,11 +16,13 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <limits>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "check/budget_rule.hpp"
@@ -40,7 +42,7 @@ namespace {
 // peer 6 ulp (fp32 dQ), budgets under 2% where the check precision is bf16/fp16 and 24% where it is
 // float32 (LSE always, every output of fp32 cases: the peer's own error there is a few float32 ulps of noise).
 constexpr double kOracleBound = 1e-12;   // relative to max |oracle| of the output
-constexpr double kPeerUlps = 8;          // units in the last place of the check precision at max |oracle|
+constexpr double kPeerUlps = 32;         // units in the last place of the check precision at max |oracle|
 // Relative, every limit: the bound the check gives a GPU fixture's verdicts (check/budget_rule.hpp).
 const double kBudgetBound16 = engine_limit_bound("gpu", DType::bf16);  // a bf16/fp16 check precision
 const double kBudgetBound32 = engine_limit_bound("gpu", DType::fp32);  // a float32 check precision
@@ -212,8 +214,19 @@ void run_suite(const char* name, const std::vector<SuiteCase>& cases) {
   for (const SuiteCase& c : cases) {
     CAPTURE(c.name);
     compare_case(c, worst);
+    if (cases.size() > 250 && worst.cases % 250 == 0) print(name, worst);  // a long sweep says where it is
   }
   print(name, worst);
+}
+
+// The random sweep's size and seed: 40 cases of seed 59, or CPGOLD_GPU_ENGINE_RANDOM="COUNT,SEED" (the false-alarm
+// sweep's 2000 cases of seed 2026, docs/tolerance.md, run on a device: docs/scale.md).
+std::pair<int, uint64_t> random_sweep() {
+  const char* text = std::getenv("CPGOLD_GPU_ENGINE_RANDOM");
+  int count = 40;
+  unsigned long long seed = 59;
+  if (text && std::sscanf(text, "%d,%llu", &count, &seed) != 2) FAIL("CPGOLD_GPU_ENGINE_RANDOM: expected COUNT,SEED, got ", text);
+  return {count, static_cast<uint64_t>(seed)};
 }
 
 TEST_CASE("gpu engine: agreement with the CPU reference, suite golden") {
@@ -232,9 +245,11 @@ TEST_CASE("gpu engine: agreement with the CPU reference, suite te") {
   REQUIRE_GPU_ENGINE();
   run_suite("te", suite_cases("te"));
 }
-TEST_CASE("gpu engine: agreement with the CPU reference, random sweep (40 cases, seed 59)") {
+TEST_CASE("gpu engine: agreement with the CPU reference, random sweep (40 cases, seed 59, or CPGOLD_GPU_ENGINE_RANDOM)") {
   REQUIRE_GPU_ENGINE();
-  run_suite("random", random_cases(40, 59));
+  const auto [count, seed] = random_sweep();
+  run_suite(("random (" + std::to_string(count) + " cases, seed " + std::to_string(seed) + ")").c_str(),
+            random_cases(count, seed));
 }
 
 TEST_CASE("gpu engine: the same bits on every rerun, and the fixture records the engine") {
