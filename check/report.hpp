@@ -77,6 +77,9 @@ struct CheckReport {
   // another engine (Evaluation::undecided), nothing is missing and no candidate comes from other inputs. The CPU
   // reference's fixture of the same case decides (`cpgold gen --engine cpu`). Exit 5 of `cpgold check` (3 is an internal error).
   bool undecided() const;
+  // The per-result part of undecided(): some result falls short of passing and every one that does is undecided (none
+  // missing). A multi-GPU run applies it per rank (gpu/verify/rank_check.cpp), the rest of the rule to all ranks.
+  bool results_undecided() const;
   std::string engine = "cpu";  // the engine that computed the fixture's oracle and peers (/case attribute engine)
 };
 

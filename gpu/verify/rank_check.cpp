@@ -1,7 +1,6 @@
 // check_rank_outputs / combined_report: the check engine per rank, one table on rank 0.
 #include "gpu/verify/rank_check.hpp"
 
-#include <algorithm>
 #include <sstream>
 
 #include "check/engine.hpp"
@@ -55,9 +54,7 @@ RankCheck check_rank_outputs(const std::string& fixture_path, int rank, const si
   check.compared = report.compared();
   check.no_valid_element = report.no_valid_element();
   check.pass = report.every_result_ok();
-  // every result ok or undecided, none missing (the compared-nothing rule is the combined verdict's)
-  check.undecided = !check.pass && report.results.end() == std::find_if(report.results.begin(), report.results.end(),
-      [](const fx::TensorResult& r) { return !r.ok() && (r.missing || !r.evaluation.undecided()); });
+  check.undecided = report.results_undecided();  // the compared-nothing rule is the combined verdict's
   check.rows = lines_between(text, "tensor ", "(max/lim", true);  // the table's header line, then the rows
   if (!check.pass) {
     // After the margins: the failing tensors' details, up to the reproduce line.
