@@ -287,13 +287,7 @@ BackwardResult<Acc> backward_impl(const AttentionCall& call, const Tensor3<Acc>&
                                   const Tensor3<Acc>& dout, const Arithmetic<Acc, Round>& arith) {
   pin_eigen_blocking();
   check_shapes(call, q, k, v);
-  if (o.rows != q.rows || o.heads != q.heads || o.dim != v.dim)
-    fail_input("o", "has shape [", o.rows, ", ", o.heads, ", ", o.dim, "], expected [", q.rows, ", ", q.heads, ", ",
-               v.dim, "]");
-  if (!dout.same_shape(o))
-    fail_input("dout", "has shape [", dout.rows, ", ", dout.heads, ", ", dout.dim, "], expected that of o");
-  if (lse.heads != q.heads || lse.rows != q.rows)
-    fail_input("lse", "has shape [", lse.heads, ", ", lse.rows, "], expected [", q.heads, ", ", q.rows, "]");
+  check_backward_shapes(q, v, o, lse, dout);
   const int64_t group = q.heads / k.heads;
   const int block = arith.options.row_block;
   // dQ = scale * dS.K, dK = scale * dS^T.Q; with scale_on_k the scale of dQ already sits in the scaled K.

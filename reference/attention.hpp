@@ -12,6 +12,7 @@
 // fixed order, so results are bitwise identical for any thread count.
 #include "reference/attention_call.hpp"
 #include "reference/dtype.hpp"
+#include "reference/input_error.hpp"
 #include "reference/progress.hpp"
 #include "reference/tensor.hpp"
 
@@ -61,5 +62,19 @@ double attention_workspace_bytes(int64_t max_keys, int64_t dim_qk, int64_t dim_v
 // Pins Eigen's cache-size assumptions (its GEMM blocking) and disables Eigen's own threading so that results do not
 // depend on the host. Called by every entry point above; idempotent.
 void pin_eigen_blocking();
+
+// The tensors a backward takes beside q, k, v: o [tq, hq, d_v], dout of o's shape, lse [hq, tq]; InputError naming the
+// tensor otherwise. Every engine's backward checks them (reference/attention_engine.hpp).
+template <class T>
+void check_backward_shapes(const Tensor3<T>& q, const Tensor3<T>& v, const Tensor3<T>& o, const LseTensor<T>& lse,
+                           const Tensor3<T>& dout) {
+  if (o.rows != q.rows || o.heads != q.heads || o.dim != v.dim)
+    fail_input("o", "has shape [", o.rows, ", ", o.heads, ", ", o.dim, "], expected [", q.rows, ", ", q.heads, ", ",
+               v.dim, "]");
+  if (!dout.same_shape(o))
+    fail_input("dout", "has shape [", dout.rows, ", ", dout.heads, ", ", dout.dim, "], expected that of o");
+  if (lse.heads != q.heads || lse.rows != q.rows)
+    fail_input("lse", "has shape [", lse.heads, ", ", lse.rows, "], expected [", q.heads, ", ", q.rows, "]");
+}
 
 }  // namespace cpgold

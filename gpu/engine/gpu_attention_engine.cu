@@ -17,6 +17,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "reference/attention.hpp"
 #include "reference/input_error.hpp"
 
 namespace cpgold::gpu_engine {
@@ -493,13 +494,7 @@ class GpuEngine final : public AttentionEngine {
                                  const Tensor3<T>& v, const Tensor3<T>& o, const LseTensor<T>& lse,
                                  const Tensor3<T>& dout, int mode, const KernelOptions& options) const {
     check_call(call, q.rows, q.heads, q.dim, k.rows, k.heads, k.dim, v.rows, v.heads);
-    if (o.rows != q.rows || o.heads != q.heads || o.dim != v.dim)
-      fail_input("o", "has shape [", o.rows, ", ", o.heads, ", ", o.dim, "], expected [", q.rows, ", ", q.heads, ", ",
-                 v.dim, "]");
-    if (!dout.same_shape(o))
-      fail_input("dout", "has shape [", dout.rows, ", ", dout.heads, ", ", dout.dim, "], expected that of o");
-    if (lse.heads != q.heads || lse.rows != q.rows)
-      fail_input("lse", "has shape [", lse.heads, ", ", lse.rows, "], expected [", q.heads, ", ", q.rows, "]");
+    check_backward_shapes(q, v, o, lse, dout);
     if (options.scale_on_k) throw std::logic_error("GPU engine: scale_on_k is the CPU reference's variant only");
     std::lock_guard<std::mutex> lock(mutex_);
     check_cuda(cudaSetDevice(device_), "cudaSetDevice");
